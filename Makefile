@@ -1,0 +1,31 @@
+# canaryd developer commands. `make test` is what CI runs (.ci/run).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint format clean
+
+install: $(STAMP)
+
+# Re-install only when the dependency list changes.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check canaryd tests
+	$(BIN)/ruff format --check canaryd tests
+	$(BIN)/mypy canaryd
+
+format: $(STAMP)
+	$(BIN)/ruff format canaryd tests
+	$(BIN)/ruff check --fix canaryd tests
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""Shared fixtures: a fake API server on 127.0.0.1 and a kubernetes-asyncio client for it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client, config
+
+from canaryd.testing.apiserver import FakeKube
+
+TOKEN = "fake-token-1234567890"
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    fake = FakeKube(token=TOKEN, bookmark_interval=0.1)
+    async with fake.running():
+        fake.create_namespace("default")
+        yield fake
+
+
+@pytest.fixture
+def kubeconfig(kube: FakeKube, tmp_path: Path) -> Path:
+    return kube.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+@pytest.fixture
+async def api(kubeconfig: Path) -> AsyncIterator[client.ApiClient]:
+    configuration = client.Configuration()
+    await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+    async with client.ApiClient(configuration) as api_client:
+        yield api_client
