@@ -591,6 +591,31 @@ async def test_held_watch_events_arrive_only_after_release(kube, crd):
     assert event["type"] == "MODIFIED"
 
 
+async def test_every_event_held_behind_bookmarks_arrives_after_release(kube, crd):
+    """Queued changes are delivered before any bookmark, even when bookmarks are overdue."""
+    kube.bookmark_interval = 0.0  # a bookmark is always due
+    created = await create(crd, canary())
+    w = watch.Watch()
+    stream = watch_fd(
+        crd,
+        w,
+        resource_version=created["metadata"]["resourceVersion"],
+        allow_watch_bookmarks=True,
+        timeout_seconds=10,
+    )
+    consumer = asyncio.ensure_future(
+        next_events((e async for e in stream if e["type"] == "MODIFIED"), 5)
+    )
+    await kube.wait_for(lambda: len(kube.watchers) == 1, what="the watch to start")
+    kube.hold_watch_events()
+    for nonce in range(1, 6):
+        await patch(crd, {"spec": {"restartNonce": nonce}})
+    kube.release_watch_events()
+    events = await consumer
+    w.stop()
+    assert [o["spec"]["restartNonce"] for _, o in events] == [1, 2, 3, 4, 5]
+
+
 async def test_close_watches_ends_every_stream(kube, crd):
     w = watch.Watch()
     stream = watch_fd(crd, w, timeout_seconds=60)

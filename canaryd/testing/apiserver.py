@@ -182,6 +182,8 @@ class RequestRecord:
     content_type: str | None
     body: Any
     status: int = 0
+    at: float = 0.0
+    """Loop time when the request arrived."""
 
 
 @dataclass
@@ -191,6 +193,8 @@ class Fault:
     ``code`` answers with that Status code (``retry_after`` adds the header);
     ``drop`` closes the connection without an answer; ``latency`` delays the
     request, then it fails with ``code`` or, with ``code=0``, is served normally.
+    ``action`` runs first: a concurrent writer that wins the race against this request
+    (e.g. ``lambda: kube.update(...)``), so a stale precondition gets a real 409.
     """
 
     verb: str | None = None
@@ -203,6 +207,7 @@ class Fault:
     drop: bool = False
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
+    action: Callable[[], object] | None = None
     hits: int = 0
 
     def matches(self, req: Request) -> bool:
@@ -252,6 +257,7 @@ class Change:
 class _Watcher:
     rtype: ResourceType
     namespace: str | None
+    transport: asyncio.BaseTransport | None = None
     queue: asyncio.Queue[Change | None] = field(default_factory=asyncio.Queue)
 
 
@@ -307,6 +313,8 @@ class FakeKube:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self.listeners: list[Callable[[], None]] = []
+        """Called after every request, write, and watch start or end."""
 
     # ----------------------------------------------------------------- serving
 
@@ -377,6 +385,8 @@ class FakeKube:
             self._waiters.remove(entry)
 
     def _notify(self) -> None:
+        for listener in list(self.listeners):
+            listener()
         for predicate, future in self._waiters:
             if not future.done() and predicate():
                 future.set_result(None)
@@ -403,6 +413,12 @@ class FakeKube:
         """End every open watch stream, as an API server restart does."""
         for watcher in list(self.watchers):
             watcher.queue.put_nowait(None)
+
+    def abort_watches(self) -> None:
+        """Cut every watch connection at once (a crashed API server or a broken link)."""
+        for watcher in list(self.watchers):
+            if watcher.transport is not None:
+                watcher.transport.close()
 
     def compact(self) -> None:
         """Forget the history: a watch from an older resourceVersion gets 410 Expired."""
@@ -762,6 +778,7 @@ class FakeKube:
             subresource=None,
             content_type=request.headers.get("Content-Type"),
             body=None,
+            at=asyncio.get_running_loop().time(),
         )
         self.requests.append(record)
         try:
@@ -795,6 +812,8 @@ class FakeKube:
             fault.hits += 1
             if fault.times > 0:
                 fault.times -= 1
+            if fault.action is not None:
+                fault.action()
             if fault.latency:
                 await asyncio.sleep(fault.latency)
             if fault.drop:
@@ -1129,7 +1148,7 @@ class FakeKube:
             )
             await response.write_eof()
             return response
-        watcher = _Watcher(rtype, req.namespace)
+        watcher = _Watcher(rtype, req.namespace, request.transport)
         initial: list[dict[str, Any]] = []
         if since is None:
             # resourceVersion unset or "0": start with a synthetic ADDED for every
@@ -1156,24 +1175,26 @@ class FakeKube:
                 # Server-side timeoutSeconds ends the stream (endpoints/handlers/watch.go).
                 if now >= deadline:
                     break
-                wait = min(deadline, next_bookmark if bookmarks else deadline) - now
-                try:
-                    item = await asyncio.wait_for(watcher.queue.get(), wait)
-                except TimeoutError:
-                    if bookmarks and loop.time() >= next_bookmark and watcher.queue.empty():
-                        # Bookmarks only with allowWatchBookmarks; the object carries only
-                        # kind, apiVersion and metadata.resourceVersion
-                        # (cacher/cache_watcher.go, the bookmark event).
-                        await send(
-                            "BOOKMARK",
-                            {
+                item: Change | None
+                if not watcher.queue.empty():
+                    item = watcher.queue.get_nowait()
+                else:
+                    due = min(deadline, next_bookmark) if bookmarks else deadline
+                    try:
+                        item = await asyncio.wait_for(watcher.queue.get(), max(due - now, 0))
+                    except TimeoutError:
+                        if bookmarks and loop.time() >= next_bookmark:
+                            # Bookmarks only with allowWatchBookmarks; the object carries
+                            # only kind, apiVersion and metadata.resourceVersion
+                            # (cacher/cache_watcher.go, the bookmark event).
+                            bookmark = {
                                 "kind": rtype.kind,
                                 "apiVersion": rtype.api_version,
                                 "metadata": {"resourceVersion": str(self.rv)},
-                            },
-                        )
-                        next_bookmark = loop.time() + self.bookmark_interval
-                    continue
+                            }
+                            await send("BOOKMARK", bookmark)
+                            next_bookmark = loop.time() + self.bookmark_interval
+                        continue
                 if item is None:
                     break
                 await self._send_change(send, item, in_scope, matches)

@@ -1,0 +1,37 @@
+"""``canaryd`` and ``python -m canaryd``: exit 0 on SIGTERM/SIGINT, 2 on bad configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from canaryd import logs
+from canaryd.config import ConfigError, load_settings
+from canaryd.daemon import Daemon
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        settings = load_settings(args, os.environ)
+    except ConfigError as err:
+        print(f"canaryd: {err}", file=sys.stderr)
+        sys.exit(2)
+    logs.configure(settings.log_format, settings.log_level)
+    try:
+        asyncio.run(Daemon(settings).run())
+    except ConfigError as err:
+        print(f"canaryd: {err}", file=sys.stderr)
+        sys.exit(2)
+    except Exception:  # noqa: BLE001 - an ExceptionGroup from the TaskGroup: a bug; logged
+        structlog.get_logger("canaryd").exception("canaryd_failed")
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

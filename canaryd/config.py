@@ -1,0 +1,371 @@
+"""Configuration: flags > environment > the operator's config file > defaults.
+
+Parsed once, at the edge, into a typed ``Settings``; nothing else sees strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from canaryd import __version__
+
+DEFAULT_LABEL = "flink.apache.org/canary"
+DEFAULT_KINDS = ("flinkdeployments", "flinksessionjobs")
+KNOWN_KINDS = frozenset(DEFAULT_KINDS)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# The operator's own keys (flink-kubernetes-operator KubernetesOperatorConfigOptions).
+KEY_NAMESPACES = "kubernetes.operator.watched.namespaces"
+KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
+KEY_TIMEOUT = "kubernetes.operator.health.canary.resource.timeout"
+KEY_PORT = "kubernetes.operator.health.probe.port"
+KEY_CHECK_INTERVAL = "kubernetes.operator.dynamic.config.check.interval"
+# The operator's "watch all namespaces" value (JOSDK Constants.WATCH_ALL_NAMESPACES).
+ALL_NAMESPACES_VALUE = "JOSDK_ALL_NAMESPACES"
+
+
+class ConfigError(Exception):
+    """Bad configuration: canaryd exits with status 2 and this message on one line."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything canaryd runs with, typed. Durations are float seconds."""
+
+    kubeconfig: str | None = None
+    """Path of a kubeconfig; None: in-cluster when KUBERNETES_SERVICE_HOST is set, else
+    ~/.kube/config."""
+    context: str | None = None
+    """kubeconfig context; None: its current context."""
+    namespaces: frozenset[str] | None = None
+    """Watched namespaces; None: all namespaces (one cluster-wide watch per kind)."""
+    namespaces_from_file: bool = False
+    """True when the namespaces came from the operator config file (they may then follow
+    it at runtime)."""
+    dynamic_namespaces: bool = False
+    """kubernetes.operator.dynamic.namespaces.enabled from the operator config file."""
+    operator_config: Path | None = None
+    """The operator's flink-conf.yaml / config.yaml; None: not read."""
+    label: str = DEFAULT_LABEL
+    """Label whose value ``true`` (any case) marks a canary."""
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    """Plurals of the canary kinds in flink.apache.org/v1beta1."""
+    timeout: float = 60.0
+    """Canary cycle: bump every ``timeout``, judge the bump one ``timeout`` later."""
+    host: str = "0.0.0.0"
+    """Address the health server binds."""
+    port: int = 8085
+    """Port of /healthz, /readyz and /metrics; 0 picks a free one."""
+    config_check_interval: float = 300.0
+    """How often the operator config file is re-read for dynamic namespaces."""
+    log_format: str = "json"
+    """``json`` or ``console``."""
+    log_level: str = "info"
+    """debug, info, warning, error or critical."""
+    watch_timeout: float = 300.0
+    """Base server-side watch timeout; each watch asks for 1 to 2 times this
+    (client-go: 5 to 10 min)."""
+    watch_idle_timeout: float = 180.0
+    """A watch that delivers nothing (not even a bookmark) for this long is replaced."""
+    request_timeout: float = 10.0
+    """Timeout of one API request (not watches)."""
+    max_conflict_retries: int = 3
+    """How many times a bump is retried on a fresh copy after 409 Conflict."""
+    max_concurrent_bumps: int = 16
+    """Bumps in flight at once."""
+    backoff_initial: float = 0.8
+    """First retry delay of a watch or a failed write (client-go: 800 ms)."""
+    backoff_max: float = 30.0
+    """Cap of the retry delay (client-go: 30 s)."""
+    forbidden_retry: float = 60.0
+    """Retry delay of a watch answered 403 (the namespace is not ours, perhaps for now)."""
+
+    @property
+    def all_namespaces(self) -> bool:
+        return self.namespaces is None
+
+
+# ------------------------------------------------------------------ durations
+
+_UNITS: dict[str, float] = {}
+for _factor, _labels in (
+    (1e-9, ("ns", "nano", "nanos", "nanosecond", "nanoseconds")),
+    (1e-6, ("µs", "us", "micro", "micros", "microsecond", "microseconds")),
+    (1e-3, ("ms", "milli", "millis", "millisecond", "milliseconds")),
+    (1.0, ("s", "sec", "secs", "second", "seconds")),
+    (60.0, ("m", "min", "mins", "minute", "minutes")),
+    (3600.0, ("h", "hour", "hours")),
+    (86400.0, ("d", "day", "days")),
+):
+    for _label in _labels:
+        _UNITS[_label] = _factor
+
+_FLINK_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zµ]*)\s*$", re.IGNORECASE)
+_ISO_RE = re.compile(
+    r"^P(?:(\d+(?:\.\d+)?)D)?(?:T(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?)?$",
+    re.IGNORECASE,
+)
+
+
+def parse_duration(text: str) -> float:
+    """Flink's duration syntax (TimeUtils.parseDuration) or ISO-8601, in seconds.
+
+    ``500ms``, ``2 s``, ``1 min``, ``5m``, ``PT1M``; a bare number is milliseconds.
+    """
+    value = str(text).strip()
+    iso = _ISO_RE.match(value)
+    if iso and value.upper() not in ("P", "PT") and any(iso.groups()):
+        days, hours, minutes, seconds = (float(g) if g else 0.0 for g in iso.groups())
+        return days * 86400 + hours * 3600 + minutes * 60 + seconds
+    flink = _FLINK_RE.match(value)
+    if not flink:
+        raise ConfigError(f"invalid duration {text!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
+    number, unit = float(flink.group(1)), flink.group(2).lower()
+    if unit and unit not in _UNITS:
+        raise ConfigError(
+            f"invalid duration {text!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
+        )
+    seconds = number * _UNITS[unit] if unit else number / 1000.0
+    if not math.isfinite(seconds):
+        raise ConfigError(f"invalid duration {text!r}: too large")
+    return seconds
+
+
+# --------------------------------------------------------- operator config file
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``: config.yaml's nested keys as flat ones."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_operator_config(path: Path) -> dict[str, Any]:
+    """Read flink-conf.yaml (flat keys) or config.yaml (nested keys) into flat keys."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"operator config {path} is not valid YAML{where}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"operator config {path} must be a mapping of keys to values")
+    return flatten(data)
+
+
+def parse_namespaces(value: Any) -> frozenset[str] | None:
+    """Comma-separated namespaces; empty or JOSDK_ALL_NAMESPACES means all (None)."""
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    names = {str(item).strip() for item in items if str(item).strip()}
+    if not names or ALL_NAMESPACES_VALUE in names:
+        return None
+    for name in names:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+            raise ConfigError(f"invalid namespace name {name!r}")
+    return frozenset(names)
+
+
+def _bool(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    raise ConfigError(f"invalid {what} {value!r}: expected true or false")
+
+
+def _port(value: Any, what: str) -> int:
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"invalid {what} {value!r}: expected a port number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"invalid {what} {port}: expected 0-65535")
+    return port
+
+
+def _positive_duration(value: Any, what: str) -> float:
+    try:
+        seconds = parse_duration(str(value))
+    except ConfigError as err:
+        raise ConfigError(f"{what}: {err}") from None
+    if seconds <= 0:
+        raise ConfigError(f"{what}: duration must be greater than zero, got {value!r}")
+    return seconds
+
+
+def namespaces_from_operator_config(flat: Mapping[str, Any]) -> tuple[frozenset[str] | None, bool]:
+    """The watched namespaces and the dynamic flag as the operator config file says."""
+    namespaces = parse_namespaces(flat[KEY_NAMESPACES]) if KEY_NAMESPACES in flat else None
+    dynamic = _bool(flat.get(KEY_DYNAMIC, False), KEY_DYNAMIC)
+    return namespaces, dynamic
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse exits 2 itself; keep one clear line
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="canaryd",
+        description="Canary health checks for the Apache Flink Kubernetes Operator.",
+        epilog="Precedence: flag > environment > operator config file > default.",
+    )
+    add = parser.add_argument
+    add("--kubeconfig", metavar="PATH", help="kubeconfig file [env KUBECONFIG]")
+    add("--context", metavar="NAME", help="kubeconfig context [env CANARYD_CONTEXT]")
+    add(
+        "--namespace",
+        metavar="NS",
+        action="append",
+        help="watched namespace, repeatable or comma-separated; default all "
+        f"[env WATCH_NAMESPACES] [{KEY_NAMESPACES}]",
+    )
+    add(
+        "--operator-config",
+        metavar="PATH",
+        help="the operator's flink-conf.yaml or config.yaml [env CANARYD_OPERATOR_CONFIG]",
+    )
+    add("--label", metavar="KEY", help=f"canary label [env CANARYD_LABEL] ({DEFAULT_LABEL})")
+    add(
+        "--kind",
+        metavar="PLURAL",
+        action="append",
+        help="canary kinds, repeatable or comma-separated [env CANARYD_KINDS] "
+        f"({','.join(DEFAULT_KINDS)})",
+    )
+    add("--timeout", metavar="DURATION", help=f"canary cycle [env CANARYD_TIMEOUT] [{KEY_TIMEOUT}]")
+    add("--host", metavar="ADDR", help="health server address [env CANARYD_HOST] (0.0.0.0)")
+    add("--port", metavar="N", help=f"health server port [env CANARYD_PORT] [{KEY_PORT}] (8085)")
+    add(
+        "--config-check-interval",
+        metavar="DURATION",
+        help=f"operator config re-read interval [env CANARYD_CONFIG_CHECK_INTERVAL] "
+        f"[{KEY_CHECK_INTERVAL}] (5 min)",
+    )
+    add("--log-format", metavar="json|console", help="[env CANARYD_LOG_FORMAT] (json)")
+    add("--log-level", metavar="LEVEL", help="[env CANARYD_LOG_LEVEL] (info)")
+    add("--version", action="version", version=f"canaryd {__version__}")
+    return parser
+
+
+def _split_list(values: Sequence[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Resolve every setting by precedence; raises ConfigError on any bad value."""
+    args = build_parser().parse_args(list(argv))
+
+    def pick(flag: Any, env: str | None) -> Any:
+        if flag is not None:
+            return flag
+        if env is not None and environ.get(env, "") != "":
+            return environ[env]
+        return None
+
+    operator_path = pick(args.operator_config, "CANARYD_OPERATOR_CONFIG")
+    flat: dict[str, Any] = {}
+    if operator_path is not None:
+        flat = read_operator_config(Path(operator_path))
+
+    def resolve(flag: Any, env: str | None, key: str | None) -> Any:
+        value = pick(flag, env)
+        if value is None and key is not None:
+            value = flat.get(key)
+        return value
+
+    settings = Settings(operator_config=Path(operator_path) if operator_path else None)
+    changes: dict[str, Any] = {}
+
+    changes["kubeconfig"] = pick(args.kubeconfig, "KUBECONFIG")
+    changes["context"] = pick(args.context, "CANARYD_CONTEXT")
+
+    if args.namespace:
+        changes["namespaces"] = parse_namespaces(_split_list(args.namespace))
+    elif environ.get("WATCH_NAMESPACES", "") != "":
+        changes["namespaces"] = parse_namespaces(environ["WATCH_NAMESPACES"])
+    elif flat:
+        namespaces, dynamic = namespaces_from_operator_config(flat)
+        changes.update(namespaces=namespaces, namespaces_from_file=True, dynamic_namespaces=dynamic)
+
+    label = pick(args.label, "CANARYD_LABEL")
+    if label is not None:
+        label = label.strip()
+        if not re.fullmatch(
+            r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", label
+        ):
+            raise ConfigError(f"invalid label key {label!r}")
+        changes["label"] = label
+
+    kinds = args.kind or ([environ["CANARYD_KINDS"]] if environ.get("CANARYD_KINDS") else None)
+    if kinds is not None:
+        parsed = tuple(dict.fromkeys(k.lower() for k in _split_list(kinds)))
+        unknown = sorted(set(parsed) - KNOWN_KINDS)
+        if unknown or not parsed:
+            raise ConfigError(
+                f"invalid kind {', '.join(unknown) or '(empty)'}: expected "
+                f"{' and/or '.join(DEFAULT_KINDS)}"
+            )
+        changes["kinds"] = parsed
+
+    timeout = resolve(args.timeout, "CANARYD_TIMEOUT", KEY_TIMEOUT)
+    if timeout is not None:
+        changes["timeout"] = _positive_duration(timeout, "timeout")
+
+    host = pick(args.host, "CANARYD_HOST")
+    if host is not None:
+        if not host.strip():
+            raise ConfigError("invalid host: empty")
+        changes["host"] = host.strip()
+
+    port = resolve(args.port, "CANARYD_PORT", KEY_PORT)
+    if port is not None:
+        changes["port"] = _port(port, "port")
+
+    interval = resolve(
+        args.config_check_interval, "CANARYD_CONFIG_CHECK_INTERVAL", KEY_CHECK_INTERVAL
+    )
+    if interval is not None:
+        changes["config_check_interval"] = _positive_duration(interval, "config check interval")
+
+    log_format = pick(args.log_format, "CANARYD_LOG_FORMAT")
+    if log_format is not None:
+        if log_format.lower() not in ("json", "console"):
+            raise ConfigError(f"invalid log format {log_format!r}: expected json or console")
+        changes["log_format"] = log_format.lower()
+
+    log_level = pick(args.log_level, "CANARYD_LOG_LEVEL")
+    if log_level is not None:
+        if log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(
+                f"invalid log level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
+            )
+        changes["log_level"] = log_level.lower()
+
+    # Every value left out of ``changes`` (or None in it) is the default.
+    return replace(settings, **changes)

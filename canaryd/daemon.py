@@ -1,0 +1,169 @@
+"""The daemon: wires watcher, scheduler and health server under one TaskGroup.
+
+When any task fails the others are cancelled and the failure is raised; SIGTERM and
+SIGINT stop everything cleanly; SIGHUP re-reads the operator config file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import structlog
+
+from canaryd import logs, metrics
+from canaryd.config import (
+    ConfigError,
+    Settings,
+    namespaces_from_operator_config,
+    read_operator_config,
+)
+from canaryd.kube import KubeClient, kubeconfig_path, load_configuration
+from canaryd.registry import Registry
+from canaryd.scheduler import Scheduler
+from canaryd.server import HealthServer
+from canaryd.watcher import Watcher
+
+log = structlog.get_logger("canaryd.daemon")
+
+
+class _Shutdown(Exception):
+    """Raised inside the TaskGroup to stop it."""
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.registry = Registry(settings.label)
+        self._collector = metrics.StateCollector(self.registry)
+        self._stop = asyncio.Event()
+        self._reload = asyncio.Event()
+        self.started = asyncio.Event()
+        """Set once every task runs and the health server listens (tests wait on it)."""
+        self.server: HealthServer | None = None
+        self.watcher: Watcher | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def reload(self) -> None:
+        self._reload.set()
+
+    @property
+    def follows_operator_config(self) -> bool:
+        s = self.settings
+        return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
+
+    async def run(self) -> None:
+        metrics.REGISTRY.register(self._collector)
+        try:
+            await self._run()
+        finally:
+            metrics.REGISTRY.unregister(self._collector)
+
+    async def _run(self) -> None:
+        settings = self.settings
+        try:
+            configuration, reload = await load_configuration(settings.kubeconfig, settings.context)
+        except Exception as err:  # any loader failure is a configuration problem
+            where = (
+                "in-cluster service account"
+                if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST")
+                else kubeconfig_path(settings.kubeconfig)
+            )
+            detail = logs.scrub(str(err)) or type(err).__name__
+            raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
+        logs.register_secret(configuration.api_key.get("BearerToken"))
+        kube = KubeClient(configuration, request_timeout=settings.request_timeout, reload=reload)
+        try:
+            self.watcher = Watcher(settings, self.registry, kube)
+            scheduler = Scheduler(settings, self.registry, kube)
+            self.server = HealthServer(
+                settings, self.registry, lambda: self.watcher is not None and self.watcher.ready
+            )
+            try:
+                await self.server.start()
+            except OSError as err:
+                raise ConfigError(
+                    f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
+                ) from err
+            self._install_signals()
+            log.info(
+                "canaryd_started",
+                api_server=kube.host,
+                kinds=list(settings.kinds),
+                namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
+                timeout=settings.timeout,
+                label=settings.label,
+                follows_operator_config=self.follows_operator_config,
+            )
+            try:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self.watcher.run(), name="watcher")
+                    group.create_task(scheduler.run(), name="scheduler")
+                    group.create_task(self.server.run(), name="health-server")
+                    group.create_task(self._follow_operator_config(), name="config")
+                    group.create_task(self._until_stopped(), name="shutdown")
+                    self.started.set()
+            except* _Shutdown:
+                pass
+            log.info("canaryd_stopped", why="signal")
+        finally:
+            self._remove_signals()
+            await kube.close()
+
+    async def _until_stopped(self) -> None:
+        await self._stop.wait()
+        log.info("shutting_down")
+        raise _Shutdown
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+    def _remove_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    async def _follow_operator_config(self) -> None:
+        """Re-read the operator config every check interval and on SIGHUP."""
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.settings.config_check_interval):
+                        await self._reload.wait()
+                except TimeoutError:
+                    pass
+                self._reload.clear()
+                if not self.follows_operator_config:
+                    log.info(
+                        "operator_config_not_followed",
+                        why="namespaces come from a flag or WATCH_NAMESPACES, or "
+                        "dynamic namespaces are off",
+                    )
+                    continue
+                self.apply_operator_config()
+        except asyncio.CancelledError:
+            log.info("config_follower_stopped", why="cancelled")
+            raise
+
+    def apply_operator_config(self) -> None:
+        path = self.settings.operator_config
+        assert path is not None and self.watcher is not None
+        try:
+            namespaces, _ = namespaces_from_operator_config(read_operator_config(path))
+        except ConfigError as err:
+            metrics.CONFIG_RELOADS.labels("failed").inc()
+            log.error(
+                "operator_config_reload_failed",
+                error=str(err),
+                keeping=sorted(self.watcher.namespaces or ()) or "all",
+            )
+            return
+        changed = namespaces != self.watcher.namespaces
+        metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
+        self.watcher.set_namespaces(namespaces)

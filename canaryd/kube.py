@@ -1,0 +1,384 @@
+"""Kubernetes access: credentials from kubernetes-asyncio, a lean aiohttp hot path, and
+the one place where API errors are classified.
+
+kubernetes-asyncio loads kubeconfig and in-cluster credentials, builds the TLS
+context and refreshes service-account tokens. Requests go through a plain
+``aiohttp.ClientSession``: kubernetes-asyncio's own session sets
+``trust_env=True``, a per-request proxy/netrc lookup that costs about 0.7 ms of
+CPU a request (DESIGN.md, "Performance facts"). canaryd turns ``trust_env`` on
+only when a proxy is configured in the environment, so proxies still work.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+from canaryd import metrics
+
+log = structlog.get_logger("canaryd.kube")
+
+FLINK_GROUP = "flink.apache.org"
+FLINK_VERSION = "v1beta1"
+MERGE_PATCH = "application/merge-patch+json"
+PROXY_VARIABLES = (
+    "HTTPS_PROXY",
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A namespaced Flink custom resource type that can be a canary."""
+
+    plural: str
+    kind: str
+    group: str = FLINK_GROUP
+    version: str = FLINK_VERSION
+
+    def collection_path(self, namespace: str | None) -> str:
+        if namespace is None:
+            return f"/apis/{self.group}/{self.version}/{self.plural}"
+        return f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}"
+
+    def object_path(self, namespace: str, name: str) -> str:
+        return f"{self.collection_path(namespace)}/{name}"
+
+
+KINDS = {
+    "flinkdeployments": Kind("flinkdeployments", "FlinkDeployment"),
+    "flinksessionjobs": Kind("flinksessionjobs", "FlinkSessionJob"),
+}
+NAMESPACES_PATH = "/api/v1/namespaces"
+
+
+class ErrorKind(enum.Enum):
+    """What an API failure means for canaryd; callers branch on this, not on codes."""
+
+    CONFLICT = "conflict"  # 409: someone wrote first; re-read and retry
+    GONE = "gone"  # 404: the object (or its type) does not exist
+    FORBIDDEN = "forbidden"  # 403: not ours to touch
+    EXPIRED = "expired"  # 410: the resourceVersion was compacted; relist
+    TRANSIENT = "transient"  # 5xx, 429, 401, timeouts, connection failures: retry later
+    INVALID = "invalid"  # any other 4xx: the request itself is wrong; retrying won't help
+
+
+class KubeError(Exception):
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        status: int | None = None,
+        reason: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        code = f"{self.status} " if self.status is not None else ""
+        return f"{code}{self.reason or self.kind.value}: {self.args[0]}"
+
+
+def classify_status(status: int) -> ErrorKind:
+    if status == 409:
+        return ErrorKind.CONFLICT
+    if status == 404:
+        return ErrorKind.GONE
+    if status == 403:
+        return ErrorKind.FORBIDDEN
+    if status == 410:
+        return ErrorKind.EXPIRED
+    if status >= 500 or status in (401, 408, 429):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.INVALID
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # an HTTP-date: Kubernetes sends seconds, so treat as absent
+    return seconds if seconds >= 0 else None
+
+
+def error_from_response(status: int, body: bytes, retry_after: str | None) -> KubeError:
+    """A KubeError from a non-2xx answer, reading the Status object when there is one."""
+    reason, message = "", body[:300].decode("utf-8", "replace").strip()
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        decoded = None
+    if isinstance(decoded, dict):
+        reason = str(decoded.get("reason") or "")
+        message = str(decoded.get("message") or message)
+    return KubeError(
+        classify_status(status),
+        message or "(no message)",
+        status=status,
+        reason=reason,
+        retry_after=_retry_after(retry_after),
+    )
+
+
+def error_from_exception(err: BaseException) -> KubeError:
+    """Transport failures (timeouts, resets, refused connections) are transient."""
+    name = type(err).__name__
+    text = str(err) or name
+    return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason="ConnectionError")
+
+
+def is_canary(obj: Mapping[str, Any], label: str) -> bool:
+    """The upstream test: the label's value equals ``true``, ignoring case."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    value = labels.get(label) if isinstance(labels, Mapping) else None
+    return isinstance(value, str) and value.lower() == "true"
+
+
+# -------------------------------------------------------------------- client
+
+
+class KubeClient:
+    """The requests canaryd makes, over one aiohttp session."""
+
+    def __init__(
+        self,
+        configuration: k8s_client.Configuration,
+        *,
+        request_timeout: float = 10.0,
+        reload: Any = None,
+    ) -> None:
+        self._config = configuration
+        self._reload = reload
+        self.host = str(configuration.host).rstrip("/")
+        self._request_timeout = aiohttp.ClientTimeout(total=request_timeout)
+        trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
+        self._proxy = configuration.proxy or None
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, ssl=self._ssl_context()),
+            trust_env=trust_env,
+            read_bufsize=2**21,  # a watch line can hold a large object (etcd: 1.5 MiB)
+            headers={"Accept": "application/json", "User-Agent": "canaryd"},
+        )
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        if not self.host.startswith("https"):
+            return False
+        cfg = self._config
+        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        if cfg.cert_file:
+            context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
+        if not cfg.verify_ssl:
+            # Only when the kubeconfig says insecure-skip-tls-verify.
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        # auth_settings() calls the token refresh hook (in-cluster token rotation).
+        for setting in (await self._config.auth_settings()).values():
+            if setting.get("in") == "header" and setting.get("value"):
+                headers[str(setting["key"])] = str(setting["value"])
+        return headers
+
+    def _request_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self._proxy:
+            kwargs["proxy"] = self._proxy
+        if self._config.tls_server_name:
+            kwargs["server_hostname"] = self._config.tls_server_name
+        return kwargs
+
+    async def request(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        """One request; returns the decoded JSON object or raises KubeError.
+
+        ``verb`` (get, list, patch, ...) labels the request in the metrics.
+        """
+        data = json.dumps(body, separators=(",", ":")) if body is not None else None
+        for attempt in (1, 2):
+            headers = await self._headers()
+            if data is not None:
+                headers["Content-Type"] = content_type
+            try:
+                async with self._session.request(
+                    method,
+                    self.host + path,
+                    params=params,
+                    data=data,
+                    headers=headers,
+                    timeout=self._request_timeout,
+                    **self._request_kwargs(),
+                ) as response:
+                    payload = await response.read()
+                    metrics.API_REQUESTS.labels(verb, str(response.status)).inc()
+                    if response.status == 401 and attempt == 1 and await self._reload_credentials():
+                        continue
+                    if response.status >= 300:
+                        raise error_from_response(
+                            response.status, payload, response.headers.get("Retry-After")
+                        )
+            except (aiohttp.ClientError, TimeoutError, OSError) as err:
+                metrics.API_REQUESTS.labels(verb, "error").inc()
+                raise error_from_exception(err) from err
+            try:
+                decoded = json.loads(payload)
+            except ValueError as err:
+                raise KubeError(
+                    ErrorKind.TRANSIENT,
+                    "the API server sent a body that is not JSON",
+                    status=response.status,
+                ) from err
+            if not isinstance(decoded, dict):
+                raise KubeError(
+                    ErrorKind.TRANSIENT,
+                    "the API server sent JSON that is not an object",
+                    status=response.status,
+                )
+            return decoded
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _reload_credentials(self) -> bool:
+        """On 401 re-read the kubeconfig once (an exec plugin's token may have expired)."""
+        if self._reload is None:
+            return False
+        try:
+            await self._reload(self._config)
+        except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("credentials_reload_failed", error=type(err).__name__)
+            return False
+        return True
+
+    async def watch(
+        self, path: str, params: Mapping[str, str], *, idle_timeout: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield decoded watch events; ends when the server ends the stream.
+
+        Raises KubeError (TRANSIENT, reason ``Idle``) when nothing, not even a bookmark,
+        arrives for ``idle_timeout`` seconds: a silently dead connection.
+        """
+        query = {**params, "watch": "true"}
+        headers = await self._headers()
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout)
+        try:
+            async with self._session.get(
+                self.host + path,
+                params=query,
+                headers=headers,
+                timeout=timeout,
+                **self._request_kwargs(),
+            ) as response:
+                metrics.API_REQUESTS.labels("watch", str(response.status)).inc()
+                if response.status >= 300:
+                    raise error_from_response(
+                        response.status, await response.read(), response.headers.get("Retry-After")
+                    )
+                async for line in response.content:
+                    if not line.strip():
+                        continue
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning("watch_line_not_json", path=path, size=len(line))
+                        continue
+                    if isinstance(event, dict):
+                        yield event
+                    else:
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning("watch_line_not_an_object", path=path)
+        except aiohttp.ServerTimeoutError as err:
+            raise KubeError(
+                ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
+            ) from err
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
+            # ValueError: aiohttp's "Line is too long" for a line beyond its buffer.
+            metrics.API_REQUESTS.labels("watch", "error").inc()
+            raise error_from_exception(err) from err
+
+
+# --------------------------------------------------------------- credentials
+
+
+def kubeconfig_path(kubeconfig: str | None) -> str:
+    """The kubeconfig kubectl would read: the given one, else ~/.kube/config."""
+    return kubeconfig or os.path.expanduser("~/.kube/config")
+
+
+async def load_configuration(
+    kubeconfig: str | None, context: str | None
+) -> tuple[k8s_client.Configuration, Any]:
+    """Credentials as kubectl finds them; returns the configuration and a reload function.
+
+    In-cluster when no kubeconfig is given and KUBERNETES_SERVICE_HOST is set (its token
+    is re-read by kubernetes-asyncio's refresh hook), else the kubeconfig.
+    """
+    configuration = k8s_client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        return configuration, None
+    path = kubeconfig_path(kubeconfig)
+
+    async def reload(target: k8s_client.Configuration) -> None:
+        await k8s_config.load_kube_config(
+            config_file=path, context=context, client_configuration=target, persist_config=False
+        )
+
+    await reload(configuration)
+    return configuration, reload
+
+
+async def discover_kinds(kube: KubeClient, wanted: tuple[str, ...]) -> list[Kind]:
+    """The wanted kinds whose CRD is installed; a missing one is skipped with a warning."""
+    try:
+        found = await kube.request("get", "GET", f"/apis/{FLINK_GROUP}/{FLINK_VERSION}")
+        served = {r.get("name") for r in found.get("resources") or [] if isinstance(r, dict)}
+    except KubeError as err:
+        if err.kind is not ErrorKind.GONE:
+            raise
+        served = set()
+    kinds = []
+    for plural in wanted:
+        if plural in served:
+            kinds.append(KINDS[plural])
+        else:
+            log.warning(
+                "crd_missing",
+                kind=plural,
+                group=f"{FLINK_GROUP}/{FLINK_VERSION}",
+                detail=f"{plural}.{FLINK_GROUP} is not served; its canaries are not checked",
+            )
+    return kinds

@@ -1,0 +1,116 @@
+"""Structured logs (structlog; JSON by default) that never carry credentials.
+
+Redaction runs last before rendering, on every field and on formatted tracebacks:
+fields named like a credential are replaced, bearer tokens, JWTs and PEM private
+keys are masked inside any string, and so is every secret registered at start.
+Records of other libraries (aiohttp, asyncio) go through the same processors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import structlog
+
+REDACTED = "[REDACTED]"
+SENSITIVE_FIELDS = frozenset(
+    {
+        "token",
+        "authorization",
+        "password",
+        "secret",
+        "api_key",
+        "bearer",
+        "client_key",
+        "client-key-data",
+        "key_data",
+        "headers",
+    }
+)
+_PATTERNS = (
+    re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"),
+    re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"),
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+)
+_secrets: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Mask this exact value wherever it appears in a log line (e.g. the bearer token)."""
+    if value and len(value) >= 6:
+        _secrets.add(value)
+
+
+def scrub(text: str) -> str:
+    for secret in _secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    text = _PATTERNS[0].sub(lambda m: m.group(1) + REDACTED, text)
+    for pattern in _PATTERNS[1:]:
+        text = pattern.sub(REDACTED, text)
+    return text
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return scrub(value)
+    if value is None or isinstance(value, int | float | bool):
+        return value
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_clean(v) for v in value]
+    return scrub(str(value))
+
+
+def redact(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    for key, value in list(event_dict.items()):
+        event_dict[key] = REDACTED if key.lower() in SENSITIVE_FIELDS else _clean(value)
+    return event_dict
+
+
+def configure(log_format: str = "json", level: str = "info") -> None:
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if log_format == "json":
+        tail: list[Any] = [
+            structlog.processors.format_exc_info,
+            redact,
+            structlog.processors.JSONRenderer(),
+        ]
+    else:
+        tail = [
+            structlog.processors.format_exc_info,
+            redact,
+            structlog.dev.ConsoleRenderer(colors=False),
+        ]
+    structlog.configure(
+        processors=[*shared, *tail],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    # Other libraries' records, rendered the same way.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(numeric, logging.WARNING))  # other libraries: warnings and worse

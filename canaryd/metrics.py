@@ -1,0 +1,100 @@
+"""Prometheus metrics, in canaryd's own registry (no process-global default collectors).
+
+Every swallowed exception counts in ``ERRORS`` with the place it happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+API_REQUESTS = Counter(
+    "canaryd_api_requests_total",
+    "Kubernetes API requests by verb and HTTP code ('error': no answer).",
+    ["verb", "code"],
+    registry=REGISTRY,
+)
+BUMPS = Counter(
+    "canaryd_bumps_total",
+    "Nonce bumps by result: written, failed (transient, state unknown), conflict_exhausted, "
+    "gone, forbidden, not_canary, invalid.",
+    ["result"],
+    registry=REGISTRY,
+)
+CONFLICTS = Counter(
+    "canaryd_conflicts_total",
+    "409 Conflicts on bumps (each one re-reads the object).",
+    registry=REGISTRY,
+)
+VERDICTS = Counter(
+    "canaryd_verdicts_total",
+    "Bumps judged at their deadline: healthy or unhealthy.",
+    ["verdict"],
+    registry=REGISTRY,
+)
+VERDICT_LATENESS = Histogram(
+    "canaryd_verdict_lateness_seconds",
+    "How late after its deadline a bump was judged.",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
+DROPPED = Counter(
+    "canaryd_canaries_dropped_total",
+    "Canaries no longer tracked, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+WATCH_RESTARTS = Counter(
+    "canaryd_watch_restarts_total",
+    "Watch streams re-opened, by resource and why (ended, idle, error, forbidden).",
+    ["resource", "why"],
+    registry=REGISTRY,
+)
+RELISTS = Counter(
+    "canaryd_relists_total",
+    "Full lists, by resource (the first one and every one after 410 Expired).",
+    ["resource"],
+    registry=REGISTRY,
+)
+ERRORS = Counter(
+    "canaryd_errors_total",
+    "Exceptions handled without stopping, by where they happened.",
+    ["where"],
+    registry=REGISTRY,
+)
+CONFIG_RELOADS = Counter(
+    "canaryd_config_reloads_total",
+    "Operator config re-reads, by result (changed, unchanged, failed).",
+    ["result"],
+    registry=REGISTRY,
+)
+WATCHED_NAMESPACES = Gauge(
+    "canaryd_watched_namespaces",
+    "Namespaces with canary watches (0 when watching all namespaces cluster-wide).",
+    registry=REGISTRY,
+)
+
+
+class HasCounts(Protocol):
+    def counts(self) -> Mapping[str, int]: ...
+
+
+class StateCollector(Collector):
+    """``canaryd_canaries{state}`` read from the registry's counts at scrape time."""
+
+    def __init__(self, source: HasCounts) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "canaryd_canaries", "Tracked canaries by state.", labels=["state"]
+        )
+        for state, count in self._source.counts().items():
+            family.add_metric([state], count)
+        yield family

@@ -1,0 +1,267 @@
+"""The registry: what canaryd knows of each canary, and the aggregate health.
+
+Only the watcher (what the API server says) and the scheduler (the results of its
+own writes) change it; the health server reads it. The counts by state are kept
+as states change, so ``healthy`` is O(1) however many canaries there are.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from canaryd import metrics
+from canaryd.kube import is_canary
+
+log = structlog.get_logger("canaryd.registry")
+
+INT64_MAX = 2**63 - 1
+
+
+class CanaryState(enum.Enum):
+    PENDING = "pending"  # tracked, no bump judged yet
+    HEALTHY = "healthy"  # the last bump was observed in time
+    UNHEALTHY = "unhealthy"  # the last bump was written but not observed in time
+    UNKNOWN = "unknown"  # the last bump could not be written: nothing to judge
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryKey:
+    kind: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.namespace}/{self.name}"
+
+
+@dataclass(slots=True, eq=False)
+class Canary:
+    """One tracked canary: identity, the latest copy's few fields, and its health."""
+
+    key: CanaryKey
+    uid: str
+    resource_version: str
+    generation: int
+    """The latest generation seen through the watch: what "reconciled" is judged on."""
+    nonce: int
+    """spec.restartNonce of the latest copy (0 when absent or not a valid integer)."""
+    nonce_problem: str | None = None
+    """Why spec.restartNonce is not usable, when it is not; the next bump repairs it."""
+    state: CanaryState = CanaryState.PENDING
+    reason: str = "waiting for the first bump to be judged"
+    bumped_generation: int | None = None
+    """The generation our last successful bump produced, until it is judged."""
+    last_bumped_generation: int | None = None
+    """The generation of the last successful bump, judged or not (for display)."""
+    bump_deadline: float | None = None
+    """Monotonic time at which that bump is judged."""
+    last_bump_at: float | None = None
+    """Wall-clock time of the last successful bump."""
+
+
+def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
+    """spec.restartNonce as the bump base, and what is wrong with it if anything."""
+    spec = obj.get("spec")
+    if spec is None:
+        return 0, None
+    if not isinstance(spec, Mapping):
+        return 0, f"spec is a {type(spec).__name__}, not an object"
+    value = spec.get("restartNonce")
+    if value is None:
+        return 0, None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0, f"spec.restartNonce is {value!r}, not an integer"
+    if not -INT64_MAX - 1 <= value < INT64_MAX:
+        return 0, f"spec.restartNonce {value} does not fit in a 64-bit integer"
+    return value, None
+
+
+def _generation(metadata: Mapping[str, Any]) -> int:
+    value = metadata.get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+class Registry:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._canaries: dict[CanaryKey, Canary] = {}
+        self._counts: Counter[CanaryState] = Counter()
+        self.closed_namespaces: set[str] = set()
+        """Namespaces being deleted: their canaries are not tracked."""
+        self.on_added: Callable[[Canary], None] = lambda canary: None
+        """The scheduler's hook: a canary started being tracked."""
+        self.listeners: list[Callable[[], None]] = []
+        """Called after every change of what is tracked or of a state."""
+
+    # ------------------------------------------------------------------ reads
+
+    def __len__(self) -> int:
+        return len(self._canaries)
+
+    def get(self, key: CanaryKey) -> Canary | None:
+        return self._canaries.get(key)
+
+    def owns(self, canary: Canary) -> bool:
+        """Is this record still the tracked one (not dropped, not replaced)?"""
+        return self._canaries.get(canary.key) is canary
+
+    @property
+    def healthy(self) -> bool:
+        return self._counts[CanaryState.UNHEALTHY] == 0
+
+    def counts(self) -> dict[str, int]:
+        return {state.value: self._counts[state] for state in CanaryState}
+
+    def canaries(self) -> list[Canary]:
+        return [
+            self._canaries[key]
+            for key in sorted(self._canaries, key=lambda k: (k.namespace, k.kind, k.name))
+        ]
+
+    # ----------------------------------------------------------------- writes
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
+        if not self.owns(canary):
+            return
+        if canary.state is not state:
+            self._counts[canary.state] -= 1
+            self._counts[state] += 1
+            log.info(
+                "canary_state",
+                canary=str(canary.key),
+                state=state.value,
+                previous=canary.state.value,
+                reason=reason,
+            )
+        canary.state, canary.reason = state, reason
+        self._changed()
+
+    def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """A copy from a list or an ADDED/MODIFIED event."""
+        metadata = obj.get("metadata")
+        if not isinstance(metadata, Mapping):
+            metrics.ERRORS.labels("malformed_object").inc()
+            log.warning("object_without_metadata", kind=kind)
+            return
+        name, namespace = metadata.get("name"), metadata.get("namespace")
+        if not isinstance(name, str) or not isinstance(namespace, str):
+            metrics.ERRORS.labels("malformed_object").inc()
+            log.warning("object_without_name", kind=kind)
+            return
+        key = CanaryKey(kind, namespace, name)
+        if namespace in self.closed_namespaces:
+            self.forget(key, "namespace_closed", "its namespace is being deleted")
+            return
+        if not is_canary(obj, self.label):
+            self.forget(key, "not_canary", f"label {self.label} is no longer true")
+            return
+        if metadata.get("deletionTimestamp"):
+            self.forget(key, "being_deleted", "deletionTimestamp is set")
+            return
+        uid = str(metadata.get("uid") or "")
+        nonce, problem = read_nonce(obj)
+        if problem is not None:
+            log.warning(
+                "canary_malformed",
+                canary=str(key),
+                problem=problem,
+                action="the next bump writes a valid nonce",
+            )
+        existing = self._canaries.get(key)
+        if existing is not None and existing.uid != uid:
+            self.forget(key, "replaced", "a new object of the same name replaced it")
+            existing = None
+        if existing is None:
+            canary = Canary(
+                key,
+                uid,
+                str(metadata.get("resourceVersion") or ""),
+                _generation(metadata),
+                nonce,
+                problem,
+            )
+            self._canaries[key] = canary
+            self._counts[canary.state] += 1
+            log.info("canary_tracked", canary=str(key), generation=canary.generation)
+            self.on_added(canary)
+            self._changed()
+            return
+        existing.resource_version = str(metadata.get("resourceVersion") or "")
+        existing.generation = _generation(metadata)
+        existing.nonce, existing.nonce_problem = nonce, problem
+        self._changed()
+
+    def refresh(self, canary: Canary, obj: Mapping[str, Any]) -> None:
+        """A copy the scheduler read or wrote: resourceVersion and nonce, never generation.
+
+        The generation that counts as observed comes only from the watch: that is the
+        path whose health canaryd checks.
+        """
+        metadata = obj.get("metadata") or {}
+        canary.resource_version = str(metadata.get("resourceVersion") or "")
+        canary.nonce, canary.nonce_problem = read_nonce(obj)
+
+    def record_bump(
+        self, canary: Canary, generation: int, deadline: float, wall_time: float
+    ) -> None:
+        """Our bump was written and produced ``generation``; judge it at ``deadline``."""
+        canary.bumped_generation = generation
+        canary.last_bumped_generation = generation
+        canary.bump_deadline = deadline
+        canary.last_bump_at = wall_time
+        self._changed()
+
+    def forget(self, key: CanaryKey, cause: str, detail: str = "") -> Canary | None:
+        """Stop tracking a canary. ``cause`` is a short fixed word (a metric label),
+        ``detail`` says why in the log."""
+        canary = self._canaries.pop(key, None)
+        if canary is None:
+            return None
+        self._counts[canary.state] -= 1
+        metrics.DROPPED.labels(cause).inc()
+        log.info("canary_dropped", canary=str(key), cause=cause, reason=detail or cause)
+        self._changed()
+        return canary
+
+    def forget_where(
+        self, predicate: Callable[[CanaryKey], bool], cause: str, detail: str = ""
+    ) -> int:
+        keys = [key for key in self._canaries if predicate(key)]
+        for key in keys:
+            self.forget(key, cause, detail)
+        return len(keys)
+
+    def forget_namespace(self, namespace: str, cause: str, detail: str = "") -> int:
+        return self.forget_where(lambda key: key.namespace == namespace, cause, detail)
+
+    def replace_scope(
+        self, kind: str, namespace: str | None, objects: Iterable[Mapping[str, Any]]
+    ) -> None:
+        """A full list of one watch scope: observe each, drop what the list lacks."""
+        seen: set[CanaryKey] = set()
+        for obj in objects:
+            self.observe(kind, obj)
+            metadata = obj.get("metadata")
+            if isinstance(metadata, Mapping):
+                seen.add(CanaryKey(kind, str(metadata.get("namespace")), str(metadata.get("name"))))
+        self.forget_where(
+            lambda key: (
+                key.kind == kind
+                and (namespace is None or key.namespace == namespace)
+                and key not in seen
+            ),
+            "relisted",
+            "missing from a new list",
+        )

@@ -1,0 +1,383 @@
+"""The watcher: raw list/watch streams that keep the registry true to the cluster.
+
+One ``ListWatch`` per scope (a canary kind in one namespace, or cluster-wide when all
+namespaces are watched, and one on Namespaces) runs the loop kubernetes-asyncio's
+``Watch`` does not: list, watch from the list's resourceVersion with bookmarks,
+resume from the last event's resourceVersion when a stream ends, relist on 410
+Expired (and drop what the new list lacks), back off on errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from canaryd import metrics
+from canaryd.backoff import Backoff
+from canaryd.config import Settings
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    classify_status,
+    discover_kinds,
+    is_canary,
+)
+from canaryd.registry import CanaryKey, Registry
+
+log = structlog.get_logger("canaryd.watcher")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one list/watch covers. ``kind`` None: the Namespaces watch."""
+
+    kind: Kind | None
+    namespace: str | None
+
+    def __str__(self) -> str:
+        resource = self.kind.plural if self.kind else "namespaces"
+        return f"{resource}@{self.namespace}" if self.namespace else resource
+
+    @property
+    def resource(self) -> str:
+        return self.kind.plural if self.kind else "namespaces"
+
+    @property
+    def path(self) -> str:
+        return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
+
+
+class Phase(enum.Enum):
+    LIST = "list"  # no usable resourceVersion: list everything, replace the scope's state
+    WATCH = "watch"  # stream changes from a known resourceVersion
+
+
+def _rv(obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata")
+    value = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
+    return str(value) if value else ""
+
+
+class ListWatch:
+    """The list → watch → bookmark → 410-relist loop of one scope."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        settings: Settings,
+        scope: Scope,
+        *,
+        selector: str | None,
+        on_list: Callable[[list[Mapping[str, Any]]], None],
+        on_event: Callable[[str, Mapping[str, Any]], None],
+        on_denied: Callable[[KubeError], None],
+    ) -> None:
+        self.kube, self.settings, self.scope = kube, settings, scope
+        self.params = {"labelSelector": selector} if selector else {}
+        self.on_list, self.on_event, self.on_denied = on_list, on_event, on_denied
+        self.synced = asyncio.Event()
+        """Set once the first list is done (or answered 403: nothing there is ours)."""
+        self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
+
+    async def run(self) -> None:
+        phase, rv = Phase.LIST, ""
+        log.info("watch_started", scope=str(self.scope))
+        try:
+            while True:
+                try:
+                    if phase is Phase.LIST:
+                        rv = await self._list()
+                    phase, rv = await self._watch(rv)
+                except Exception:
+                    # A bug must not stop the daemon: say so, count it, start over.
+                    metrics.ERRORS.labels("watch").inc()
+                    log.exception("watch_failed_unexpectedly", scope=str(self.scope))
+                    await asyncio.sleep(self._backoff.next())
+                    phase, rv = Phase.LIST, ""
+        except asyncio.CancelledError:
+            log.info("watch_stopped", scope=str(self.scope), why="cancelled")
+            raise
+
+    async def _list(self) -> str:
+        """List until it succeeds; returns the list's resourceVersion."""
+        while True:
+            try:
+                listed = await self.kube.request("list", "GET", self.scope.path, params=self.params)
+                items = listed.get("items")
+                if items is None:
+                    items = []
+                if not isinstance(items, list):
+                    raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
+            except KubeError as err:
+                await asyncio.sleep(self._failed(err, "list"))
+                continue
+            metrics.RELISTS.labels(self.scope.resource).inc()
+            self.on_list([item for item in items if isinstance(item, Mapping)])
+            self.synced.set()
+            self._backoff.reset()
+            return _rv(listed)
+
+    async def _watch(self, rv: str) -> tuple[Phase, str]:
+        """One watch stream; returns what to do next and where to resume."""
+        timeout = int(self.settings.watch_timeout * random.uniform(1.0, 2.0)) or 1
+        params = {
+            **self.params,
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout),
+        }
+        try:
+            async for event in self.kube.watch(
+                self.scope.path, params, idle_timeout=self.settings.watch_idle_timeout
+            ):
+                kind, obj = event.get("type"), event.get("object")
+                if not isinstance(obj, Mapping):
+                    metrics.ERRORS.labels("watch_decode").inc()
+                    log.warning("watch_event_without_object", scope=str(self.scope), type=str(kind))
+                    continue
+                if kind == "ERROR":
+                    raise self._error_event(obj)
+                rv = _rv(obj) or rv
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self.on_event(kind, obj)
+                elif kind != "BOOKMARK":
+                    metrics.ERRORS.labels("watch_decode").inc()
+                    log.warning("watch_event_unknown_type", scope=str(self.scope), type=str(kind))
+                self._backoff.reset()
+        except KubeError as err:
+            if err.kind is ErrorKind.EXPIRED:
+                # The resourceVersion was compacted: only a new list can resume.
+                metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
+                log.info("watch_expired", scope=str(self.scope), resource_version=rv)
+                return Phase.LIST, ""
+            await asyncio.sleep(self._failed(err, "watch"))
+            if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
+                return Phase.LIST, ""
+            return Phase.WATCH, rv
+        metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
+        log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
+        return Phase.WATCH, rv
+
+    @staticmethod
+    def _error_event(status: Mapping[str, Any]) -> KubeError:
+        code = status.get("code")
+        code = code if isinstance(code, int) else 500
+        return KubeError(
+            classify_status(code),
+            str(status.get("message") or "watch error"),
+            status=code,
+            reason=str(status.get("reason") or ""),
+        )
+
+    def _failed(self, err: KubeError, during: str) -> float:
+        """Log a failed list or watch, count it, and say how long to wait."""
+        if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
+            log.warning(
+                f"{during}_{err.kind.value}",
+                scope=str(self.scope),
+                error=str(err),
+                retry_in=self.settings.forbidden_retry,
+            )
+            self.on_denied(err)
+            self.synced.set()  # answered: nothing in this scope is ours
+            return self.settings.forbidden_retry
+        why = "idle" if err.reason == "Idle" else "error"
+        metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
+        delay = err.retry_after if err.retry_after is not None else self._backoff.next()
+        log.warning(
+            f"{during}_failed", scope=str(self.scope), error=str(err), retry_in=round(delay, 3)
+        )
+        return min(delay, self.settings.backoff_max)
+
+
+class Watcher:
+    """Owns every list/watch task and keeps them matched to the watched namespaces."""
+
+    def __init__(self, settings: Settings, registry: Registry, kube: KubeClient) -> None:
+        self.settings, self.registry, self.kube = settings, registry, kube
+        self.namespaces = settings.namespaces
+        self.kinds: list[Kind] = []
+        self.discovered = asyncio.Event()
+        self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
+        self._group: asyncio.TaskGroup | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.discovered.is_set() and all(
+            lw.synced.is_set() for lw, _ in self._watches.values()
+        )
+
+    async def run(self) -> None:
+        try:
+            self.kinds = await self._discover()
+            self.discovered.set()
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                self._start(Scope(None, None))
+                self._reconcile()
+                await asyncio.Event().wait()  # until cancelled at shutdown
+        except asyncio.CancelledError:
+            log.info("watcher_stopped", why="cancelled")
+            raise
+        finally:
+            self._group = None
+            self._watches.clear()
+
+    async def _discover(self) -> list[Kind]:
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
+        while True:
+            try:
+                kinds = await discover_kinds(self.kube, self.settings.kinds)
+            except KubeError as err:
+                delay = backoff.next()
+                log.warning("discovery_failed", error=str(err), retry_in=round(delay, 3))
+                await asyncio.sleep(delay)
+                continue
+            log.info("discovered", kinds=[k.plural for k in kinds])
+            return kinds
+
+    # ----------------------------------------------------------- namespaces
+
+    def set_namespaces(self, namespaces: frozenset[str] | None) -> None:
+        """Follow a new watched set: removed namespaces lose their canaries at once."""
+        if namespaces == self.namespaces:
+            return
+        if namespaces is not None:
+            self.registry.forget_where(
+                lambda key: key.namespace not in namespaces,
+                "namespace_unwatched",
+                "its namespace is no longer watched",
+            )
+        log.info("watched_namespaces", namespaces=sorted(namespaces) if namespaces else "all")
+        self.namespaces = namespaces
+        self._reconcile()
+
+    def _desired(self) -> set[Scope]:
+        if self.namespaces is None:
+            return {Scope(kind, None) for kind in self.kinds}
+        return {
+            Scope(kind, ns)
+            for kind in self.kinds
+            for ns in self.namespaces
+            if ns not in self.registry.closed_namespaces
+        }
+
+    def _reconcile(self) -> None:
+        if self._group is None:
+            return
+        desired = self._desired()
+        for scope in [s for s in self._watches if s.kind is not None and s not in desired]:
+            _, task = self._watches.pop(scope)
+            task.cancel()
+        for scope in desired - set(self._watches):
+            self._start(scope)
+        metrics.WATCHED_NAMESPACES.set(len(self.namespaces or ()))
+
+    def _start(self, scope: Scope) -> None:
+        assert self._group is not None
+        if scope.kind is None:
+            lw = ListWatch(
+                self.kube,
+                self.settings,
+                scope,
+                selector=None,
+                on_list=self._namespaces_listed,
+                on_event=self._namespace_event,
+                on_denied=self._namespaces_denied,
+            )
+        else:
+            kind = scope.kind
+            lw = ListWatch(
+                self.kube,
+                self.settings,
+                scope,
+                selector=self.settings.label,
+                on_list=lambda items: self.registry.replace_scope(
+                    kind.plural, scope.namespace, items
+                ),
+                on_event=lambda event, obj: self._canary_event(kind, event, obj),
+                on_denied=lambda err: self._scope_denied(scope, err),
+            )
+        task = self._group.create_task(lw.run(), name=f"watch {scope}")
+        self._watches[scope] = (lw, task)
+
+    def _canary_event(self, kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
+        if event != "DELETED":
+            self.registry.observe(kind.plural, obj)
+            return
+        metadata = obj.get("metadata")
+        if not isinstance(metadata, Mapping):
+            return
+        key = CanaryKey(kind.plural, str(metadata.get("namespace")), str(metadata.get("name")))
+        tracked = self.registry.get(key)
+        if tracked is not None and tracked.uid == str(metadata.get("uid") or ""):
+            # A label-selector watch also sends DELETED when the label stops matching.
+            if is_canary(obj, self.settings.label):
+                self.registry.forget(key, "deleted", "the object was deleted")
+            else:
+                self.registry.forget(key, "not_canary", f"label {self.settings.label} was removed")
+
+    def _scope_denied(self, scope: Scope, err: KubeError) -> None:
+        assert scope.kind is not None
+        kind = scope.kind.plural
+        cause = "forbidden" if err.kind is ErrorKind.FORBIDDEN else "gone"
+        self.registry.forget_where(
+            lambda key: key.kind == kind and scope.namespace in (None, key.namespace),
+            cause,
+            f"cannot list {scope}: {err}",
+        )
+
+    @staticmethod
+    def _terminating(obj: Mapping[str, Any]) -> bool:
+        metadata = obj.get("metadata") or {}
+        status = obj.get("status") or {}
+        return bool(metadata.get("deletionTimestamp")) or (
+            isinstance(status, Mapping) and status.get("phase") == "Terminating"
+        )
+
+    def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
+        closed = set()
+        for obj in items:
+            if self._terminating(obj):
+                closed.add(str((obj.get("metadata") or {}).get("name")))
+        for name in closed - self.registry.closed_namespaces:
+            self._close_namespace(name, "its namespace is terminating")
+        reopened = self.registry.closed_namespaces - closed
+        self.registry.closed_namespaces = closed
+        if reopened:
+            self._reconcile()
+
+    def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
+        name = str((obj.get("metadata") or {}).get("name"))
+        if event == "DELETED":
+            self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
+            self.registry.closed_namespaces.discard(name)  # a namespace of that name may come
+            self._reconcile()
+        elif self._terminating(obj):
+            if name not in self.registry.closed_namespaces:
+                self._close_namespace(name, "its namespace is terminating")
+        elif name in self.registry.closed_namespaces:
+            self.registry.closed_namespaces.discard(name)
+            self._reconcile()
+
+    def _close_namespace(self, name: str, why: str) -> None:
+        self.registry.closed_namespaces.add(name)
+        self.registry.forget_namespace(name, "namespace_closed", why)
+        self._reconcile()
+
+    def _namespaces_denied(self, err: KubeError) -> None:
+        log.warning(
+            "namespaces_not_watchable",
+            error=str(err),
+            consequence="a deleted namespace is noticed only through canary watches",
+        )

@@ -1,0 +1,172 @@
+"""Run canaryd in-process against the fake API server, with short cycles.
+
+Waits are bounded and event-driven: a predicate is re-checked whenever the fake
+serves a request or the registry changes, and fails with a message saying what
+it waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from canaryd.config import Settings
+from canaryd.daemon import Daemon
+from canaryd.registry import Canary, CanaryKey, CanaryState
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube
+
+LABEL = "flink.apache.org/canary"
+
+TEST_SETTINGS = Settings(
+    host="127.0.0.1",
+    port=0,
+    timeout=0.3,
+    backoff_initial=0.01,
+    backoff_max=0.1,
+    forbidden_retry=0.2,
+    watch_timeout=30.0,
+    watch_idle_timeout=30.0,
+    request_timeout=2.0,
+)
+
+
+def canary_body(name: str = "canary", value: str = "true", **extra: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "labels": {LABEL: value}}
+    metadata.update(extra.pop("metadata", {}))
+    return {"metadata": metadata, **extra}
+
+
+@dataclass
+class Running:
+    kube: FakeKube
+    daemon: Daemon
+    http: aiohttp.ClientSession
+    url: str
+
+    @property
+    def registry(self) -> Any:
+        return self.daemon.registry
+
+    def canary(
+        self, name: str = "canary", namespace: str = "default", kind: str = "flinkdeployments"
+    ) -> Canary | None:
+        found: Canary | None = self.daemon.registry.get(CanaryKey(kind, namespace, name))
+        return found
+
+    async def until(self, predicate: Callable[[], bool], what: str, within: float = 5.0) -> None:
+        poke = asyncio.Event()
+        self.kube.listeners.append(poke.set)
+        self.daemon.registry.listeners.append(poke.set)
+        try:
+            async with asyncio.timeout(within):
+                while not predicate():
+                    poke.clear()
+                    await poke.wait()
+        except TimeoutError:
+            raise AssertionError(f"still waiting after {within}s for {what}") from None
+        finally:
+            self.kube.listeners.remove(poke.set)
+            self.daemon.registry.listeners.remove(poke.set)
+
+    def tracked(
+        self, name: str = "canary", namespace: str = "default", kind: str = "flinkdeployments"
+    ) -> Canary:
+        found = self.canary(name, namespace, kind)
+        assert found is not None, f"{kind}/{namespace}/{name} is not tracked"
+        return found
+
+    async def until_tracked(
+        self,
+        name: str = "canary",
+        namespace: str = "default",
+        kind: str = "flinkdeployments",
+        within: float = 5.0,
+    ) -> Canary:
+        await self.until(
+            lambda: self.canary(name, namespace, kind) is not None,
+            f"{kind}/{namespace}/{name} to be tracked",
+            within,
+        )
+        return self.tracked(name, namespace, kind)
+
+    async def until_state(
+        self,
+        state: CanaryState,
+        name: str = "canary",
+        namespace: str = "default",
+        kind: str = "flinkdeployments",
+        within: float = 5.0,
+    ) -> Canary:
+        def check() -> bool:
+            found = self.canary(name, namespace, kind)
+            return found is not None and found.state is state
+
+        await self.until(check, f"{kind}/{namespace}/{name} to be {state.value}", within)
+        found = self.canary(name, namespace, kind)
+        assert found is not None
+        return found
+
+    async def until_gone(
+        self,
+        name: str = "canary",
+        namespace: str = "default",
+        kind: str = "flinkdeployments",
+        within: float = 5.0,
+    ) -> None:
+        await self.until(
+            lambda: self.canary(name, namespace, kind) is None,
+            f"{kind}/{namespace}/{name} to be dropped",
+            within,
+        )
+
+    async def until_bumps(self, count: int, name: str = "canary", within: float = 5.0) -> None:
+        await self.until(
+            lambda: len(self.bumps(name)) >= count, f"{count} successful bumps of {name}", within
+        )
+
+    def bumps(self, name: str = "canary") -> list[Any]:
+        return [r for r in self.kube.requests_for("patch", name=name) if r.status == 200]
+
+    async def get(self, path: str, **headers: str) -> tuple[int, str]:
+        async with self.http.get(self.url + path, headers=headers) as response:
+            return response.status, await response.text()
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(
+    kube: FakeKube, kubeconfig: Path, **overrides: Any
+) -> AsyncIterator[Running]:
+    settings = replace(TEST_SETTINGS, kubeconfig=str(kubeconfig), **overrides)
+    daemon = Daemon(settings)
+    task = asyncio.create_task(daemon.run(), name="canaryd under test")
+    started = asyncio.ensure_future(daemon.started.wait())
+    await asyncio.wait({task, started}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        started.cancel()
+        task.result()  # raises what made the daemon stop
+    assert started.done(), "canaryd did not start within 10s"
+    assert daemon.server is not None and daemon.server.port is not None
+    async with aiohttp.ClientSession() as http:
+        try:
+            yield Running(kube, daemon, http, f"http://127.0.0.1:{daemon.server.port}")
+        finally:
+            daemon.stop()
+            async with asyncio.timeout(5):
+                await task
+
+
+def create_canary(
+    kube: FakeKube,
+    name: str = "canary",
+    namespace: str = "default",
+    kind: str = "flinkdeployments",
+    **body: Any,
+) -> dict[str, Any]:
+    rtype = FLINK_DEPLOYMENTS if kind == "flinkdeployments" else FLINK_SESSION_JOBS
+    return kube.create(rtype, namespace, canary_body(name, **body))

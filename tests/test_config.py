@@ -1,0 +1,203 @@
+"""Configuration: Flink durations, precedence, the operator's config file, bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from canaryd.config import ConfigError, Settings, load_settings, parse_duration
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("500 ms", 0.5),
+        ("2 s", 2.0),
+        ("2s", 2.0),
+        ("1 min", 60.0),
+        ("1min", 60.0),
+        ("5m", 300.0),
+        ("1 h", 3600.0),
+        ("1d", 86400.0),
+        ("60000", 60.0),  # a bare number is milliseconds, as in Flink
+        ("PT1M", 60.0),
+        ("PT0.5S", 0.5),
+        ("P1DT1H", 90000.0),
+        ("pt30s", 30.0),
+        ("10 SECONDS", 10.0),
+        ("250 millis", 0.25),
+    ],
+)
+def test_flink_durations(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "min", "5x", "-1 s", "1 min 5 s", "P", "PT", "1e3"])
+def test_bad_durations_are_config_errors(text):
+    with pytest.raises(ConfigError):
+        parse_duration(text)
+
+
+def test_defaults_match_design():
+    settings = load_settings([], {})
+    assert settings == Settings()
+    assert settings.timeout == 60.0 and settings.port == 8085
+    assert settings.host == "0.0.0.0" and settings.config_check_interval == 300.0
+    assert settings.kinds == ("flinkdeployments", "flinksessionjobs")
+    assert settings.label == "flink.apache.org/canary"
+    assert settings.namespaces is None and settings.log_format == "json"
+
+
+FLAT = """\
+kubernetes.operator.health.canary.resource.timeout: 2 min
+kubernetes.operator.health.probe.port: 9000
+kubernetes.operator.watched.namespaces: default,canary
+kubernetes.operator.dynamic.namespaces.enabled: true
+kubernetes.operator.dynamic.config.check.interval: 30 s
+"""
+
+NESTED = """\
+kubernetes:
+  operator:
+    health:
+      canary:
+        resource:
+          timeout: 2 min
+      probe:
+        port: 9000
+    watched:
+      namespaces: default,canary
+    dynamic:
+      namespaces:
+        enabled: true
+      config:
+        check:
+          interval: 30 s
+"""
+
+
+@pytest.mark.parametrize("text", [FLAT, NESTED], ids=["flink-conf.yaml", "config.yaml"])
+def test_operator_config_file_flat_or_nested(tmp_path, text):
+    path = tmp_path / "conf.yaml"
+    path.write_text(text)
+    settings = load_settings(["--operator-config", str(path)], {})
+    assert settings.timeout == 120.0 and settings.port == 9000
+    assert settings.namespaces == frozenset({"default", "canary"})
+    assert settings.namespaces_from_file and settings.dynamic_namespaces
+    assert settings.config_check_interval == 30.0
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = tmp_path / "flink-conf.yaml"
+    path.write_text(FLAT)
+    env = {"CANARYD_OPERATOR_CONFIG": str(path), "CANARYD_TIMEOUT": "30 s", "CANARYD_PORT": "9100"}
+    assert load_settings([], env).timeout == 30.0  # env over file
+    assert load_settings([], env).port == 9100
+    assert load_settings(["--timeout", "10s"], env).timeout == 10.0  # flag over env
+    del env["CANARYD_TIMEOUT"]
+    assert load_settings([], env).timeout == 120.0  # file over default
+    assert load_settings([], {}).timeout == 60.0
+
+
+def test_watch_namespaces_wins_over_the_file_and_turns_off_following(tmp_path):
+    path = tmp_path / "flink-conf.yaml"
+    path.write_text(FLAT)
+    settings = load_settings(["--operator-config", str(path)], {"WATCH_NAMESPACES": "prod"})
+    assert settings.namespaces == frozenset({"prod"})
+    assert not settings.namespaces_from_file
+
+
+def test_namespaces_repeatable_and_comma_separated():
+    settings = load_settings(["--namespace", "a,b", "--namespace", "c"], {})
+    assert settings.namespaces == frozenset({"a", "b", "c"})
+
+
+@pytest.mark.parametrize("value", ["", "JOSDK_ALL_NAMESPACES", " , "])
+def test_all_namespaces_values(tmp_path, value):
+    path = tmp_path / "flink-conf.yaml"
+    path.write_text(f'kubernetes.operator.watched.namespaces: "{value}"\n')
+    assert load_settings(["--operator-config", str(path)], {}).namespaces is None
+
+
+def test_kinds_and_label():
+    settings = load_settings(["--kind", "FlinkSessionJobs", "--label", "example.com/canary"], {})
+    assert settings.kinds == ("flinksessionjobs",)
+    assert settings.label == "example.com/canary"
+    assert load_settings([], {"CANARYD_KINDS": "flinkdeployments"}).kinds == ("flinkdeployments",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--timeout", "soon"], {}, "invalid duration"),
+        (["--timeout", "0"], {}, "greater than zero"),
+        (["--port", "70000"], {}, "0-65535"),
+        ([], {"CANARYD_PORT": "http"}, "port"),
+        (["--kind", "pods"], {}, "invalid kind pods"),
+        (["--namespace", "Bad_Name"], {}, "invalid namespace"),
+        (["--log-format", "xml"], {}, "log format"),
+        (["--log-level", "loud"], {}, "log level"),
+        (["--label", "not a label"], {}, "invalid label"),
+        (["--operator-config", "/nonexistent/flink-conf.yaml"], {}, "cannot read"),
+        (["--bogus"], {}, "unrecognized arguments"),
+    ],
+)
+def test_bad_configuration_is_one_clear_error(argv, env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_settings(argv, env)
+
+
+def test_operator_config_that_is_not_yaml_or_not_a_mapping(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("key: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(["--operator-config", str(bad)], {})
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_settings(["--operator-config", str(bad)], {})
+    bad.write_text("kubernetes.operator.dynamic.namespaces.enabled: maybe\n")
+    with pytest.raises(ConfigError, match="true or false"):
+        load_settings(["--operator-config", str(bad)], {})
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "canaryd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_cli_bad_configuration_exits_2_with_one_line_and_no_traceback():
+    result = run_cli("--timeout", "5 fortnights")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("canaryd: timeout: invalid duration")
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_missing_kubeconfig_exits_2(tmp_path: Path):
+    result = run_cli(
+        "--kubeconfig",
+        str(tmp_path / "missing"),
+        "--port",
+        "0",
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2
+    assert "cannot load Kubernetes credentials" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_help_and_version():
+    assert run_cli("--help").returncode == 0
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("canaryd ")
