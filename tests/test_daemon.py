@@ -1,0 +1,476 @@
+"""The daemon beyond the semantics table: watch recovery, scopes, dynamic namespaces,
+the HTTP interface, request economy, and the process itself."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from canaryd import metrics
+from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
+from tests.conftest import TOKEN
+from tests.harness import LABEL, create_canary, running_daemon
+
+
+def counter(metric, *labels: str) -> float:
+    value: float = (metric.labels(*labels) if labels else metric)._value.get()
+    return value
+
+
+# ---------------------------------------------------------------- watching
+
+
+async def test_410_relists_and_prunes_what_the_new_list_lacks(kube, kubeconfig):
+    create_canary(kube, "a")
+    create_canary(kube, "b")
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_tracked("a")
+        await run.until_tracked("b")
+        relists = counter(metrics.RELISTS, "flinkdeployments")
+
+        def missed_while_disconnected() -> None:
+            kube.delete(FLINK_DEPLOYMENTS, "default", "b")
+            kube.compact()
+
+        # While the watch is down, b goes and history is compacted: the re-watch gets
+        # 410 Expired, and only a relist can notice that b is gone.
+        kube.inject(
+            Fault(
+                verb="watch", resource="flinkdeployments", code=0, action=missed_while_disconnected
+            )
+        )
+        kube.abort_watches()
+        await run.until_gone("b")
+        assert run.canary("a") is not None
+        assert counter(metrics.RELISTS, "flinkdeployments") == relists + 1
+        assert counter(metrics.DROPPED, "relisted") >= 1
+        await run.until_state(CanaryState.HEALTHY, "a")
+
+
+async def test_watch_resumes_from_the_last_resource_version_after_a_stream_ends(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        lists = len(kube.requests_for("list", "flinkdeployments"))
+        kube.close_watches()
+        await run.until(
+            lambda: len(kube.requests_for("watch", "flinkdeployments")) >= 2, "a new watch"
+        )
+        rewatch = kube.requests_for("watch", "flinkdeployments")[-1]
+        assert rewatch.query["resourceVersion"] not in ("", "0")
+        assert rewatch.query["allowWatchBookmarks"] == "true"
+        assert 30 <= int(rewatch.query["timeoutSeconds"]) <= 60
+        assert len(kube.requests_for("list", "flinkdeployments")) == lists  # no relist
+        await run.until_bumps(len(run.bumps()) + 2)
+        assert run.tracked().state is CanaryState.HEALTHY
+
+
+async def test_idle_watch_is_replaced(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, watch_idle_timeout=0.3, kinds=("flinkdeployments",)
+    ) as run:
+        await run.until_tracked()
+        await run.until(
+            lambda: any(w.rtype.plural == "flinkdeployments" for w in kube.watchers),
+            "the watch to be open",
+        )
+        kube.bookmark_interval = 3600  # nothing more arrives on this stream
+        before = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle")
+        kube.hold_watch_events()
+        watches = len(kube.requests_for("watch", "flinkdeployments"))
+        await run.until(
+            lambda: len(kube.requests_for("watch", "flinkdeployments")) > watches,
+            "the idle watch to be replaced",
+        )
+        assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle") > before
+        kube.release_watch_events()
+
+
+async def test_flink_session_job_canary(kube, kubeconfig):
+    create_canary(kube, "job", kind="flinksessionjobs")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, "job", kind="flinksessionjobs")
+        assert kube.requests_for("patch", "flinksessionjobs", "job")[0].path == (
+            "/apis/flink.apache.org/v1beta1/namespaces/default/flinksessionjobs/job"
+        )
+
+
+@pytest.mark.parametrize("value", ["True", "TRUE", "tRuE"])
+async def test_label_value_true_in_any_case_is_a_canary(kube, kubeconfig, value):
+    create_canary(kube, value=value)
+    create_canary(kube, "not-one", value="yes")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        assert run.canary("not-one") is None
+        assert not kube.requests_for("patch", name="not-one")
+
+
+async def test_canary_deleted_after_its_finalizer_was_removed_is_dropped(kube, kubeconfig):
+    """The seed's reproduction: remove the finalizer, delete; health stays 200."""
+    create_canary(kube, metadata={"finalizers": ["flinkdeployments.flink.apache.org/finalizer"]})
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.update(
+            FLINK_DEPLOYMENTS,
+            "default",
+            "canary",
+            lambda o: {**o, "metadata": {**o["metadata"], "finalizers": []}},
+        )
+        kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+        await run.until_gone()
+        writes = len(kube.requests_for("patch"))
+        create_canary(kube, "other")
+        await run.until_state(CanaryState.HEALTHY, "other")
+        assert all(r.name == "other" for r in kube.requests_for("patch")[writes:])
+        assert await run.get("/healthz") == (200, "OK")
+
+
+async def test_a_missing_crd_is_skipped_with_a_warning(tmp_path, capsys):
+    from canaryd.testing.apiserver import FLINK_DEPLOYMENTS as FD
+
+    kube = FakeKube(crds=[FD])
+    async with kube.running():
+        kube.create_namespace("default")
+        create_canary(kube)
+        config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+        async with running_daemon(kube, config) as run:
+            await run.until_state(CanaryState.HEALTHY)
+            assert run.daemon.watcher is not None
+            assert [k.plural for k in run.daemon.watcher.kinds] == ["flinkdeployments"]
+            assert not kube.requests_for(resource="flinksessionjobs")
+    assert "crd_missing" in capsys.readouterr().out
+
+
+# ------------------------------------------------------- namespaces at runtime
+
+
+async def test_namespace_removed_from_the_watched_list_at_runtime_is_dropped(
+    kube, kubeconfig, tmp_path
+):
+    """The seed's reproduction: watchNamespaces [default, canary] -> [default] with
+    dynamic namespaces; the Role in 'canary' is removed (403). Health stays 200."""
+    kube.create_namespace("canary")
+    create_canary(kube, namespace="canary")
+    create_canary(kube, namespace="default")
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(
+        "kubernetes.operator.watched.namespaces: default,canary\n"
+        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+    )
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        operator_config=conf,
+        namespaces=frozenset({"default", "canary"}),
+        namespaces_from_file=True,
+        dynamic_namespaces=True,
+    ) as run:
+        await run.until_state(CanaryState.HEALTHY, namespace="canary")
+        conf.write_text(
+            "kubernetes.operator.watched.namespaces: default\n"
+            "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+        )
+        kube.deny(namespace="canary")  # helm upgrade removed the Role there
+        run.daemon.reload()  # what SIGHUP does; the check interval does the same
+        await run.until_gone(namespace="canary")
+        await run.until(
+            lambda: not any(w.namespace == "canary" for w in kube.watchers),
+            "the canary namespace's watches to stop",
+        )
+        writes = len(kube.requests_for("patch"))
+        await run.until_bumps(len(run.bumps()) + 2)
+        assert all(r.namespace == "default" for r in kube.requests_for("patch")[writes:])
+        assert await run.get("/healthz") == (200, "OK")
+        # And back: the namespace is watched again once the file says so.
+        kube.rbac_denies.clear()
+        conf.write_text(
+            "kubernetes.operator.watched.namespaces: default,canary\n"
+            "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+        )
+        run.daemon.reload()
+        await run.until_state(CanaryState.HEALTHY, namespace="canary")
+
+
+async def test_unreadable_operator_config_at_runtime_keeps_the_namespaces(
+    kube, kubeconfig, tmp_path
+):
+    create_canary(kube)
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.watched.namespaces: default\n")
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        operator_config=conf,
+        namespaces=frozenset({"default"}),
+        namespaces_from_file=True,
+        dynamic_namespaces=True,
+    ) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        failed = counter(metrics.CONFIG_RELOADS, "failed")
+        conf.write_text("kubernetes.operator.watched.namespaces: [unclosed\n")
+        run.daemon.reload()
+        await run.until(
+            lambda: counter(metrics.CONFIG_RELOADS, "failed") > failed, "the failed reload"
+        )
+        assert run.daemon.watcher.namespaces == frozenset({"default"})
+        assert run.canary() is not None
+
+
+async def test_watch_forbidden_in_a_namespace_drops_its_canaries_and_stays_ready(kube, kubeconfig):
+    kube.create_namespace("other")
+    create_canary(kube, namespace="other")
+    create_canary(kube)
+    kube.deny(verb="list", resource="flinkdeployments", namespace="other")
+    async with running_daemon(kube, kubeconfig, namespaces=frozenset({"default", "other"})) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        assert run.canary(namespace="other") is None
+        await run.until(lambda: run.daemon.watcher.ready, "readiness")
+        assert (await run.get("/readyz"))[0] == 200
+
+
+async def test_namespaces_not_watchable_still_checks_canaries(kube, kubeconfig):
+    kube.deny(resource="namespaces")
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        await run.until(lambda: run.daemon.watcher.ready, "readiness")
+
+
+# ------------------------------------------------------------------- HTTP
+
+
+async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
+    create_canary(kube, "a")
+    create_canary(kube, "b", kind="flinksessionjobs")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, "a")
+        await run.until_state(CanaryState.HEALTHY, "b", kind="flinksessionjobs")
+        for path in ("/healthz", "/livez", "/"):
+            assert await run.get(path) == (200, "OK")
+        status, text = await run.get("/healthz?verbose")
+        lines = text.strip().splitlines()
+        assert status == 200 and lines[0] == "OK"
+        assert lines[1].startswith("healthy FlinkDeployment default/a: ")
+        assert lines[2].startswith("healthy FlinkSessionJob default/b: ")
+        status, body = await run.get("/healthz", Accept="application/json")
+        doc = json.loads(body)
+        assert status == 200 and doc["healthy"] is True
+        first = doc["canaries"][0]
+        assert set(first) == {
+            "kind",
+            "namespace",
+            "name",
+            "state",
+            "reason",
+            "bumpedGeneration",
+            "observedGeneration",
+            "lastBumpAt",
+        }
+        assert first["kind"] == "FlinkDeployment" and first["state"] == "healthy"
+        assert first["observedGeneration"] >= first["bumpedGeneration"] - 1
+        assert first["lastBumpAt"].endswith("Z")
+        kube.hold_watch_events()
+        await run.until_state(CanaryState.UNHEALTHY, "a")
+        status, body = await run.get("/", Accept="application/json")
+        assert status == 500 and json.loads(body)["healthy"] is False
+        assert await run.get("/livez") == (500, "ERROR")
+        kube.release_watch_events()
+
+
+async def test_readyz_waits_for_every_initial_list(kube, kubeconfig):
+    create_canary(kube)
+    gate = kube.inject(Fault(verb="list", resource="flinksessionjobs", code=503, times=-1))
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_tracked()
+        await run.until(lambda: gate.hits >= 2, "the list to fail twice")
+        assert (await run.get("/readyz"))[0] == 503
+        kube.faults.remove(gate)
+        await run.until(lambda: run.daemon.watcher.ready, "readiness")
+        assert await run.get("/readyz") == (200, "OK")
+
+
+async def test_metrics_endpoint(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        await run.until_bumps(2)
+        status, text = await run.get("/metrics")
+        assert status == 200
+        assert 'canaryd_canaries{state="healthy"} 1.0' in text
+        assert 'canaryd_bumps_total{result="written"}' in text
+        assert 'canaryd_api_requests_total{code="200",verb="patch"}' in text
+        assert "canaryd_verdict_lateness_seconds_bucket" in text
+        assert "canaryd_relists_total" in text and "canaryd_watch_restarts_total" in text
+
+
+async def test_only_the_listed_endpoints_exist(kube, kubeconfig):
+    async with running_daemon(kube, kubeconfig) as run:
+        assert (await run.get("/admin"))[0] == 404
+        assert (await run.get("/healthz/../metrics"))[0] in (200, 404)
+        async with run.http.post(run.url + "/healthz", data=b"x") as response:
+            assert response.status == 405
+        async with run.http.head(run.url + "/healthz") as response:
+            assert response.status == 200
+
+
+# --------------------------------------------------------- request economy
+
+
+async def test_steady_state_costs_one_patch_per_canary_per_cycle(kube, kubeconfig):
+    for i in range(5):
+        create_canary(kube, f"c{i}")
+    async with running_daemon(kube, kubeconfig, timeout=0.2) as run:
+        for i in range(5):
+            await run.until_state(CanaryState.HEALTHY, f"c{i}")
+        start = len(kube.requests)
+        await run.until(
+            lambda: all(len(run.bumps(f"c{i}")) >= 6 for i in range(5)), "five more cycles"
+        )
+        window = kube.requests[start:]
+        verbs = {v: sum(1 for r in window if r.verb == v) for v in ("patch", "get", "list")}
+        assert verbs["get"] == 0 and verbs["list"] == 0
+        assert all(r.status == 200 for r in window if r.verb == "patch")
+
+
+async def test_a_concurrent_writer_costs_at_most_three_requests_per_bump(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        n = iter(range(10**6))
+        kube.inject(
+            Fault(
+                verb="patch",
+                code=0,
+                times=5,
+                action=lambda: kube.update(
+                    FLINK_DEPLOYMENTS,
+                    "default",
+                    "canary",
+                    lambda o: {
+                        **o,
+                        "metadata": {**o["metadata"], "annotations": {"writer": str(next(n))}},
+                    },
+                ),
+            )
+        )
+        start, bumps = len(kube.requests), len(run.bumps())
+        await run.until_bumps(bumps + 5)
+        window = [r for r in kube.requests[start:] if r.verb in ("patch", "get")]
+        written = sum(1 for r in window if r.verb == "patch" and r.status == 200)
+        assert len(window) / written <= 3
+
+
+async def test_first_bumps_are_spread_over_the_cycle(kube, kubeconfig):
+    for i in range(20):
+        create_canary(kube, f"c{i:02}")
+    async with running_daemon(kube, kubeconfig, timeout=1.0) as run:
+        await run.until(
+            lambda: (
+                len(kube.requests_for("patch")) >= 20
+                and len({r.name for r in kube.requests_for("patch")}) == 20
+            ),
+            "a bump of each",
+        )
+        firsts = sorted(
+            min(r.at for r in kube.requests_for("patch", name=f"c{i:02}")) for i in range(20)
+        )
+        assert firsts[-1] - firsts[0] >= 0.5  # not 20 writes at once
+        gaps = [b - a for a, b in itertools.pairwise(firsts)]
+        assert max(gaps) < 0.5
+
+
+# ------------------------------------------------------------- the process
+
+
+async def start_process(kubeconfig: Path, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--timeout",
+        "300ms",
+        "--log-level",
+        "debug",
+        *args,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def read_until(proc: asyncio.subprocess.Process, text: str, lines: list[str]) -> None:
+    assert proc.stderr is not None
+    async with asyncio.timeout(20):
+        while True:
+            line = (await proc.stderr.readline()).decode()
+            assert line, f"canaryd ended before logging {text!r}: {''.join(lines)}"
+            lines.append(line)
+            if text in line:
+                return
+
+
+async def test_sigterm_stops_cleanly_with_exit_0_and_json_logs(kube, kubeconfig):
+    create_canary(kube)
+    proc = await start_process(kubeconfig)
+    lines: list[str] = []
+    await read_until(proc, '"canary_state"', lines)
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(5):
+        await proc.communicate()
+    assert proc.returncode == 0
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records and all("event" in r and "level" in r and "timestamp" in r for r in records)
+    assert any(r["event"] == "canary_state" and r["state"] == "healthy" for r in records)
+
+
+async def test_sighup_reloads_and_sigint_stops(kube, kubeconfig, tmp_path):
+    kube.create_namespace("canary")
+    create_canary(kube, namespace="canary")
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(
+        "kubernetes.operator.watched.namespaces: canary\n"
+        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+    )
+    proc = await start_process(kubeconfig, "--operator-config", str(conf))
+    lines: list[str] = []
+    await read_until(proc, '"canary_state"', lines)
+    conf.write_text(
+        "kubernetes.operator.watched.namespaces: default\n"
+        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+    )
+    proc.send_signal(signal.SIGHUP)
+    await read_until(proc, '"canary_dropped"', lines)
+    proc.send_signal(signal.SIGINT)
+    async with asyncio.timeout(5):
+        await proc.communicate()
+    assert proc.returncode == 0
+
+
+async def test_the_bearer_token_never_appears_in_logs(kube, kubeconfig):
+    create_canary(kube)
+    kube.inject(Fault(verb="patch", code=401, times=1))
+    kube.inject(Fault(verb="list", code=500, times=1, message=f"echo Bearer {TOKEN}"))
+    proc = await start_process(kubeconfig)
+    lines: list[str] = []
+    await read_until(proc, '"canary_state"', lines)
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(5):
+        _, rest = await proc.communicate()
+    output = "".join(lines) + rest.decode()
+    assert TOKEN not in output
+    assert "[REDACTED]" in output  # the echoed token was there, masked
+    assert LABEL in output
