@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format clean
+.PHONY: install test lint format demo clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ format: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
+demo: $(STAMP)
+	$(BIN)/python -m canaryd.testing.demo
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,228 @@
+"""``make demo``: canaryd against a local fake cluster with sample canaries.
+
+Starts the fake API server, applies ``config/samples/`` in two namespaces, runs
+canaryd as its own process with a short cycle, and prints ``/healthz?verbose``
+whenever it changes while it plays the seed's scenarios: a user adds a label and
+an annotation (kept), a canary label is removed (dropped, never re-added), a
+canary is deleted (dropped). Health stays 200 throughout. Ctrl-C stops it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from canaryd.config import parse_duration
+from canaryd.testing.apiserver import FakeKube
+
+SAMPLES = Path(__file__).resolve().parents[2] / "config" / "samples"
+PLURALS = {"FlinkDeployment": "flinkdeployments", "FlinkSessionJob": "flinksessionjobs"}
+MERGE = {"Content-Type": "application/merge-patch+json"}
+
+
+class Demo:
+    def __init__(self, timeout: float, samples: Path) -> None:
+        self.timeout = timeout
+        self.samples = samples
+        self.kube = FakeKube(bookmark_interval=5.0)
+        self.started = 0.0
+        self.last_health = ""
+        self.failures = 0
+
+    def say(self, text: str) -> None:
+        elapsed = asyncio.get_running_loop().time() - self.started
+        print(f"[{elapsed:6.1f}s] {text}", flush=True)
+
+    def path(self, plural: str, namespace: str, name: str = "") -> str:
+        base = f"{self.kube.url}/apis/flink.apache.org/v1beta1/namespaces/{namespace}/{plural}"
+        return f"{base}/{name}" if name else base
+
+    async def apply_samples(self, http: aiohttp.ClientSession, namespaces: list[str]) -> None:
+        files = sorted(p for p in self.samples.glob("*.yaml") if p.name != "kustomization.yaml")
+        for file in files:
+            for doc in yaml.safe_load_all(file.read_text()):
+                if not isinstance(doc, dict) or doc.get("kind") not in PLURALS:
+                    continue
+                for namespace in namespaces:
+                    url = self.path(PLURALS[doc["kind"]], namespace)
+                    async with http.post(url, json=doc) as response:
+                        response.raise_for_status()
+            self.say(
+                f"applied {file.relative_to(self.samples.parents[1])} in {', '.join(namespaces)}"
+            )
+
+    async def show_health(self, http: aiohttp.ClientSession, url: str) -> None:
+        """Print /healthz?verbose each time it changes."""
+        while True:
+            try:
+                async with http.get(url) as response:
+                    text = f"{response.status} " + (await response.text()).strip()
+            except aiohttp.ClientError:
+                text = "(canaryd not answering yet)"
+            if not text.startswith("200"):
+                self.failures += "not answering" not in text
+            # Print when states change, not when only generation numbers move.
+            if re.sub(r"\d+", "N", text) != re.sub(r"\d+", "N", self.last_health):
+                body = "\n".join(f"           {line}" for line in text.splitlines())
+                self.say(f"GET /healthz?verbose ->\n{body}")
+            self.last_health = text
+            await asyncio.sleep(0.5)
+
+    async def until(self, check: Callable[[], Awaitable[bool]], within: float) -> bool:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while loop.time() < end:
+            if await check():
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def scenario(self, http: aiohttp.ClientSession) -> None:
+        cycle = self.timeout
+        fd = "flinkdeployments"
+
+        async def get(namespace: str, name: str = "canary") -> dict[str, Any]:
+            async with http.get(self.path(fd, namespace, name)) as response:
+                result: dict[str, Any] = await response.json()
+                return result
+
+        async def healthy_everywhere() -> bool:
+            return self.last_health.startswith("200") and "pending" not in self.last_health
+
+        await self.until(healthy_everywhere, 4 * cycle)
+        self.say(
+            "step 1: a user adds a label and an annotation to default/canary "
+            "(kubectl label/annotate)"
+        )
+        patch: dict[str, Any] = {
+            "metadata": {"labels": {"repro": "409"}, "annotations": {"repro/note": "keep-me"}}
+        }
+        async with http.patch(
+            self.path(fd, "default", "canary"), data=json.dumps(patch), headers=MERGE
+        ) as response:
+            response.raise_for_status()
+        before = (await get("default")).get("spec", {}).get("restartNonce", 0)
+
+        async def two_more_bumps() -> bool:
+            nonce = (await get("default")).get("spec", {}).get("restartNonce", 0)
+            return isinstance(nonce, int) and nonce >= before + 2
+
+        await self.until(two_more_bumps, 4 * cycle)
+        obj = await get("default")
+        self.say(
+            f"  after two more bumps: restartNonce={obj['spec']['restartNonce']}, "
+            f"labels={obj['metadata']['labels']}, "
+            f"annotations={obj['metadata'].get('annotations')}  <- kept"
+        )
+
+        self.say("step 2: remove the canary label from team-a/canary")
+        patch = {"metadata": {"labels": {"flink.apache.org/canary": None}}}
+        async with http.patch(
+            self.path(fd, "team-a", "canary"), data=json.dumps(patch), headers=MERGE
+        ) as response:
+            response.raise_for_status()
+        nonce = (await get("team-a")).get("spec", {}).get("restartNonce")
+        await asyncio.sleep(2 * cycle)
+        obj = await get("team-a")
+        self.say(
+            f"  two cycles later: restartNonce still {obj['spec'].get('restartNonce')} "
+            f"(was {nonce}), labels={obj['metadata'].get('labels')}  <- not re-added"
+        )
+
+        self.say("step 3: delete default/canary")
+        async with http.delete(self.path(fd, "default", "canary")) as response:
+            response.raise_for_status()
+        await asyncio.sleep(2 * cycle)
+        verdict = (
+            "stayed 200 throughout" if not self.failures else (f"failed {self.failures} times")
+        )
+        self.say(f"  scenario done: /healthz {verdict}")
+
+    async def run(self, *, once: bool) -> int:
+        self.started = asyncio.get_running_loop().time()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        with tempfile.TemporaryDirectory(prefix="canaryd-demo-") as tmp:
+            async with self.kube.running():
+                for namespace in ("default", "team-a"):
+                    self.kube.create_namespace(namespace)
+                kubeconfig = self.kube.write_kubeconfig(Path(tmp) / "kubeconfig")
+                self.say(f"fake API server on {self.kube.url} (kubeconfig {kubeconfig})")
+                async with aiohttp.ClientSession() as http:
+                    await self.apply_samples(http, ["default", "team-a"])
+                    port = free_port()
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-m",
+                        "canaryd",
+                        "--kubeconfig",
+                        str(kubeconfig),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--timeout",
+                        f"{self.timeout}s",
+                        "--log-format",
+                        "console",
+                        "--log-level",
+                        "warning",
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    )
+                    url = f"http://127.0.0.1:{port}/healthz?verbose"
+                    self.say(f"canaryd started (cycle {self.timeout:g}s): curl '{url}'")
+                    watcher = asyncio.create_task(self.show_health(http, url))
+                    scenario = asyncio.create_task(self.scenario(http))
+                    stopper = asyncio.create_task(stop.wait())
+                    # With --once the scenario's end stops the demo; otherwise Ctrl-C.
+                    waited = {scenario, stopper} if once else {stopper}
+                    await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                    for task in (watcher, scenario, stopper):
+                        task.cancel()
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+                    code = await proc.wait()
+                    self.say(f"canaryd exited with {code}")
+        return 0 if code == 0 and not self.failures else 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m canaryd.testing.demo",
+        description=__doc__.splitlines()[0] if __doc__ else "",
+    )
+    parser.add_argument("--timeout", default="5s", help="canary cycle (default 5s)")
+    parser.add_argument(
+        "--once", action="store_true", help="exit after the scenario instead of waiting for Ctrl-C"
+    )
+    parser.add_argument("--samples", type=Path, default=SAMPLES)
+    args = parser.parse_args(argv)
+    demo = Demo(parse_duration(args.timeout), args.samples)
+    sys.exit(asyncio.run(demo.run(once=args.once)))
+
+
+if __name__ == "__main__":
+    main()
