@@ -302,6 +302,8 @@ class KubeClient:
                 **self._request_kwargs(),
             ) as response:
                 metrics.API_REQUESTS.labels("watch", str(response.status)).inc()
+                if response.status == 401:
+                    await self._reload_credentials()  # the retry then uses fresh ones
                 if response.status >= 300:
                     raise error_from_response(
                         response.status, await response.read(), response.headers.get("Retry-After")

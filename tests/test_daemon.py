@@ -474,3 +474,27 @@ async def test_the_bearer_token_never_appears_in_logs(kube, kubeconfig):
     assert TOKEN not in output
     assert "[REDACTED]" in output  # the echoed token was there, masked
     assert LABEL in output
+
+
+async def test_a_rotated_token_is_picked_up_from_the_kubeconfig_on_401(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.token = "rotated-token-0987654321"  # the old one is now refused
+        kube.write_kubeconfig(kubeconfig)
+        before = len(run.bumps())
+        await run.until_bumps(before + 2)
+        assert any(r.status == 401 for r in kube.requests_for("patch"))
+        await run.until_state(CanaryState.HEALTHY)
+        # A watch that meets the new token also reloads before it retries (no canary
+        # left: no bump reloads the credentials for it).
+        kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+        await run.until_gone()
+        kube.token = "rotated-again-1122334455"
+        kube.write_kubeconfig(kubeconfig)
+        kube.close_watches()
+        await run.until(
+            lambda: any(r.verb == "watch" and r.status == 401 for r in kube.requests),
+            "a watch refused",
+        )
+        await run.until(lambda: len(kube.watchers) == 3, "all three watches open again")
