@@ -154,8 +154,26 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# What Flink's GlobalConfiguration looks for in a conf directory, in order.
+CONFIG_FILE_NAMES = ("config.yaml", "flink-conf.yaml")
+
+
+def operator_config_file(path: Path) -> Path:
+    """The file itself, or in a directory (the operator's /opt/flink/conf) its
+    config.yaml, else its flink-conf.yaml."""
+    if path.is_dir():
+        for name in CONFIG_FILE_NAMES:
+            if (path / name).is_file():
+                return path / name
+        raise ConfigError(
+            f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
+        )
+    return path
+
+
 def read_operator_config(path: Path) -> dict[str, Any]:
     """Read flink-conf.yaml (flat keys) or config.yaml (nested keys) into flat keys."""
+    path = operator_config_file(path)
     try:
         text = path.read_text()
     except OSError as err:

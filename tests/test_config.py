@@ -103,6 +103,21 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     assert load_settings([], {}).timeout == 60.0
 
 
+@pytest.mark.parametrize(
+    "names", [["config.yaml"], ["flink-conf.yaml"], ["config.yaml", "flink-conf.yaml"]]
+)
+def test_operator_config_directory_prefers_config_yaml(tmp_path, names):
+    for name in names:
+        (tmp_path / name).write_text(FLAT.replace("2 min", f"{len(name)} s"))
+    settings = load_settings(["--operator-config", str(tmp_path)], {})
+    assert settings.timeout == float(len(names[0]))
+
+
+def test_operator_config_directory_without_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"has no config\.yaml or flink-conf\.yaml"):
+        load_settings(["--operator-config", str(tmp_path)], {})
+
+
 def test_watch_namespaces_wins_over_the_file_and_turns_off_following(tmp_path):
     path = tmp_path / "flink-conf.yaml"
     path.write_text(FLAT)
