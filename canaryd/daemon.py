@@ -23,6 +23,7 @@ from canaryd.kube import KubeClient, kubeconfig_path, load_configuration
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
+from canaryd.systemd import Notifier
 from canaryd.watcher import Watcher
 
 log = structlog.get_logger("canaryd.daemon")
@@ -43,6 +44,9 @@ class Daemon:
         """Set once every task runs and the health server listens (tests wait on it)."""
         self.server: HealthServer | None = None
         self.watcher: Watcher | None = None
+        self.scheduler: Scheduler | None = None
+        self.notifier = Notifier()
+        self._tasks: list[asyncio.Task[None]] = []
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,10 +82,8 @@ class Daemon:
         kube = KubeClient(configuration, request_timeout=settings.request_timeout, reload=reload)
         try:
             self.watcher = Watcher(settings, self.registry, kube)
-            scheduler = Scheduler(settings, self.registry, kube)
-            self.server = HealthServer(
-                settings, self.registry, lambda: self.watcher is not None and self.watcher.ready
-            )
+            self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
+            self.server = HealthServer(settings, self.registry, self._ready)
             try:
                 await self.server.start()
             except OSError as err:
@@ -100,10 +102,13 @@ class Daemon:
             )
             try:
                 async with asyncio.TaskGroup() as group:
-                    group.create_task(self.watcher.run(), name="watcher")
-                    group.create_task(scheduler.run(), name="scheduler")
-                    group.create_task(self.server.run(), name="health-server")
+                    self._tasks = [
+                        group.create_task(self.watcher.run(), name="watcher"),
+                        group.create_task(scheduler.run(), name="scheduler"),
+                        group.create_task(self.server.run(), name="health-server"),
+                    ]
                     group.create_task(self._follow_operator_config(), name="config")
+                    group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                     group.create_task(self._until_stopped(), name="shutdown")
                     self.started.set()
             except* _Shutdown:
@@ -113,9 +118,23 @@ class Daemon:
             self._remove_signals()
             await kube.close()
 
+    def _ready(self) -> bool:
+        return self.watcher is not None and self.watcher.ready
+
+    def stuck(self) -> str | None:
+        """Why the daemon is not making progress, or None when it is (the watchdog)."""
+        for task in self._tasks:
+            if task.done():
+                return f"task {task.get_name()} ended"
+        lag = self.scheduler.lag() if self.scheduler is not None else 0.0
+        if lag > self.settings.timeout:
+            return f"the scheduler is {lag:.1f}s behind its deadlines"
+        return None
+
     async def _until_stopped(self) -> None:
         await self._stop.wait()
         log.info("shutting_down")
+        self.notifier.notify("STOPPING=1")
         raise _Shutdown
 
     def _install_signals(self) -> None:

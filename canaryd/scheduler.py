@@ -56,6 +56,12 @@ class Scheduler:
         if self._heap[0][2] is canary:
             self._wake.set()
 
+    def lag(self) -> float:
+        """How far behind its heap the scheduler is (0 when nothing is overdue)."""
+        if not self._heap:
+            return 0.0
+        return max(0.0, self._clock() - self._heap[0][0])
+
     async def _next_due(self) -> tuple[float, Canary]:
         while True:
             if not self._heap:

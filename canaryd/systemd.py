@@ -1,0 +1,82 @@
+"""systemd's notification protocol (sd_notify(3)), for ``Type=notify`` units.
+
+``READY=1`` once the initial lists are done, ``WATCHDOG=1`` every half
+``WATCHDOG_USEC`` while the daemon's tasks make progress (and not when one is
+stuck, so systemd restarts it), ``STOPPING=1`` on shutdown. ``NOTIFY_SOCKET``
+may name a filesystem socket or an abstract one (``@name``). Without it,
+everything here does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+
+import structlog
+
+from canaryd import metrics
+
+log = structlog.get_logger("canaryd.systemd")
+
+
+class Notifier:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        path = env.get("NOTIFY_SOCKET", "")
+        self.address: str | None = None
+        if path.startswith("@"):
+            self.address = "\0" + path[1:]  # abstract namespace
+        elif path.startswith("/"):
+            self.address = path
+        self.watchdog_interval: float | None = None
+        usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+        if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
+            self.watchdog_interval = int(usec) / 1e6 / 2
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    def notify(self, message: str) -> bool:
+        if self.address is None:
+            return False
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.sendto(message.encode(), self.address)
+        except OSError as err:
+            metrics.ERRORS.labels("sd_notify").inc()
+            log.warning("sd_notify_failed", message=message, error=str(err))
+            return False
+        return True
+
+    async def run(
+        self,
+        ready: Callable[[], bool],
+        stuck: Callable[[], str | None],
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """Send READY=1 when ``ready()``; then WATCHDOG=1 each interval while ``stuck()``
+        returns None (else it returns why the daemon is stuck)."""
+        if not self.enabled:
+            return
+        tick = self.watchdog_interval or 0.5
+        sent_ready = False
+        try:
+            while True:
+                if not sent_ready and ready():
+                    sent_ready = self.notify("READY=1")
+                if self.watchdog_interval is not None:
+                    why = stuck()
+                    if why is None:
+                        self.notify("WATCHDOG=1")
+                    else:
+                        metrics.ERRORS.labels("watchdog_withheld").inc()
+                        log.error("watchdog_withheld", why=why)
+                elif sent_ready:
+                    return  # no watchdog: nothing more to say until STOPPING
+                await sleep(tick)
+        except asyncio.CancelledError:
+            log.info("notifier_stopped", why="cancelled")
+            raise
