@@ -1,0 +1,27 @@
+# canaryd container image: `docker build -t canaryd:0.1.0 .`
+#
+# Stage 1 builds a virtualenv with canaryd and its dependencies; stage 2 copies
+# only that venv onto a clean slim base. The image runs as a numeric non-root
+# user and writes nothing outside /tmp, so it works with a read-only root
+# filesystem (mount an emptyDir at /tmp).
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY canaryd ./canaryd
+RUN python -m venv /opt/canaryd \
+ && /opt/canaryd/bin/pip install --upgrade pip \
+ && /opt/canaryd/bin/pip install . \
+ && /opt/canaryd/bin/canaryd --version
+
+FROM ${PYTHON_IMAGE}
+COPY --from=build /opt/canaryd /opt/canaryd
+ENV PATH=/opt/canaryd/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+USER 65532:65532
+EXPOSE 8085
+ENTRYPOINT ["canaryd"]

@@ -1,0 +1,269 @@
+"""The ways canaryd is run: the container image, the Kubernetes manifests, the wheel.
+
+No Docker engine runs here: the Dockerfile is checked as text, and the wheel it
+installs is installed into a fresh venv and run, which is what the image does.
+Kustomizations are built with `kubectl kustomize` where kubectl exists.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from canaryd.config import Settings, build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "config"
+DEFAULTS = Settings()
+KUSTOMIZATIONS = sorted(p.parent for p in CONFIG.rglob("kustomization.yaml"))
+BUILDABLE = [
+    d
+    for d in KUSTOMIZATIONS
+    if yaml.safe_load((d / "kustomization.yaml").read_text())["kind"] == "Kustomization"
+]
+KUBECTL = shutil.which("kubectl")
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def all_docs(kind: str | None = None) -> list[dict[str, Any]]:
+    found = [d for p in sorted(CONFIG.rglob("*.yaml")) for d in docs(p)]
+    return [d for d in found if kind is None or d.get("kind") == kind]
+
+
+def built(directory: Path) -> list[dict[str, Any]]:
+    """The kustomization's output: kubectl's when present, else its own files."""
+    if KUBECTL:
+        out = subprocess.run(
+            [KUBECTL, "kustomize", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+    return [
+        d
+        for r in yaml.safe_load((directory / "kustomization.yaml").read_text()).get("resources", [])
+        if (directory / r).is_file()
+        for d in docs(directory / r)
+    ]
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    found: dict[str, Any] = next(c for c in containers if c["name"] == name)
+    return found
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+        if arg == flag:
+            return args[i + 1]
+    return None
+
+
+# --------------------------------------------------------------------- YAML
+
+
+def test_every_yaml_file_parses():
+    files = sorted(CONFIG.rglob("*.yaml"))
+    assert len(files) >= 20
+    for path in files:
+        for doc in docs(path):
+            assert isinstance(doc, dict) and "kind" in doc, path
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda d: str(d.relative_to(CONFIG)))
+def test_every_kustomization_names_files_that_exist(directory):
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    named = list(spec.get("resources", [])) + list(spec.get("components", []))
+    named += [p["path"] for p in spec.get("patches", []) if "path" in p]
+    assert named
+    for entry in named:
+        target = directory / entry
+        assert target.is_file() or (target / "kustomization.yaml").is_file(), target
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
+@pytest.mark.parametrize("directory", BUILDABLE, ids=lambda d: str(d.relative_to(CONFIG)))
+def test_every_kustomization_builds(directory):
+    assert built(directory)
+
+
+def test_rbac_grants_exactly_what_canaryd_uses():
+    expected = {
+        ("flink.apache.org", "flinkdeployments"): {"get", "list", "watch", "patch"},
+        ("flink.apache.org", "flinksessionjobs"): {"get", "list", "watch", "patch"},
+        ("", "namespaces"): {"get", "list", "watch"},
+    }
+    for variant in (CONFIG / "rbac", CONFIG / "rbac" / "namespaced"):
+        granted: dict[tuple[str, str], set[str]] = {}
+        for doc in built(variant):
+            if doc["kind"] in ("Role", "ClusterRole"):
+                for rule in doc["rules"]:
+                    for group in rule["apiGroups"]:
+                        for resource in rule["resources"]:
+                            granted.setdefault((group, resource), set()).update(rule["verbs"])
+        assert granted == expected, variant
+
+
+def test_role_bindings_bind_the_service_account_they_ship():
+    built_docs = built(CONFIG / "standalone")
+    account = next(d for d in built_docs if d["kind"] == "ServiceAccount")
+    for binding in (d for d in built_docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        assert binding["subjects"] == [
+            {
+                "kind": "ServiceAccount",
+                "name": "canaryd",
+                "namespace": account["metadata"].get("namespace", "canaryd"),
+            }
+        ]
+
+
+# --------------------------------------------------------------- standalone
+
+
+def test_standalone_deployment_probes_match_the_daemons_defaults():
+    deployment = next(d for d in built(CONFIG / "standalone") if d["kind"] == "Deployment")
+    canaryd = container(deployment, "canaryd")
+    port = next(p for p in canaryd["ports"] if p["name"] == "http")["containerPort"]
+    assert port == DEFAULTS.port
+    assert canaryd["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert canaryd["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert set(canaryd["resources"]) == {"requests", "limits"}
+    security = canaryd["securityContext"]
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    assert {m["mountPath"] for m in canaryd["volumeMounts"]} == {"/tmp"}
+    build_parser().parse_args(canaryd.get("args", []))  # every flag exists
+
+
+# ------------------------------------------------------------------ sidecar
+
+
+def test_sidecar_points_the_operator_liveness_at_canaryd():
+    deployment = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "Deployment")
+    operator = container(deployment, "flink-kubernetes-operator")
+    canaryd = container(deployment, "canaryd")
+    port = int(flag_value(canaryd["args"], "--port") or DEFAULTS.port)
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
+    assert canaryd["readinessProbe"]["httpGet"]["port"] == port
+    assert "livenessProbe" not in canaryd
+    # canaryd's port must not be the operator's own probe port.
+    assert port not in {p["containerPort"] for p in operator["ports"]}
+    # It reads the operator's ConfigMap where the operator does.
+    config_dir = flag_value(canaryd["args"], "--operator-config")
+    mount = next(m for m in canaryd["volumeMounts"] if m["mountPath"] == config_dir)
+    volume = next(
+        v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    assert volume["configMap"]["name"] == "flink-operator-config"
+    assert mount.get("readOnly") is True
+    assert canaryd["securityContext"]["readOnlyRootFilesystem"] is True
+    build_parser().parse_args(canaryd["args"])
+
+
+def test_samples_are_canaries_of_both_kinds():
+    kinds = {d["kind"]: d for d in all_docs() if d.get("apiVersion") == "flink.apache.org/v1beta1"}
+    assert set(kinds) == {"FlinkDeployment", "FlinkSessionJob"}
+    for doc in kinds.values():
+        assert doc["metadata"]["labels"][DEFAULTS.label] == "true"
+
+
+# --------------------------------------------------------------- Dockerfile
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    instructions = []
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            instructions.append((word.upper(), rest.strip()))
+    return instructions
+
+
+def test_dockerfile_is_multi_stage_non_root_with_canaryd_as_entrypoint():
+    instructions = dockerfile()
+    stages = [i for i, (word, _) in enumerate(instructions) if word == "FROM"]
+    assert len(stages) >= 2
+    final = instructions[stages[-1] :]
+    users = [rest for word, rest in final if word == "USER"]
+    assert users, "the final stage sets no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0  # numeric, so runAsNonRoot can check it
+    assert [rest for word, rest in final if word == "ENTRYPOINT"] == ['["canaryd"]']
+    assert ("EXPOSE", str(DEFAULTS.port)) in final
+    env = " ".join(rest for word, rest in final if word == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env  # read-only root fs
+
+
+def test_dockerfile_bakes_in_no_secrets():
+    for word, rest in dockerfile():
+        upper = rest.upper()
+        if word in ("ENV", "ARG"):
+            for name in ("TOKEN", "PASSWORD", "SECRET", "KUBECONFIG", "API_KEY"):
+                assert name not in upper, (word, rest)
+        if word in ("COPY", "ADD"):
+            sources = [s for s in shlex.split(rest)[:-1] if not s.startswith("--")]
+            for source in sources:
+                assert ".kube" not in source, rest
+                assert not source.endswith((".pem", ".key", "kubeconfig")), rest
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".git" in ignored and ".venv" in ignored
+
+
+def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
+    """What the image's build stage does: pip install . into a new venv, run canaryd."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--quiet",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("canaryd-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr
+    result = subprocess.run(
+        [str(env_dir / "bin" / "canaryd"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "--operator-config" in result.stdout
+    version = subprocess.run(
+        [str(env_dir / "bin" / "canaryd"), "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert version.stdout.strip() == "canaryd 0.1.0"
