@@ -24,7 +24,7 @@ import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
-from canaryd import metrics
+from canaryd import logs, metrics
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -174,6 +174,7 @@ class KubeClient:
         self._request_timeout = aiohttp.ClientTimeout(total=request_timeout)
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
+        self._last_authorization: str | None = None
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64, ssl=self._ssl_context()),
             trust_env=trust_env,
@@ -203,6 +204,10 @@ class KubeClient:
         for setting in (await self._config.auth_settings()).values():
             if setting.get("in") == "header" and setting.get("value"):
                 headers[str(setting["key"])] = str(setting["value"])
+        authorization = headers.get("authorization")
+        if authorization is not None and authorization != self._last_authorization:
+            self._last_authorization = authorization
+            logs.register_secret(authorization)  # a rotated token is masked in logs too
         return headers
 
     def _request_kwargs(self) -> dict[str, Any]:

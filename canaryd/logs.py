@@ -36,13 +36,21 @@ _PATTERNS = (
     re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"),
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
 )
-_secrets: set[str] = set()
+_secrets: dict[str, None] = {}  # an ordered set: the newest MAX_SECRETS are kept
+MAX_SECRETS = 8
 
 
 def register_secret(value: str | None) -> None:
-    """Mask this exact value wherever it appears in a log line (e.g. the bearer token)."""
-    if value and len(value) >= 6:
-        _secrets.add(value)
+    """Mask this exact value wherever it appears in a log line (e.g. the bearer token,
+    with or without its ``Bearer`` prefix)."""
+    if not value:
+        return
+    for candidate in (value, value.removeprefix("Bearer ").strip()):
+        if len(candidate) >= 6:
+            _secrets.pop(candidate, None)
+            _secrets[candidate] = None
+    while len(_secrets) > 2 * MAX_SECRETS:
+        del _secrets[next(iter(_secrets))]
 
 
 def scrub(text: str) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import json
 import signal
+import ssl
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -258,7 +259,7 @@ class _Watcher:
     rtype: ResourceType
     namespace: str | None
     transport: asyncio.BaseTransport | None = None
-    queue: asyncio.Queue[Change | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Change | bytes | None] = field(default_factory=asyncio.Queue)
 
 
 def _now() -> str:
@@ -303,6 +304,10 @@ class FakeKube:
         self.history: deque[Change] = deque()
         self.compacted_rv = 0
         self.faults: list[Fault] = []
+        self.hooks: list[Callable[[Request], Fault | None]] = []
+        """Asked, in order, for a fault when no entry of ``faults`` matches (seeded chaos)."""
+        self.pretty_errors = False
+        """Indent Status bodies, as some proxies and older servers do."""
         self.rbac_denies: list[RbacDeny] = []
         self.requests: list[RequestRecord] = []
         self.watchers: set[_Watcher] = set()
@@ -324,19 +329,24 @@ class FakeKube:
         return app
 
     @contextlib.asynccontextmanager
-    async def running(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[FakeKube]:
-        await self.start(host, port)
+    async def running(
+        self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> AsyncIterator[FakeKube]:
+        await self.start(host, port, ssl_context)
         try:
             yield self
         finally:
             await self.stop()
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._runner = web.AppRunner(self.app(), handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
         bound_port = self._runner.addresses[0][1]
-        self.url = f"http://{host}:{bound_port}"
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://{host}:{bound_port}"
 
     async def stop(self) -> None:
         self.close_watches()
@@ -346,20 +356,27 @@ class FakeKube:
             await self._runner.cleanup()
             self._runner = None
 
-    def kubeconfig(self, *, context: str = "fake") -> dict[str, Any]:
+    def kubeconfig(
+        self, *, context: str = "fake", ca_file: str | None = None, insecure: bool = False
+    ) -> dict[str, Any]:
         user: dict[str, Any] = {"token": self.token} if self.token else {}
+        cluster: dict[str, Any] = {"server": self.url}
+        if ca_file:
+            cluster["certificate-authority"] = ca_file
+        if insecure:
+            cluster["insecure-skip-tls-verify"] = True
         return {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": context, "cluster": {"server": self.url}}],
+            "clusters": [{"name": context, "cluster": cluster}],
             "users": [{"name": context, "user": user}],
             "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
             "current-context": context,
         }
 
-    def write_kubeconfig(self, path: str | Path, *, context: str = "fake") -> Path:
+    def write_kubeconfig(self, path: str | Path, **options: Any) -> Path:
         target = Path(path)
-        target.write_text(yaml.safe_dump(self.kubeconfig(context=context)))
+        target.write_text(yaml.safe_dump(self.kubeconfig(**options)))
         return target
 
     # ------------------------------------------------------- controls for tests
@@ -413,6 +430,11 @@ class FakeKube:
         """End every open watch stream, as an API server restart does."""
         for watcher in list(self.watchers):
             watcher.queue.put_nowait(None)
+
+    def inject_watch_line(self, raw: bytes) -> None:
+        """Send these bytes as-is on every open watch stream (malformed input)."""
+        for watcher in list(self.watchers):
+            watcher.queue.put_nowait(raw)
 
     def abort_watches(self) -> None:
         """Cut every watch connection at once (a crashed API server or a broken link)."""
@@ -790,7 +812,12 @@ class FakeKube:
                     record.body = raw.decode("utf-8", "replace")
             response = await self._dispatch(request, record, raw)
         except ApiError as err:
-            response = web.json_response(err.status(), status=err.code, headers=err.headers)
+            response = web.json_response(
+                err.status(),
+                status=err.code,
+                headers=err.headers,
+                dumps=(lambda o: json.dumps(o, indent=2)) if self.pretty_errors else json.dumps,
+            )
         record.status = response.status
         self._notify()
         return response
@@ -808,6 +835,10 @@ class FakeKube:
         record.resource = req.rtype.plural if req.rtype else None
         self._authenticate(request)
         fault = next((f for f in self.faults if f.matches(req)), None)
+        for hook in self.hooks:
+            if fault is not None:
+                break
+            fault = hook(req)
         if fault is not None:
             fault.hits += 1
             if fault.times > 0:
@@ -1175,7 +1206,7 @@ class FakeKube:
                 # Server-side timeoutSeconds ends the stream (endpoints/handlers/watch.go).
                 if now >= deadline:
                     break
-                item: Change | None
+                item: Change | bytes | None
                 if not watcher.queue.empty():
                     item = watcher.queue.get_nowait()
                 else:
@@ -1197,6 +1228,10 @@ class FakeKube:
                         continue
                 if item is None:
                     break
+                if isinstance(item, bytes):
+                    await self._delivery.wait()
+                    await response.write(item)
+                    continue
                 await self._send_change(send, item, in_scope, matches)
             await response.write_eof()
         except ConnectionResetError:
