@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo clean
+.PHONY: install test lint format demo soak clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ test: lint
 # canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
 demo: $(STAMP)
 	$(BIN)/python -m canaryd.testing.demo
+
+# The reliability soak at 1,000 cycles (about 4 minutes); figures on stdout and in
+# soak-report.json. `make test` runs the same soak at 100 cycles.
+soak: $(STAMP)
+	CANARYD_SOAK_CYCLES=1000 CANARYD_SOAK_REPORT=soak-report.json \
+		$(BIN)/python -m pytest -p no:cacheprovider -s -q tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

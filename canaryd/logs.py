@@ -86,6 +86,20 @@ def redact(
     return event_dict
 
 
+class _Stderr:
+    """Writes to whatever ``sys.stderr`` is at the time of writing (test capture swaps it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
+    return structlog.PrintLogger(_Stderr())  # type: ignore[arg-type]
+
+
 def configure(log_format: str = "json", level: str = "info") -> None:
     numeric = logging.getLevelNamesMapping()[level.upper()]
     shared: list[Any] = [
@@ -108,8 +122,8 @@ def configure(log_format: str = "json", level: str = "info") -> None:
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        logger_factory=_stderr_logger,
+        cache_logger_on_first_use=False,  # configure() again takes effect everywhere
     )
     # Other libraries' records, rendered the same way.
     handler = logging.StreamHandler(sys.stderr)

@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
+from canaryd import logs
 from canaryd.testing.apiserver import FakeKube
 
 TOKEN = "fake-token-1234567890"
+
+# canaryd's own log setup, at info: what tests capture is what users see.
+logs.configure("console", "info")
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ async def test_a_missing_crd_is_skipped_with_a_warning(tmp_path, capsys):
             assert run.daemon.watcher is not None
             assert [k.plural for k in run.daemon.watcher.kinds] == ["flinkdeployments"]
             assert not kube.requests_for(resource="flinksessionjobs")
-    assert "crd_missing" in capsys.readouterr().out
+    assert "crd_missing" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- namespaces at runtime

@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import logging
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import trustme
 import yaml
 
@@ -105,8 +103,7 @@ def json_logs() -> Iterator[None]:
     try:
         yield
     finally:
-        structlog.reset_defaults()
-        logging.getLogger().handlers.clear()
+        logs.configure("console", "info")  # what tests/conftest.py sets
 
 
 async def test_no_token_or_private_key_in_logs_at_any_level_tracebacks_included(

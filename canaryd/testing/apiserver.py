@@ -20,7 +20,9 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import itertools
 import json
+import random
 import signal
 import ssl
 import uuid
@@ -310,6 +312,8 @@ class FakeKube:
         """Indent Status bodies, as some proxies and older servers do."""
         self.rbac_denies: list[RbacDeny] = []
         self.requests: list[RequestRecord] = []
+        self.keep_requests: int | None = None
+        """Bound the request log to about this many entries (the oldest half goes)."""
         self.watchers: set[_Watcher] = set()
         self._delivery = asyncio.Event()
         self._delivery.set()
@@ -803,6 +807,8 @@ class FakeKube:
             at=asyncio.get_running_loop().time(),
         )
         self.requests.append(record)
+        if self.keep_requests is not None and len(self.requests) > self.keep_requests:
+            del self.requests[: len(self.requests) // 2]
         try:
             raw = await request.read()
             if raw:
@@ -1273,6 +1279,43 @@ class FakeKube:
 # ---------------------------------------------------------------- standalone
 
 
+def seed_canaries(kube: FakeKube, count: int, namespaces: int) -> None:
+    """``count`` FlinkDeployment canaries over ``namespaces`` namespaces."""
+    if count <= 0:
+        return
+    names = [f"canary-{n}" for n in range(max(1, namespaces))]
+    for name in names:
+        if kube.get("namespaces", None, name) is None:
+            kube.create_namespace(name)
+    for i in range(count):
+        body = {"metadata": {"name": f"canary-{i}", "labels": {"flink.apache.org/canary": "true"}}}
+        kube.create(FLINK_DEPLOYMENTS, names[i % len(names)], body)
+
+
+def concurrent_writer(kube: FakeKube, rate: float, seed: int) -> Callable[[Request], Fault | None]:
+    """A hook: before ``rate`` of canary PATCHes, another client annotates the object."""
+    rng = random.Random(seed)
+    counter = itertools.count()
+
+    def hook(req: Request) -> Fault | None:
+        if req.verb != "patch" or req.rtype is not FLINK_DEPLOYMENTS or rng.random() >= rate:
+            return None
+        namespace, name = req.namespace, req.name or ""
+
+        def write() -> None:
+            value = str(next(counter))
+
+            def annotate(obj: dict[str, Any]) -> dict[str, Any]:
+                obj["metadata"].setdefault("annotations", {})["bench/writer"] = value
+                return obj
+
+            kube.update(FLINK_DEPLOYMENTS, namespace, name, annotate)
+
+        return Fault(code=0, action=write)
+
+    return hook
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m canaryd.testing.apiserver",
@@ -1292,6 +1335,29 @@ def main(argv: list[str] | None = None) -> None:
         default=1800.0,
         help="watch timeout when a client sends no timeoutSeconds",
     )
+    parser.add_argument(
+        "--canaries",
+        type=int,
+        default=0,
+        help="create this many FlinkDeployment canaries at start (benchmarks)",
+    )
+    parser.add_argument(
+        "--canary-namespaces",
+        type=int,
+        default=1,
+        help="spread --canaries over this many namespaces (canary-0, canary-1, ...)",
+    )
+    parser.add_argument(
+        "--conflict-rate",
+        type=float,
+        default=0.0,
+        help="share of canary PATCHes that a concurrent writer beats (adds an annotation "
+        "first), so they meet a real 409",
+    )
+    parser.add_argument("--seed", type=int, default=41050)
+    parser.add_argument(
+        "--keep-requests", type=int, default=10_000, help="bound of the request log"
+    )
     args = parser.parse_args(argv)
 
     async def serve() -> None:
@@ -1302,6 +1368,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         for ns in args.namespace:
             kube.create_namespace(ns)
+        seed_canaries(kube, args.canaries, args.canary_namespaces)
+        kube.keep_requests = args.keep_requests
+        if args.conflict_rate > 0:
+            kube.hooks.append(concurrent_writer(kube, args.conflict_rate, args.seed))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

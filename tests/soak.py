@@ -1,0 +1,328 @@
+"""A seeded fault-injection soak of canaryd against the fake API server.
+
+Used by tests/test_soak.py (about 100 cycles in ``make test``) and ``make soak``
+(1,000 cycles). Every random choice comes from one ``random.Random(seed)``, so a
+run is reproducible up to timing.
+
+Faults, per bump canaryd sends: 5% a 5xx, 2% a 429 with Retry-After, 5% a
+concurrent writer that wins the race (four in five add a label and an annotation
+by merge patch; one in five replaces the whole object, like the operator's own
+canary bump, from a copy taken one cycle earlier: refused with 409 as stale, it
+re-reads and replaces the fresh copy). Every ~20 cycles the watch connections are
+cut; every ~100 the history is compacted too (the re-watch gets 410). At seeded
+points watch delivery is withheld for 2.5 to 4 cycles: each such stuck period must
+be detected within two cycles and healed within two cycles of its release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import resource
+import time
+import tracemalloc
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, ApiError, FakeKube, Fault, Request
+from tests.harness import Running, create_canary, running_daemon
+
+
+@dataclass
+class SoakConfig:
+    cycles: int = 100
+    cycle: float = 0.2
+    canaries: int = 50
+    namespaces: int = 5
+    seed: int = 41050
+    server_errors: float = 0.05
+    throttles: float = 0.02
+    concurrent_writes: float = 0.05
+    replace_share: float = 0.2
+    drop_every: int = 20
+    compact_every: int = 100
+    stuck_every: int = 40
+
+
+@dataclass
+class SoakReport:
+    cycles: int = 0
+    seconds: float = 0.0
+    faults: dict[str, int] = field(default_factory=dict)
+    polls: int = 0
+    false_unhealthy_polls: int = 0
+    false_unhealthy_verdicts: int = 0
+    stuck_periods: list[dict[str, float]] = field(default_factory=list)
+    min_bumps: int = 0
+    max_bumps: int = 0
+    labels_expected: int = 0
+    labels_missing: int = 0
+    traced_kib_mid: float = 0.0
+    traced_kib_end: float = 0.0
+    rss_mib_start: float = 0.0
+    rss_mib_end: float = 0.0
+
+    def lines(self) -> list[str]:
+        detect = [p["detected_in"] for p in self.stuck_periods]
+        heal = [p["healed_in"] for p in self.stuck_periods]
+        return [
+            f"cycles: {self.cycles} of {self.seconds / max(self.cycles, 1):.3f} s "
+            f"({self.seconds:.1f} s)",
+            "faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
+            f"/healthz polls: {self.polls}; failed outside a stuck period: "
+            f"{self.false_unhealthy_polls}",
+            f"unhealthy verdicts outside a stuck period: {self.false_unhealthy_verdicts}",
+            f"stuck periods: {len(self.stuck_periods)}; detected in "
+            f"{_span(detect)} s; healed in {_span(heal)} s after release",
+            *(
+                f"  held {p['length']:.2f} s at {p['at']:.1f} s: detected in "
+                f"{p['detected_in']:.2f} s, healed in {p['healed_in']:.2f} s"
+                for p in self.stuck_periods
+            ),
+            f"canaryd's bumps per canary: {self.min_bumps} to {self.max_bumps}",
+            f"writer's labels and annotations kept: {self.labels_expected - self.labels_missing}"
+            f" of {self.labels_expected}",
+            f"canaryd's live traced memory: {self.traced_kib_mid:.0f} KiB at mid-run, "
+            f"{self.traced_kib_end:.0f} KiB at the end",
+            f"process RSS: {self.rss_mib_start:.0f} MiB at start, {self.rss_mib_end:.0f} MiB "
+            "at the end (fake API server and test included)",
+        ]
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f} to {max(values):.2f}" if values else "-"
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Soak:
+    def __init__(self, kube: FakeKube, config: SoakConfig) -> None:
+        self.kube, self.config = kube, config
+        self.rng = random.Random(config.seed)
+        self.report = SoakReport()
+        self.faults: Counter[str] = Counter()
+        self.expected: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+        self.snapshots: dict[tuple[str, str], dict[str, Any]] = {}
+        self.windows: list[tuple[float, float]] = []  # (held at, released at)
+        self.transitions: list[tuple[float, str, CanaryState]] = []
+        self.health: list[tuple[float, int]] = []
+        self.writes = 0
+        self.replacer_bumps: Counter[tuple[str, str]] = Counter()
+        self.clock = time.monotonic
+        self.started = 0.0
+
+    # -------------------------------------------------------------- chaos
+
+    def chaos(self, req: Request) -> Fault | None:
+        """Asked by the fake for every request no static fault took."""
+        if req.verb != "patch" or req.rtype is not FLINK_DEPLOYMENTS or req.name is None:
+            return None
+        roll = self.rng.random()
+        cfg = self.config
+        if roll < cfg.server_errors:
+            code = self.rng.choice([500, 502, 503, 504])
+            self.faults[f"{code}"] += 1
+            return Fault(code=code)
+        roll -= cfg.server_errors
+        if roll < cfg.throttles:
+            self.faults["429"] += 1
+            return Fault(code=429, retry_after=0)
+        roll -= cfg.throttles
+        if roll < cfg.concurrent_writes:
+            namespace, name = req.namespace or "", req.name
+            if self.rng.random() < cfg.replace_share:
+                self.faults["stale replace"] += 1
+                return Fault(code=0, action=lambda: self.stale_replace(namespace, name))
+            self.faults["label writer"] += 1
+            return Fault(code=0, action=lambda: self.label_writer(namespace, name))
+        return None
+
+    def label_writer(self, namespace: str, name: str) -> None:
+        self.writes += 1
+        label, value = f"soak-w{self.writes}", f"v{self.writes}"
+        annotation = f"soak.example.com/w{self.writes}"
+        wanted = self.expected.setdefault((namespace, name), {"labels": {}, "annotations": {}})
+        wanted["labels"][label] = value
+        wanted["annotations"][annotation] = value
+
+        def mutate(obj: dict[str, Any]) -> dict[str, Any]:
+            obj["metadata"].setdefault("labels", {})[label] = value
+            obj["metadata"].setdefault("annotations", {})[annotation] = value
+            return obj
+
+        self.kube.update(FLINK_DEPLOYMENTS, namespace, name, mutate)
+
+    def stale_replace(self, namespace: str, name: str) -> None:
+        """The operator's canary bump, by full replace: from an old copy first (409),
+        then from a fresh one."""
+        old = self.snapshots.get((namespace, name))
+        if old is not None:
+            try:
+                self.kube.update(
+                    FLINK_DEPLOYMENTS,
+                    namespace,
+                    name,
+                    lambda _: copy.deepcopy(old),
+                    require_rv=True,
+                )
+            except ApiError as err:
+                self.faults[f"stale replace answered {err.code}"] += 1
+
+        def bump(obj: dict[str, Any]) -> dict[str, Any]:
+            spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+            nonce = spec.get("restartNonce", 0) if isinstance(spec, dict) else 0
+            obj["spec"] = {**(spec or {}), "restartNonce": int(nonce) + 1}
+            return obj
+
+        self.kube.update(FLINK_DEPLOYMENTS, namespace, name, bump, require_rv=False)
+        self.replacer_bumps[(namespace, name)] += 1
+
+    # --------------------------------------------------------- the run
+
+    async def poll_health(self, run: Running, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            status, _ = await run.get("/healthz")
+            self.health.append((self.clock(), status))
+            try:
+                async with asyncio.timeout(self.config.cycle / 4):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    async def run(self, kubeconfig: Path) -> SoakReport:
+        cfg = self.config
+        for n in range(cfg.namespaces):
+            self.kube.create_namespace(f"soak-{n}")
+        names = [(f"soak-{i % cfg.namespaces}", f"canary-{i:03}") for i in range(cfg.canaries)]
+        for namespace, name in names:
+            create_canary(self.kube, name, namespace)
+        self.kube.keep_requests = 20_000
+        self.kube.hooks.append(self.chaos)
+        stuck_at = {c for c in range(cfg.stuck_every // 2, cfg.cycles - 6, cfg.stuck_every)}
+        self.report.rss_mib_start = _rss_mib()
+        async with running_daemon(
+            self.kube,
+            kubeconfig,
+            timeout=cfg.cycle,
+            request_timeout=1.0,
+            kinds=("flinkdeployments",),
+        ) as run:
+            original = run.registry.set_state
+
+            def recording(canary: Any, state: CanaryState, reason: str) -> None:
+                if canary.state is not state:
+                    self.transitions.append((self.clock(), str(canary.key), state))
+                original(canary, state, reason)
+
+            run.registry.set_state = recording
+            for namespace, name in names:
+                await run.until_tracked(name, namespace, within=10)
+            start_nonces = {k: self.nonce(*k) for k in names}
+            stop = asyncio.Event()
+            poller = asyncio.create_task(self.poll_health(run, stop))
+            started = self.started = self.clock()
+            tracemalloc.start()
+            held_until: int | None = None
+            for cycle in range(cfg.cycles):
+                if cycle == cfg.cycles // 2:
+                    self.report.traced_kib_mid = _traced_kib()
+                if held_until is None and cycle in stuck_at:
+                    length = self.rng.uniform(2.5, 4.0)
+                    self.kube.hold_watch_events()
+                    held = self.clock()
+                    held_until = cycle + int(length) + 1
+                elif held_until is not None and cycle >= held_until:
+                    self.kube.release_watch_events()
+                    self.windows.append((held, self.clock()))
+                    held_until = None
+                if cycle and cycle % cfg.compact_every == 0:
+                    self.kube.compact()
+                    self.kube.abort_watches()
+                    self.faults["compaction (410)"] += 1
+                elif cycle and cycle % cfg.drop_every == 0:
+                    self.kube.abort_watches()
+                    self.faults["watch connections cut"] += 1
+                for key in names:
+                    obj = self.kube.get("flinkdeployments", key[0], key[1])
+                    if obj is not None and self.rng.random() < 0.2:
+                        self.snapshots[key] = obj
+                await asyncio.sleep(cfg.cycle)  # the workload's pace, not a synchronisation
+            if held_until is not None:
+                self.kube.release_watch_events()
+                self.windows.append((held, self.clock()))
+            self.kube.hooks.remove(self.chaos)
+            await asyncio.sleep(3 * cfg.cycle)  # let the last verdicts land
+            self.report.traced_kib_end = _traced_kib()
+            tracemalloc.stop()
+            stop.set()
+            await poller
+            self.report.seconds = self.clock() - started
+            self.report.cycles = cfg.cycles
+            # canaryd's own bumps: the nonce's rise less the replacer's bumps
+            bumps = [self.nonce(*k) - start_nonces[k] - self.replacer_bumps[k] for k in names]
+            self.report.min_bumps, self.report.max_bumps = min(bumps), max(bumps)
+        self.report.rss_mib_end = _rss_mib()
+        self.report.faults = dict(self.faults)
+        self.judge()
+        return self.report
+
+    def nonce(self, namespace: str, name: str) -> int:
+        obj = self.kube.get("flinkdeployments", namespace, name) or {}
+        spec = obj.get("spec")
+        value = spec.get("restartNonce", 0) if isinstance(spec, dict) else 0
+        return value if isinstance(value, int) else 0
+
+    def judge(self) -> None:
+        cycle = self.config.cycle
+        # Health may fail from the hold until two cycles after the release.
+        excused = [(held, released + 2 * cycle) for held, released in self.windows]
+
+        def excusable(t: float) -> bool:
+            return any(a <= t <= b for a, b in excused)
+
+        self.report.polls = len(self.health)
+        self.report.false_unhealthy_polls = sum(
+            1 for t, status in self.health if status != 200 and not excusable(t)
+        )
+        self.report.false_unhealthy_verdicts = sum(
+            1
+            for t, _, state in self.transitions
+            if state is CanaryState.UNHEALTHY and not excusable(t)
+        )
+        for held, released in self.windows:
+            failing = [t for t, status in self.health if status != 200 and t >= held]
+            first = min(failing) if failing else float("inf")
+            healthy_after = [t for t, status in self.health if status == 200 and t >= released]
+            recovered = min(healthy_after) if healthy_after else float("inf")
+            self.report.stuck_periods.append(
+                {
+                    "at": held - self.started,
+                    "length": released - held,
+                    "detected_in": first - held,
+                    "healed_in": recovered - released,
+                }
+            )
+        for key, wanted in self.expected.items():
+            obj = self.kube.get("flinkdeployments", *key) or {"metadata": {}}
+            for part in ("labels", "annotations"):
+                have = obj["metadata"].get(part) or {}
+                for k, v in wanted[part].items():
+                    self.report.labels_expected += 1
+                    self.report.labels_missing += have.get(k) != v
+
+
+def _traced_kib() -> float:
+    """Live memory allocated by canaryd's own code (not the fake's, not the tests')."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [
+            tracemalloc.Filter(True, "*/canaryd/*"),
+            tracemalloc.Filter(False, "*/canaryd/testing/*"),
+        ]
+    )
+    return sum(stat.size for stat in snapshot.statistics("filename")) / 1024

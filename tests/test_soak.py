@@ -1,0 +1,37 @@
+"""The reliability soak: about 100 cycles here, 1,000 with `make soak`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from tests.soak import Soak, SoakConfig
+
+CYCLES = int(os.environ.get("CANARYD_SOAK_CYCLES", "100"))
+
+
+def write_report(path: Path, report: object) -> None:
+    path.write_text(json.dumps(asdict(report), indent=2))  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(CYCLES * 2 + 120)
+async def test_soak_survives_faults_and_detects_every_stuck_period(kube, kubeconfig):
+    config = SoakConfig(cycles=CYCLES)
+    report = await Soak(kube, config).run(kubeconfig)
+    print("\n" + "\n".join(report.lines()))
+    if target := os.environ.get("CANARYD_SOAK_REPORT"):
+        write_report(Path(target), report)
+    two_cycles = 2 * config.cycle
+    assert report.false_unhealthy_polls == 0
+    assert report.false_unhealthy_verdicts == 0
+    assert report.stuck_periods, "no stuck period was played"
+    for period in report.stuck_periods:
+        assert period["detected_in"] <= two_cycles, period
+        assert period["healed_in"] <= two_cycles, period
+    assert report.min_bumps >= CYCLES // 2  # every canary kept being bumped
+    assert report.labels_expected > 0 and report.labels_missing == 0
+    assert report.traced_kib_end - report.traced_kib_mid < 64 + 0.05 * report.traced_kib_mid
