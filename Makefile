@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak clean
+.PHONY: install test lint format demo soak bench clean
 
 install: $(STAMP)
 
@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check canaryd tests
-	$(BIN)/ruff format --check canaryd tests
+	$(BIN)/ruff check canaryd tests bench
+	$(BIN)/ruff format --check canaryd tests bench
 	$(BIN)/mypy canaryd
 
 format: $(STAMP)
-	$(BIN)/ruff format canaryd tests
-	$(BIN)/ruff check --fix canaryd tests
+	$(BIN)/ruff format canaryd tests bench
+	$(BIN)/ruff check --fix canaryd tests bench
 
 test: lint
 	$(BIN)/python -m pytest
@@ -36,6 +36,11 @@ demo: $(STAMP)
 soak: $(STAMP)
 	CANARYD_SOAK_CYCLES=1000 CANARYD_SOAK_REPORT=soak-report.json \
 		$(BIN)/python -m pytest -p no:cacheprovider -s -q tests/test_soak.py
+
+# Benchmarks (not part of `make test`): canaryd and the fake API server as separate
+# processes, 1,000 and 10,000 canaries; about 5 minutes. Writes docs/PERFORMANCE.md.
+bench: $(STAMP)
+	$(BIN)/python bench/bench.py --output docs/PERFORMANCE.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -5,13 +5,15 @@ Used by tests/test_soak.py (about 100 cycles in ``make test``) and ``make soak``
 run is reproducible up to timing.
 
 Faults, per bump canaryd sends: 5% a 5xx, 2% a 429 with Retry-After, 5% a
-concurrent writer that wins the race (four in five add a label and an annotation
-by merge patch; one in five replaces the whole object, like the operator's own
-canary bump, from a copy taken one cycle earlier: refused with 409 as stale, it
-re-reads and replaces the fresh copy). Every ~20 cycles the watch connections are
-cut; every ~100 the history is compacted too (the re-watch gets 410). At seeded
-points watch delivery is withheld for 2.5 to 4 cycles: each such stuck period must
-be detected within two cycles and healed within two cycles of its release.
+concurrent writer that wins the race. Four in five of those set a label and an
+annotation by merge patch (8 keys, ever-new values); one in five replaces the
+whole object like the operator's own canary bump, first from a copy taken
+earlier (refused with 409 as stale), then from a fresh one. Every ~20 cycles
+the watch connections are cut; every ~100 the history is compacted too (the
+re-watch gets 410). In the first half, at seeded points, watch delivery is
+withheld for 2.5 to 4 cycles: each stuck period must be detected within two
+cycles and healed within two cycles of its release. canaryd's own live memory
+is traced over the second half.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class SoakConfig:
     replace_share: float = 0.2
     drop_every: int = 20
     compact_every: int = 100
-    stuck_every: int = 40
+    stuck_every: int = 25
 
 
 @dataclass
@@ -86,8 +88,8 @@ class SoakReport:
             f"canaryd's bumps per canary: {self.min_bumps} to {self.max_bumps}",
             f"writer's labels and annotations kept: {self.labels_expected - self.labels_missing}"
             f" of {self.labels_expected}",
-            f"canaryd's live traced memory: {self.traced_kib_mid:.0f} KiB at mid-run, "
-            f"{self.traced_kib_end:.0f} KiB at the end",
+            f"canaryd's live memory traced from mid-run: {self.traced_kib_mid:.0f} KiB five "
+            f"cycles in, {self.traced_kib_end:.0f} KiB at the end",
             f"process RSS: {self.rss_mib_start:.0f} MiB at start, {self.rss_mib_end:.0f} MiB "
             "at the end (fake API server and test included)",
         ]
@@ -110,7 +112,7 @@ class Soak:
         self.expected: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
         self.snapshots: dict[tuple[str, str], dict[str, Any]] = {}
         self.windows: list[tuple[float, float]] = []  # (held at, released at)
-        self.transitions: list[tuple[float, str, CanaryState]] = []
+        self.transitions: list[tuple[float, object, CanaryState]] = []
         self.health: list[tuple[float, int]] = []
         self.writes = 0
         self.replacer_bumps: Counter[tuple[str, str]] = Counter()
@@ -144,9 +146,12 @@ class Soak:
         return None
 
     def label_writer(self, namespace: str, name: str) -> None:
+        # A bounded set of keys with ever-new values: objects keep their size, and the
+        # check at the end is that each key holds the writer's latest value.
         self.writes += 1
-        label, value = f"soak-w{self.writes}", f"v{self.writes}"
-        annotation = f"soak.example.com/w{self.writes}"
+        slot = self.writes % 8
+        label, value = f"soak-w{slot}", f"v{self.writes}"
+        annotation = f"soak.example.com/w{slot}"
         wanted = self.expected.setdefault((namespace, name), {"labels": {}, "annotations": {}})
         wanted["labels"][label] = value
         wanted["annotations"][annotation] = value
@@ -204,7 +209,10 @@ class Soak:
             create_canary(self.kube, name, namespace)
         self.kube.keep_requests = 20_000
         self.kube.hooks.append(self.chaos)
-        stuck_at = {c for c in range(cfg.stuck_every // 2, cfg.cycles - 6, cfg.stuck_every)}
+        # Stuck periods in the first half; memory is traced over the second half only
+        # (everything here shares one event loop, and tracing slows it threefold).
+        half = cfg.cycles // 2
+        stuck_at = set(range(cfg.stuck_every // 2, half - 6, cfg.stuck_every))
         self.report.rss_mib_start = _rss_mib()
         async with running_daemon(
             self.kube,
@@ -217,7 +225,7 @@ class Soak:
 
             def recording(canary: Any, state: CanaryState, reason: str) -> None:
                 if canary.state is not state:
-                    self.transitions.append((self.clock(), str(canary.key), state))
+                    self.transitions.append((self.clock(), canary.key, state))
                 original(canary, state, reason)
 
             run.registry.set_state = recording
@@ -227,10 +235,11 @@ class Soak:
             stop = asyncio.Event()
             poller = asyncio.create_task(self.poll_health(run, stop))
             started = self.started = self.clock()
-            tracemalloc.start()
             held_until: int | None = None
             for cycle in range(cfg.cycles):
-                if cycle == cfg.cycles // 2:
+                if cycle == half:
+                    tracemalloc.start()
+                elif cycle == half + 5:  # what the first traced cycles allocated is steady state
                     self.report.traced_kib_mid = _traced_kib()
                 if held_until is None and cycle in stuck_at:
                     length = self.rng.uniform(2.5, 4.0)

@@ -1,0 +1,445 @@
+"""``make bench``: canaryd as its own process against the fake API server in another.
+
+Prints one table and writes it to docs/PERFORMANCE.md:
+
+- API requests per canary per cycle by verb in steady state (goal: 1.00 PATCH,
+  0 GET, 0 LIST) and per bump with a concurrent writer (goal: <= 3);
+- at 1,000 and 10,000 canaries over 1,000 namespaces, on a shortened cycle with
+  CPU normalised to a 60 s cycle: daemon CPU (goal <= 5% of a core at 10k), peak
+  RSS (goal <= 120 MB at 10k), verdict lateness p99 (goal <= 1 s), start to
+  /readyz 200 (goal <= 5 s at 10k), and the fake API server's own CPU;
+- /healthz with 10k canaries and 20 concurrent clients: p50/p99 latency (goal
+  p99 <= 2 ms) and throughput as a ratio to a bare aiohttp handler (goal >= 0.8).
+
+Only 127.0.0.1 is used. Run: ``.venv/bin/python bench/bench.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+METRIC_RE = re.compile(r"^(\w+)(?:\{([^}]*)\})? ([0-9.e+-]+|NaN|\+Inf)$")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Proc:
+    process: asyncio.subprocess.Process
+    url: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(10):
+                    await self.process.wait()
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def fake_server(
+    tmp: Path, canaries: int, namespaces: int, conflict_rate: float = 0.0
+) -> AsyncIterator[tuple[Proc, Path]]:
+    kubeconfig = tmp / f"kubeconfig-{canaries}-{conflict_rate}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd.testing.apiserver",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--canaries",
+        str(canaries),
+        "--canary-namespaces",
+        str(namespaces),
+        "--conflict-rate",
+        str(conflict_rate),
+        "--bookmark-interval",
+        "60",
+        stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    proc = Proc(process)
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(300):
+            line = (await process.stdout.readline()).decode()
+        proc.url = line.split("listening on ", 1)[1].split(";", 1)[0]
+        yield proc, kubeconfig
+    finally:
+        await proc.stop()
+
+
+async def start_canaryd(kubeconfig: Path, cycle: float) -> tuple[Proc, float]:
+    """Start canaryd; returns it and the seconds from spawn to /readyz 200."""
+    port = free_port()
+    started = time.monotonic()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--timeout",
+        f"{cycle}s",
+        "--log-level",
+        "warning",
+        "--kind",
+        "flinkdeployments",
+        cwd=ROOT,
+    )
+    proc = Proc(process, f"http://127.0.0.1:{port}")
+    async with aiohttp.ClientSession() as http:
+        async with asyncio.timeout(120):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(proc.url + "/readyz") as response:
+                        if response.status == 200:
+                            return proc, time.monotonic() - started
+                await asyncio.sleep(0.02)
+
+
+async def scrape(url: str) -> dict[tuple[str, str], float]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
+        text = await response.text()
+    values: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        match = METRIC_RE.match(line)
+        if match:
+            values[(match.group(1), match.group(2) or "")] = float(match.group(3))
+    return values
+
+
+def requests_by_verb(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> dict[str, float]:
+    verbs: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        if name == "canaryd_api_requests_total":
+            verb = re.search(r'verb="([^"]+)"', labels)
+            if verb:
+                delta = value - before.get((name, labels), 0.0)
+                verbs[verb.group(1)] = verbs.get(verb.group(1), 0.0) + delta
+    return verbs
+
+
+def metric_delta(
+    before: dict[tuple[str, str], float],
+    after: dict[tuple[str, str], float],
+    name: str,
+    labels: str = "",
+) -> float:
+    return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+
+def lateness_p99(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> tuple[float, float]:
+    """(p99 upper bound, count) of verdict lateness in the window, from the histogram."""
+    name = "canaryd_verdict_lateness_seconds_bucket"
+    buckets = sorted(
+        (
+            float(labels.split('"')[1]) if "+Inf" not in labels else float("inf"),
+            value - before.get((n, labels), 0.0),
+        )
+        for (n, labels), value in after.items()
+        if n == name
+    )
+    total = buckets[-1][1] if buckets else 0.0
+    for bound, cumulative in buckets:
+        if total and cumulative >= 0.99 * total:
+            return bound, total
+    return float("nan"), total
+
+
+@dataclass
+class Results:
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def add(self, measure: str, value: str, goal: str, met: bool | None) -> None:
+        verdict = "" if met is None else ("yes" if met else "**no**")
+        self.rows.append((measure, value, goal, verdict))
+        print(f"  {measure}: {value} (goal {goal}) {verdict}", flush=True)
+
+    def table(self) -> str:
+        lines = ["| measure | value | goal | met |", "| --- | --- | --- | --- |"]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in self.rows]
+        return "\n".join(lines)
+
+
+async def economy(tmp: Path, results: Results, cycle: float, cycles: int) -> None:
+    canaries = 100
+    async with fake_server(tmp, canaries, 10) as (_, kubeconfig):
+        daemon, _ = await start_canaryd(kubeconfig, cycle)
+        try:
+            await asyncio.sleep(2.5 * cycle)  # first bumps, first verdicts
+            before = await scrape(daemon.url)
+            await asyncio.sleep(cycles * cycle)
+            after = await scrape(daemon.url)
+        finally:
+            await daemon.stop()
+    verbs = requests_by_verb(before, after)
+    per = {v: verbs.get(v, 0.0) / canaries / cycles for v in ("patch", "get", "list")}
+    results.add(
+        "steady state: PATCH per canary per cycle",
+        f"{per['patch']:.2f}",
+        "1.00",
+        abs(per["patch"] - 1.0) <= 0.02,
+    )
+    results.add(
+        "steady state: GET / LIST per canary per cycle",
+        f"{per['get']:.2f} / {per['list']:.2f}",
+        "0 / 0",
+        per["get"] == 0 and per["list"] == 0,
+    )
+    async with fake_server(tmp, canaries, 10, conflict_rate=0.5) as (_, kubeconfig):
+        daemon, _ = await start_canaryd(kubeconfig, cycle)
+        try:
+            await asyncio.sleep(2.5 * cycle)
+            before = await scrape(daemon.url)
+            await asyncio.sleep(cycles * cycle)
+            after = await scrape(daemon.url)
+        finally:
+            await daemon.stop()
+    verbs = requests_by_verb(before, after)
+    written = metric_delta(before, after, "canaryd_bumps_total", 'result="written"')
+    requests = verbs.get("patch", 0.0) + verbs.get("get", 0.0)
+    results.add(
+        "requests per bump, half the bumps racing a concurrent writer",
+        f"{requests / max(written, 1):.2f}",
+        "<= 3",
+        requests / max(written, 1) <= 3,
+    )
+
+
+async def scale(
+    tmp: Path, results: Results, canaries: int, cycle: float, cycles: int, healthz: bool
+) -> None:
+    async with fake_server(tmp, canaries, 1000) as (fake, kubeconfig):
+        daemon, ready_in = await start_canaryd(kubeconfig, cycle)
+        try:
+            label = f"{canaries:,} canaries"
+            await asyncio.sleep(1.5 * cycle)  # every canary bumped once and judged once
+            before = await scrape(daemon.url)
+            cpu0, fake0, t0 = cpu_seconds(daemon.pid), cpu_seconds(fake.pid), time.monotonic()
+            await asyncio.sleep(cycles * cycle)
+            cpu1, fake1, t1 = cpu_seconds(daemon.pid), cpu_seconds(fake.pid), time.monotonic()
+            after = await scrape(daemon.url)
+            per_cycle = (cpu1 - cpu0) / ((t1 - t0) / cycle)
+            normalised = per_cycle / 60 * 100
+            written = metric_delta(before, after, "canaryd_bumps_total", 'result="written"')
+            p99, verdicts = lateness_p99(before, after)
+            goal_cpu = "<= 5%" if canaries >= 10_000 else "-"
+            results.add(
+                f"{label}: daemon CPU, normalised to a 60 s cycle",
+                f"{normalised:.1f}% of a core ({per_cycle * 1000 / max(canaries, 1):.2f}"
+                f" ms per canary-cycle)",
+                goal_cpu,
+                normalised <= 5 if canaries >= 10_000 else None,
+            )
+            results.add(
+                f"{label}: bumps written in the window",
+                f"{written:.0f} of {canaries * (t1 - t0) / cycle:.0f} expected",
+                "-",
+                None,
+            )
+            results.add(
+                f"{label}: peak RSS",
+                f"{peak_rss_mb(daemon.pid):.0f} MB",
+                "<= 120 MB" if canaries >= 10_000 else "-",
+                peak_rss_mb(daemon.pid) <= 120 if canaries >= 10_000 else None,
+            )
+            results.add(
+                f"{label}: verdict lateness p99",
+                f"<= {p99:g} s ({verdicts:.0f} verdicts)",
+                "<= 1 s",
+                p99 <= 1,
+            )
+            results.add(
+                f"{label}: start to /readyz 200",
+                f"{ready_in:.2f} s",
+                "<= 5 s" if canaries >= 10_000 else "-",
+                ready_in <= 5 if canaries >= 10_000 else None,
+            )
+            fake_pct = (fake1 - fake0) / (t1 - t0) * 100
+            results.add(
+                f"{label}: fake API server CPU at the {cycle:g} s cycle",
+                f"{fake_pct:.0f}% of a core (daemon: {(cpu1 - cpu0) / (t1 - t0) * 100:.0f}%)",
+                "not the bottleneck",
+                fake_pct < 90,
+            )
+            if healthz:
+                await healthz_latency(daemon.url, results, label)
+        finally:
+            await daemon.stop()
+
+
+async def hammer(url: str, clients: int, seconds: float) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+
+        async def client() -> None:
+            while loop.time() < end:
+                start = time.perf_counter()
+                async with http.get(url) as response:
+                    await response.read()
+                latencies.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    return latencies, len(latencies) / elapsed
+
+
+BARE = """
+import sys
+from aiohttp import web
+async def ok(request):
+    return web.Response(text="OK")
+app = web.Application()
+app.router.add_get("/healthz", ok)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+
+async def healthz_latency(url: str, results: Results, label: str) -> None:
+    port = free_port()
+    bare = await asyncio.create_subprocess_exec(sys.executable, "-c", BARE, str(port))
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{port}/healthz") as response:
+                        if response.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+        latencies, rate = await hammer(url + "/healthz", 20, 5.0)
+        _, bare_rate = await hammer(f"http://127.0.0.1:{port}/healthz", 20, 5.0)
+    finally:
+        bare.send_signal(signal.SIGTERM)
+        await bare.wait()
+    latencies.sort()
+    p50 = statistics.median(latencies) * 1000
+    p99 = latencies[int(len(latencies) * 0.99)] * 1000
+    results.add(
+        f"{label}: /healthz latency, 20 clients",
+        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+        "p99 <= 2 ms",
+        p99 <= 2,
+    )
+    results.add(
+        f"{label}: /healthz throughput vs a bare aiohttp handler",
+        f"{rate:.0f}/s vs {bare_rate:.0f}/s = {rate / bare_rate:.2f}",
+        ">= 0.8",
+        rate / bare_rate >= 0.8,
+    )
+
+
+def machine() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return (
+        f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}"
+    )
+
+
+async def main(quick: bool, output: Path | None) -> int:
+    results = Results()
+    print(f"machine: {machine()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="canaryd-bench-") as name:
+        tmp = Path(name)
+        print("request economy", flush=True)
+        await economy(tmp, results, cycle=1.0, cycles=3 if quick else 5)
+        print("1,000 canaries", flush=True)
+        await scale(tmp, results, 1000, cycle=5.0, cycles=2 if quick else 3, healthz=False)
+        if not quick:
+            print("10,000 canaries", flush=True)
+            await scale(tmp, results, 10_000, cycle=30.0, cycles=2, healthz=True)
+    table = results.table()
+    print("\n" + table)
+    if output is not None:
+        write_report(output, table)
+    return 0 if all(row[3] != "**no**" for row in results.rows) else 1
+
+
+def write_report(output: Path, table: str) -> None:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    output.write_text(PERFORMANCE.format(when=when, machine=machine(), table=table))
+
+
+PERFORMANCE = """# Performance
+
+The latest `make bench` table (bench/bench.py): canaryd as its own process
+against the fake API server in another process, over 127.0.0.1.
+
+Run {when} on {machine}.
+
+{table}
+
+CPU "normalised to a 60 s cycle" is the daemon's CPU per cycle on the shortened
+cycle (the same bumps, watch events and verdicts per cycle) divided by 60 s.
+"""
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--quick", action="store_true", help="skip the 10,000-canary run")
+    parser.add_argument("--output", type=Path, default=None, help="write the table here")
+    arguments = parser.parse_args()
+    sys.exit(asyncio.run(main(arguments.quick, arguments.output)))
