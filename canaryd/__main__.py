@@ -5,13 +5,25 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import structlog
 
 from canaryd import logs
 from canaryd.config import ConfigError, load_settings
 from canaryd.daemon import Daemon
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """On uvloop where it is installed (less CPU per request and watch event), else on
+    asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -23,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     logs.configure(settings.log_format, settings.log_level)
     try:
-        asyncio.run(Daemon(settings).run())
+        run(Daemon(settings).run())
     except ConfigError as err:
         print(f"canaryd: {err}", file=sys.stderr)
         sys.exit(2)

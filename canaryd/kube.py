@@ -11,6 +11,7 @@ only when a proxy is configured in the environment, so proxies still work.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import os
@@ -25,6 +26,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs, metrics
+from canaryd.http1 import Http1Client, ProtocolError
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -158,6 +160,17 @@ def is_canary(obj: Mapping[str, Any], label: str) -> bool:
 # -------------------------------------------------------------------- client
 
 
+_REQUEST_COUNTERS: dict[tuple[str, int | str], Any] = {}
+
+
+def count_request(verb: str, code: int | str) -> None:
+    """canaryd_api_requests_total{verb,code}, with the labelled child looked up once."""
+    child = _REQUEST_COUNTERS.get((verb, code))
+    if child is None:
+        child = _REQUEST_COUNTERS[(verb, code)] = metrics.API_REQUESTS.labels(verb, str(code))
+    child.inc()
+
+
 class KubeClient:
     """The requests canaryd makes, over one aiohttp session."""
 
@@ -175,8 +188,21 @@ class KubeClient:
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
         self._last_authorization: str | None = None
+        ssl_context = self._ssl_context()
+        # The lean client for request/response calls, unless a proxy is in play (then
+        # aiohttp, which speaks to proxies).
+        self._http1: Http1Client | None = None
+        if not trust_env and not self._proxy:
+            self._http1 = Http1Client(
+                self.host,
+                ssl_context=ssl_context if isinstance(ssl_context, ssl.SSLContext) else None,
+                server_hostname=configuration.tls_server_name or None,
+                max_idle=32,
+            )
+        self._base_headers = {"Accept": "application/json", "User-Agent": "canaryd"}
+        self._header_blocks: dict[tuple[str | None, str | None], bytes] = {}
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64, ssl=self._ssl_context()),
+            connector=aiohttp.TCPConnector(limit=64, ssl=ssl_context),
             trust_env=trust_env,
             read_bufsize=2**21,  # a watch line can hold a large object (etcd: 1.5 MiB)
             headers={"Accept": "application/json", "User-Agent": "canaryd"},
@@ -197,6 +223,52 @@ class KubeClient:
 
     async def close(self) -> None:
         await self._session.close()
+        if self._http1 is not None:
+            await self._http1.close()
+
+    def _header_block(self, headers: Mapping[str, str]) -> bytes:
+        """The encoded header lines for this credential and content type, cached (a new
+        token makes a new entry; only the latest few are kept)."""
+        if len(self._header_blocks) >= 8:
+            self._header_blocks.clear()
+        block = Http1Client.header_block({**self._base_headers, **headers})
+        self._header_blocks[(headers.get("authorization"), headers.get("Content-Type"))] = block
+        return block
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        data: str | None,
+        headers: dict[str, str],
+    ) -> tuple[int, bytes, str | None]:
+        """(status, body, Retry-After) over the lean client, or aiohttp with a proxy."""
+        if self._http1 is not None:
+            block = self._header_blocks.get(
+                (headers.get("authorization"), headers.get("Content-Type"))
+            )
+            if block is None:
+                block = self._header_block(headers)
+            async with asyncio.timeout(self._request_timeout.total):
+                response = await self._http1.request(
+                    method,
+                    path,
+                    params=params,
+                    headers=block,
+                    body=data.encode() if data is not None else None,
+                )
+            return response.status, response.body, response.headers.get("retry-after")
+        async with self._session.request(
+            method,
+            self.host + path,
+            params=params,
+            data=data,
+            headers=headers,
+            timeout=self._request_timeout,
+            **self._request_kwargs(),
+        ) as reply:
+            return reply.status, await reply.read(), reply.headers.get("Retry-After")
 
     async def _headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -226,51 +298,52 @@ class KubeClient:
         *,
         params: Mapping[str, str] | None = None,
         body: Any = None,
+        data: str | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         """One request; returns the decoded JSON object or raises KubeError.
 
-        ``verb`` (get, list, patch, ...) labels the request in the metrics.
+        ``verb`` (get, list, patch, ...) labels the request in the metrics; ``data`` is
+        an already serialised JSON body, ``body`` one to serialise.
         """
-        data = json.dumps(body, separators=(",", ":")) if body is not None else None
+        if body is not None:
+            data = json.dumps(body, separators=(",", ":"))
         for attempt in (1, 2):
             headers = await self._headers()
             if data is not None:
                 headers["Content-Type"] = content_type
             try:
-                async with self._session.request(
-                    method,
-                    self.host + path,
-                    params=params,
-                    data=data,
-                    headers=headers,
-                    timeout=self._request_timeout,
-                    **self._request_kwargs(),
-                ) as response:
-                    payload = await response.read()
-                    metrics.API_REQUESTS.labels(verb, str(response.status)).inc()
-                    if response.status == 401 and attempt == 1 and await self._reload_credentials():
-                        continue
-                    if response.status >= 300:
-                        raise error_from_response(
-                            response.status, payload, response.headers.get("Retry-After")
-                        )
-            except (aiohttp.ClientError, TimeoutError, OSError) as err:
-                metrics.API_REQUESTS.labels(verb, "error").inc()
+                status, payload, retry_after = await self._exchange(
+                    method, path, params, data, headers
+                )
+            except (
+                aiohttp.ClientError,
+                TimeoutError,
+                OSError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                ProtocolError,
+            ) as err:
+                count_request(verb, "error")
                 raise error_from_exception(err) from err
+            count_request(verb, status)
+            if status == 401 and attempt == 1 and await self._reload_credentials():
+                continue
+            if status >= 300:
+                raise error_from_response(status, payload, retry_after)
             try:
                 decoded = json.loads(payload)
             except ValueError as err:
                 raise KubeError(
                     ErrorKind.TRANSIENT,
                     "the API server sent a body that is not JSON",
-                    status=response.status,
+                    status=status,
                 ) from err
             if not isinstance(decoded, dict):
                 raise KubeError(
                     ErrorKind.TRANSIENT,
                     "the API server sent JSON that is not an object",
-                    status=response.status,
+                    status=status,
                 )
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
@@ -306,7 +379,7 @@ class KubeClient:
                 timeout=timeout,
                 **self._request_kwargs(),
             ) as response:
-                metrics.API_REQUESTS.labels("watch", str(response.status)).inc()
+                count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials()  # the retry then uses fresh ones
                 if response.status >= 300:
@@ -333,7 +406,7 @@ class KubeClient:
             ) from err
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
             # ValueError: aiohttp's "Line is too long" for a line beyond its buffer.
-            metrics.API_REQUESTS.labels("watch", "error").inc()
+            count_request("watch", "error")
             raise error_from_exception(err) from err
 
 

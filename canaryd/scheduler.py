@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 import random
 import time
 import zlib
@@ -19,13 +20,28 @@ from typing import Any
 
 import structlog
 
-from canaryd import metrics
+from canaryd import logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError, is_canary
 from canaryd.registry import Canary, CanaryState, Registry
 
 log = structlog.get_logger("canaryd.scheduler")
+WRITTEN = metrics.BUMPS.labels("written")
+HEALTHY_VERDICTS = metrics.VERDICTS.labels("healthy")
+UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
+
+
+def bump_body(resource_version: str, nonce: int) -> str:
+    """The merge patch of a bump: the precondition and spec.restartNonce, nothing else.
+
+    Serialised by hand (it is the hot path); ``json.dumps`` quotes the opaque
+    resourceVersion.
+    """
+    return (
+        f'{{"metadata":{{"resourceVersion":{json.dumps(resource_version)}}},'
+        f'"spec":{{"restartNonce":{int(nonce)}}}}}'
+    )
 
 
 class Scheduler:
@@ -121,12 +137,12 @@ class Scheduler:
         metrics.VERDICT_LATENESS.observe(max(0.0, self._clock() - deadline))
         canary.bumped_generation = None
         if canary.generation >= bumped:
-            metrics.VERDICTS.labels("healthy").inc()
+            HEALTHY_VERDICTS.inc()
             self.registry.set_state(
                 canary, CanaryState.HEALTHY, f"generation {bumped} observed in time"
             )
         else:
-            metrics.VERDICTS.labels("unhealthy").inc()
+            UNHEALTHY_VERDICTS.inc()
             reason = (
                 f"generation {bumped} not observed within "
                 f"{self.settings.timeout:g}s (latest observed {canary.generation})"
@@ -144,8 +160,7 @@ class Scheduler:
         timeout = self.settings.timeout
         started = self._clock()
         give_up_at = started + timeout / 2
-        initial = min(self.settings.backoff_initial, timeout / 10)
-        backoff = Backoff(initial, max(initial, self.settings.backoff_max))
+        backoff: Backoff | None = None  # made on the first transient failure only
         path = KINDS[canary.key.kind].object_path(canary.key.namespace, canary.key.name)
         conflicts, reread = 0, False
         while True:
@@ -163,12 +178,12 @@ class Scheduler:
                         return None
                 repairing = canary.nonce_problem
                 nonce = 1 if repairing else canary.nonce + 1
-                body = {
-                    "metadata": {"resourceVersion": canary.resource_version},
-                    "spec": {"restartNonce": nonce},
-                }
                 written = await self.kube.request(
-                    "patch", "PATCH", path, body=body, content_type=MERGE_PATCH
+                    "patch",
+                    "PATCH",
+                    path,
+                    data=bump_body(canary.resource_version, nonce),
+                    content_type=MERGE_PATCH,
                 )
             except KubeError as err:
                 if err.kind is ErrorKind.CONFLICT:
@@ -191,6 +206,11 @@ class Scheduler:
                     metrics.BUMPS.labels("invalid").inc()
                     log.error("bump_rejected", canary=str(canary.key), error=str(err))
                     return self._unknown(canary, started, f"bump rejected: {err}")
+                if backoff is None:
+                    initial = min(self.settings.backoff_initial, timeout / 10)
+                    backoff = Backoff(
+                        initial, max(initial, self.settings.backoff_max), rng=self._rng
+                    )
                 delay = err.retry_after if err.retry_after is not None else backoff.next()
                 if self._clock() + delay > give_up_at:
                     metrics.BUMPS.labels("failed").inc()
@@ -210,7 +230,7 @@ class Scheduler:
         metadata = written.get("metadata") or {}
         generation = metadata.get("generation") if isinstance(metadata, Mapping) else None
         self.registry.refresh(canary, written)
-        metrics.BUMPS.labels("written").inc()
+        WRITTEN.inc()
         if repaired:
             log.warning(
                 "canary_nonce_repaired", canary=str(canary.key), problem=repaired, nonce=nonce
@@ -222,7 +242,8 @@ class Scheduler:
             return now + self.settings.timeout
         deadline = now + self.settings.timeout
         self.registry.record_bump(canary, generation, deadline, time.time())
-        log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)
+        if logs.debug_enabled():
+            log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)
         return deadline
 
     def _unknown(self, canary: Canary, started: float, reason: str) -> float:
