@@ -108,9 +108,7 @@ class Running:
             return found is not None and found.state is state
 
         await self.until(check, f"{kind}/{namespace}/{name} to be {state.value}", within)
-        found = self.canary(name, namespace, kind)
-        assert found is not None
-        return found
+        return self.tracked(name, namespace, kind)
 
     async def until_gone(
         self,

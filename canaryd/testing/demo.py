@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ import yaml
 
 from canaryd.config import parse_duration
 from canaryd.testing.apiserver import FakeKube
+from canaryd.testing.process import canaryd_argv, free_port
 
 SAMPLES = Path(__file__).resolve().parents[2] / "config" / "samples"
 PLURALS = {"FlinkDeployment": "flinkdeployments", "FlinkSessionJob": "flinksessionjobs"}
@@ -168,21 +168,15 @@ class Demo:
                     await self.apply_samples(http, ["default", "team-a"])
                     port = free_port()
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable,
-                        "-m",
-                        "canaryd",
-                        "--kubeconfig",
-                        str(kubeconfig),
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--timeout",
-                        f"{self.timeout}s",
-                        "--log-format",
-                        "console",
-                        "--log-level",
-                        "warning",
+                        *canaryd_argv(
+                            kubeconfig,
+                            port,
+                            self.timeout,
+                            "--log-format",
+                            "console",
+                            "--log-level",
+                            "warning",
+                        ),
                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
                     )
                     url = f"http://127.0.0.1:{port}/healthz?verbose"
@@ -200,13 +194,6 @@ class Demo:
                     code = await proc.wait()
                     self.say(f"canaryd exited with {code}")
         return 0 if code == 0 and not self.failures else 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def main(argv: list[str] | None = None) -> None:
