@@ -150,6 +150,18 @@ async def test_a_missing_crd_is_skipped_with_a_warning(tmp_path, capsys):
     assert "crd_missing" in capsys.readouterr().err
 
 
+async def test_a_label_of_its_own_owns_only_those_canaries(kube, kubeconfig):
+    create_canary(kube, "ours", metadata={"labels": {"example.com/canary": "True"}})
+    create_canary(kube, "operators")  # flink.apache.org/canary: the operator's, not ours
+    async with running_daemon(kube, kubeconfig, label="example.com/canary") as run:
+        await run.until_state(CanaryState.HEALTHY, "ours")
+        await run.until_bumps(2, "ours")
+        assert run.canary("operators") is None
+        assert not kube.requests_for("patch", name="operators")
+        watch = kube.requests_for("watch", "flinkdeployments")[-1]
+        assert watch.query["labelSelector"] == "example.com/canary"
+
+
 # ------------------------------------------------------- namespaces at runtime
 
 
@@ -198,6 +210,29 @@ async def test_namespace_removed_from_the_watched_list_at_runtime_is_dropped(
         )
         run.daemon.reload()
         await run.until_state(CanaryState.HEALTHY, namespace="canary")
+
+
+async def test_the_operator_config_is_re_read_every_check_interval(kube, kubeconfig, tmp_path):
+    kube.create_namespace("canary")
+    create_canary(kube, namespace="canary")
+    conf = tmp_path / "config.yaml"
+    conf.write_text(
+        "kubernetes:\n  operator:\n    watched:\n      namespaces: canary\n"
+        "    dynamic:\n      namespaces:\n        enabled: true\n"
+    )
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        operator_config=conf,
+        namespaces=frozenset({"canary"}),
+        namespaces_from_file=True,
+        dynamic_namespaces=True,
+        config_check_interval=0.2,
+    ) as run:
+        await run.until_tracked(namespace="canary")
+        conf.write_text(conf.read_text().replace("namespaces: canary", "namespaces: default"))
+        await run.until_gone(namespace="canary")  # no SIGHUP: the interval did it
+        assert run.daemon.watcher.namespaces == frozenset({"default"})
 
 
 async def test_unreadable_operator_config_at_runtime_keeps_the_namespaces(
@@ -256,6 +291,8 @@ async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
         await run.until_state(CanaryState.HEALTHY, "b", kind="flinksessionjobs")
         for path in ("/healthz", "/livez", "/"):
             assert await run.get(path) == (200, "OK")
+            async with run.http.get(run.url + path) as response:
+                assert response.content_type == "text/plain"  # as upstream
         status, text = await run.get("/healthz?verbose")
         lines = text.strip().splitlines()
         assert status == 200 and lines[0] == "OK"

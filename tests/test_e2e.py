@@ -80,6 +80,20 @@ async def canaryd() -> AsyncIterator[str]:
             assert await process.wait() == 0
 
 
+async def create_canary(crd: client.CustomObjectsApi, name: str) -> None:
+    await crd.create_namespaced_custom_object(
+        G,
+        V,
+        NAMESPACE,
+        FD,
+        {
+            "apiVersion": f"{G}/{V}",
+            "kind": "FlinkDeployment",
+            "metadata": {"name": name, "labels": {LABEL: "true"}},
+        },
+    )
+
+
 async def health(url: str) -> tuple[int, dict[str, Any]]:
     async with (
         aiohttp.ClientSession() as http,
@@ -104,17 +118,7 @@ async def eventually(check: Any, what: str, within: float = 6 * CYCLE) -> Any:
 
 async def test_metadata_is_kept_and_a_removed_label_stops_the_checks(api):
     crd = client.CustomObjectsApi(api)
-    await crd.create_namespaced_custom_object(
-        G,
-        V,
-        NAMESPACE,
-        FD,
-        {
-            "apiVersion": f"{G}/{V}",
-            "kind": "FlinkDeployment",
-            "metadata": {"name": "canary", "labels": {LABEL: "true"}},
-        },
-    )
+    await create_canary(crd, "canary")
     async with canaryd() as url:
 
         async def healthy() -> bool:
@@ -167,17 +171,7 @@ async def test_metadata_is_kept_and_a_removed_label_stops_the_checks(api):
 
 async def test_a_canary_deleted_without_cleanup_is_dropped_and_health_stays_200(api):
     crd = client.CustomObjectsApi(api)
-    await crd.create_namespaced_custom_object(
-        G,
-        V,
-        NAMESPACE,
-        FD,
-        {
-            "apiVersion": f"{G}/{V}",
-            "kind": "FlinkDeployment",
-            "metadata": {"name": "gone", "labels": {LABEL: "true"}},
-        },
-    )
+    await create_canary(crd, "gone")
     async with canaryd() as url:
 
         async def tracked() -> bool:
