@@ -7,6 +7,7 @@ SIGINT stop everything cleanly; SIGHUP re-reads the operator config file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -149,20 +150,22 @@ class Daemon:
             loop.remove_signal_handler(sig)
 
     async def _follow_operator_config(self) -> None:
-        """Re-read the operator config every check interval and on SIGHUP."""
+        """Re-read the operator config every check interval and on SIGHUP; when it is not
+        followed, only say so on SIGHUP."""
         try:
             while True:
-                try:
-                    async with asyncio.timeout(self.settings.config_check_interval):
-                        await self._reload.wait()
-                except TimeoutError:
-                    pass
+                if self.follows_operator_config:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.settings.config_check_interval):
+                            await self._reload.wait()
+                else:
+                    await self._reload.wait()
                 self._reload.clear()
                 if not self.follows_operator_config:
                     log.info(
-                        "operator_config_not_followed",
-                        why="namespaces come from a flag or WATCH_NAMESPACES, or "
-                        "dynamic namespaces are off",
+                        "sighup_ignored",
+                        why="the watched namespaces come from a flag or WATCH_NAMESPACES, "
+                        "or dynamic namespaces are off",
                     )
                     continue
                 self.apply_operator_config()

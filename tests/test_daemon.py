@@ -535,3 +535,15 @@ async def test_a_rotated_token_is_picked_up_from_the_kubeconfig_on_401(kube, kub
             "a watch refused",
         )
         await run.until(lambda: len(kube.watchers) == 3, "all three watches open again")
+
+
+async def test_sighup_without_a_followed_operator_config_is_ignored_and_logged(
+    kube, kubeconfig, capsys
+):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        run.daemon.reload()
+        await run.until_bumps(len(run.bumps()) + 1)
+        assert run.tracked().state is CanaryState.HEALTHY
+    assert "sighup_ignored" in capsys.readouterr().err
