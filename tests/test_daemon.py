@@ -547,3 +547,35 @@ async def test_sighup_without_a_followed_operator_config_is_ignored_and_logged(
         await run.until_bumps(len(run.bumps()) + 1)
         assert run.tracked().state is CanaryState.HEALTHY
     assert "sighup_ignored" in capsys.readouterr().err
+
+
+async def test_a_released_watch_backlog_does_not_make_bumps_conflict(kube, kubeconfig):
+    """Older copies replayed by a watch that catches up must not replace the newer
+    resourceVersion canaryd got from its own writes: no 409 storm after recovery."""
+    for i in range(5):
+        create_canary(kube, f"c{i}")
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        for i in range(5):
+            await run.until_state(CanaryState.HEALTHY, f"c{i}")
+        kube.hold_watch_events()
+        for i in range(5):
+            await run.until_state(CanaryState.UNHEALTHY, f"c{i}")
+        released_at = len(kube.requests)
+        kube.release_watch_events()
+        for i in range(5):
+            await run.until_state(CanaryState.HEALTHY, f"c{i}")
+        await run.until(
+            lambda: all(
+                sum(
+                    1
+                    for r in kube.requests[released_at:]
+                    if r.verb == "patch" and r.name == f"c{i}" and r.status == 200
+                )
+                >= 2
+                for i in range(5)
+            ),
+            "two more bumps of each",
+        )
+        after = kube.requests[released_at:]
+        assert [r.name for r in after if r.verb == "patch" and r.status == 409] == []
+        assert [r.name for r in after if r.verb == "get"] == []
