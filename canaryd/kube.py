@@ -441,8 +441,11 @@ async def load_configuration(
     return configuration, reload
 
 
-async def discover_kinds(kube: KubeClient, wanted: tuple[str, ...]) -> list[Kind]:
-    """The wanted kinds whose CRD is installed; a missing one is skipped with a warning."""
+async def discover_kinds(
+    kube: KubeClient, wanted: tuple[str, ...], *, quiet: bool = False
+) -> list[Kind]:
+    """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
+    (at debug level when ``quiet``, for the periodic re-discovery)."""
     try:
         found = await kube.request("get", "GET", f"/apis/{FLINK_GROUP}/{FLINK_VERSION}")
         served = {r.get("name") for r in found.get("resources") or [] if isinstance(r, dict)}
@@ -455,7 +458,7 @@ async def discover_kinds(kube: KubeClient, wanted: tuple[str, ...]) -> list[Kind
         if plural in served:
             kinds.append(KINDS[plural])
         else:
-            log.warning(
+            (log.debug if quiet else log.warning)(
                 "crd_missing",
                 kind=plural,
                 group=f"{FLINK_GROUP}/{FLINK_VERSION}",

@@ -225,7 +225,7 @@ class Watcher:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
-                await asyncio.Event().wait()  # until cancelled at shutdown
+                await self._rediscover()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
             raise
@@ -245,6 +245,33 @@ class Watcher:
                 continue
             log.info("discovered", kinds=[k.plural for k in kinds])
             return kinds
+
+    async def _rediscover(self) -> None:
+        """Every check interval, look again at which Flink CRDs are served: a CRD installed
+        after canaryd started gets its watches; a removed one loses them."""
+        while True:
+            await asyncio.sleep(self.settings.config_check_interval)
+            try:
+                kinds = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+            except KubeError as err:
+                log.warning(
+                    "rediscovery_failed", error=str(err), keeping=[k.plural for k in self.kinds]
+                )
+                continue
+            if kinds != self.kinds:
+                log.info(
+                    "kinds_changed",
+                    was=[k.plural for k in self.kinds],
+                    now=[k.plural for k in kinds],
+                )
+                removed = {k.plural for k in self.kinds} - {k.plural for k in kinds}
+                self.registry.forget_where(
+                    lambda key, gone=removed: key.kind in gone,  # type: ignore[misc]
+                    "gone",
+                    "its CRD is no longer served",
+                )
+                self.kinds = kinds
+                self._reconcile()
 
     # ----------------------------------------------------------- namespaces
 

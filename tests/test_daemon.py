@@ -162,6 +162,27 @@ async def test_a_label_of_its_own_owns_only_those_canaries(kube, kubeconfig):
         assert watch.query["labelSelector"] == "example.com/canary"
 
 
+async def test_a_crd_installed_or_removed_later_is_followed(tmp_path):
+    from canaryd.testing.apiserver import FLINK_DEPLOYMENTS as FD
+    from canaryd.testing.apiserver import FLINK_SESSION_JOBS as SJ
+
+    kube = FakeKube(crds=[FD])
+    async with kube.running():
+        kube.create_namespace("default")
+        config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+        async with running_daemon(kube, config, config_check_interval=0.2) as run:
+            await run.until(lambda: run.daemon.watcher.ready, "readiness")
+            kube.install_crd(SJ)
+            create_canary(kube, "job", kind="flinksessionjobs")
+            await run.until_state(CanaryState.HEALTHY, "job", kind="flinksessionjobs")
+            kube.remove_crd("flinksessionjobs")
+            await run.until_gone("job", kind="flinksessionjobs")
+            await run.until(
+                lambda: [k.plural for k in run.daemon.watcher.kinds] == ["flinkdeployments"],
+                "the kind to be dropped",
+            )
+
+
 # ------------------------------------------------------- namespaces at runtime
 
 

@@ -423,6 +423,17 @@ class FakeKube:
         self.rbac_denies.append(rule)
         return rule
 
+    def install_crd(self, rtype: ResourceType) -> None:
+        """A CRD installed while clients run: discovery and its paths serve it from now."""
+        self.types[rtype.plural] = rtype
+        self.objects.setdefault(rtype.plural, {})
+
+    def remove_crd(self, plural: str) -> None:
+        """The CRD and every object of it go (its paths answer 404)."""
+        self.close_watches()
+        self.types.pop(plural, None)
+        self.objects.pop(plural, None)
+
     def hold_watch_events(self) -> None:
         """Stop delivering watch events and bookmarks (a stuck delivery path)."""
         self._delivery.clear()
