@@ -172,7 +172,8 @@ def count_request(verb: str, code: int | str) -> None:
 
 
 class KubeClient:
-    """The requests canaryd makes, over one aiohttp session."""
+    """The requests canaryd makes: single-object calls over the lean HTTP/1.1 client,
+    watches (and everything, when a proxy is configured) over one aiohttp session."""
 
     def __init__(
         self,
@@ -205,7 +206,7 @@ class KubeClient:
             connector=aiohttp.TCPConnector(limit=64, ssl=ssl_context),
             trust_env=trust_env,
             read_bufsize=2**21,  # a watch line can hold a large object (etcd: 1.5 MiB)
-            headers={"Accept": "application/json", "User-Agent": "canaryd"},
+            headers=self._base_headers,
         )
 
     def _ssl_context(self) -> ssl.SSLContext | bool:
@@ -227,12 +228,16 @@ class KubeClient:
             await self._http1.close()
 
     def _header_block(self, headers: Mapping[str, str]) -> bytes:
-        """The encoded header lines for this credential and content type, cached (a new
+        """The encoded header lines for this credential and content type, made once (a new
         token makes a new entry; only the latest few are kept)."""
-        if len(self._header_blocks) >= 8:
-            self._header_blocks.clear()
-        block = Http1Client.header_block({**self._base_headers, **headers})
-        self._header_blocks[(headers.get("authorization"), headers.get("Content-Type"))] = block
+        key = (headers.get("authorization"), headers.get("Content-Type"))
+        block = self._header_blocks.get(key)
+        if block is None:
+            if len(self._header_blocks) >= 8:
+                self._header_blocks.clear()
+            block = self._header_blocks[key] = Http1Client.header_block(
+                {**self._base_headers, **headers}
+            )
         return block
 
     async def _exchange(
@@ -245,11 +250,7 @@ class KubeClient:
     ) -> tuple[int, bytes, str | None]:
         """(status, body, Retry-After) over the lean client, or aiohttp with a proxy."""
         if self._http1 is not None:
-            block = self._header_blocks.get(
-                (headers.get("authorization"), headers.get("Content-Type"))
-            )
-            if block is None:
-                block = self._header_block(headers)
+            block = self._header_block(headers)
             async with asyncio.timeout(self._request_timeout.total):
                 response = await self._http1.request(
                     method,

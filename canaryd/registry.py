@@ -161,14 +161,9 @@ class Registry:
             log.warning("object_without_name", kind=kind)
             return
         key = CanaryKey(kind, namespace, name)
-        if namespace in self.closed_namespaces:
-            self.forget(key, "namespace_closed", "its namespace is being deleted")
-            return
-        if not is_canary(obj, self.label):
-            self.forget(key, "not_canary", f"label {self.label} is no longer true")
-            return
-        if metadata.get("deletionTimestamp"):
-            self.forget(key, "being_deleted", "deletionTimestamp is set")
+        why_not = self._not_a_tracked_canary(namespace, obj)
+        if why_not is not None:
+            self.forget(key, *why_not)
             return
         uid = str(metadata.get("uid") or "")
         nonce, problem = read_nonce(obj)
@@ -202,6 +197,32 @@ class Registry:
         existing.generation = _generation(metadata)
         existing.nonce, existing.nonce_problem = nonce, problem
         self._changed()
+
+    def _not_a_tracked_canary(
+        self, namespace: str, obj: Mapping[str, Any]
+    ) -> tuple[str, str] | None:
+        """Why a copy is not (or no longer) a canary canaryd tracks: (cause, detail)."""
+        if namespace in self.closed_namespaces:
+            return "namespace_closed", "its namespace is being deleted"
+        if not is_canary(obj, self.label):
+            return "not_canary", f"label {self.label} is no longer true"
+        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return "being_deleted", "deletionTimestamp is set"
+        return None
+
+    def reread(self, canary: Canary, obj: Mapping[str, Any]) -> bool:
+        """A fresh copy the scheduler read after a conflict. True: still the canary it
+        owns, refreshed; False: dropped (no longer a canary, or replaced by a new object)."""
+        if not self.owns(canary):
+            return False
+        why_not = self._not_a_tracked_canary(canary.key.namespace, obj)
+        if why_not is None and str((obj.get("metadata") or {}).get("uid") or "") != canary.uid:
+            why_not = ("replaced", "a new object of the same name replaced it")
+        if why_not is not None:
+            self.forget(canary.key, *why_not)
+            return False
+        self.refresh(canary, obj)
+        return True
 
     def refresh(self, canary: Canary, obj: Mapping[str, Any]) -> None:
         """A copy the scheduler read or wrote: resourceVersion and nonce, never generation.

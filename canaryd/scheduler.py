@@ -23,7 +23,7 @@ import structlog
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
-from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError, is_canary
+from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError
 from canaryd.registry import Canary, CanaryState, Registry
 
 log = structlog.get_logger("canaryd.scheduler")
@@ -118,9 +118,7 @@ class Scheduler:
             # A bug must not stop the scheduler: say so, count it, try next cycle.
             metrics.ERRORS.labels("scheduler").inc()
             log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            canary.bumped_generation = None
-            self.registry.set_state(canary, CanaryState.UNKNOWN, "internal error; see logs")
-            next_due = self._clock() + self.settings.timeout
+            next_due = self._unknown(canary, self._clock(), "internal error; see logs")
         finally:
             slots.release()
         if next_due is not None and self.registry.owns(canary):
@@ -169,13 +167,10 @@ class Scheduler:
             try:
                 if reread:
                     fresh = await self.kube.request("get", "GET", path)
-                    if not self._still_ours(canary, fresh):
+                    if not self.registry.reread(canary, fresh):
                         metrics.BUMPS.labels("not_canary").inc()
                         return None
-                    self.registry.refresh(canary, fresh)
                     reread = False
-                    if not self.registry.owns(canary):
-                        return None
                 repairing = canary.nonce_problem
                 nonce = 1 if repairing else canary.nonce + 1
                 written = await self.kube.request(
@@ -250,23 +245,3 @@ class Scheduler:
         canary.bumped_generation = None
         self.registry.set_state(canary, CanaryState.UNKNOWN, reason)
         return started + self.settings.timeout
-
-    def _still_ours(self, canary: Canary, fresh: Mapping[str, Any]) -> bool:
-        """After a conflict: is the fresh copy still the canary we own?"""
-        metadata = fresh.get("metadata") or {}
-        key = canary.key
-        if str(metadata.get("uid") or "") != canary.uid:
-            self.registry.forget(key, "replaced", "a new object of the same name replaced it")
-            return False
-        if not is_canary(fresh, self.registry.label):
-            self.registry.forget(
-                key, "not_canary", f"label {self.registry.label} is no longer true"
-            )
-            return False
-        if metadata.get("deletionTimestamp"):
-            self.registry.forget(key, "being_deleted", "deletionTimestamp is set")
-            return False
-        if key.namespace in self.registry.closed_namespaces:
-            self.registry.forget(key, "namespace_closed", "its namespace is being deleted")
-            return False
-        return True

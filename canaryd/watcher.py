@@ -259,19 +259,16 @@ class Watcher:
                 )
                 continue
             if kinds != self.kinds:
-                log.info(
-                    "kinds_changed",
-                    was=[k.plural for k in self.kinds],
-                    now=[k.plural for k in kinds],
-                )
-                removed = {k.plural for k in self.kinds} - {k.plural for k in kinds}
-                self.registry.forget_where(
-                    lambda key, gone=removed: key.kind in gone,  # type: ignore[misc]
-                    "gone",
-                    "its CRD is no longer served",
-                )
-                self.kinds = kinds
-                self._reconcile()
+                self._follow_kinds(kinds)
+
+    def _follow_kinds(self, kinds: list[Kind]) -> None:
+        log.info("kinds_changed", was=[k.plural for k in self.kinds], now=[k.plural for k in kinds])
+        removed = {k.plural for k in self.kinds} - {k.plural for k in kinds}
+        self.registry.forget_where(
+            lambda key: key.kind in removed, "gone", "its CRD is no longer served"
+        )
+        self.kinds = kinds
+        self._reconcile()
 
     # ----------------------------------------------------------- namespaces
 

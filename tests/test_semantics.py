@@ -147,6 +147,32 @@ async def test_409_conflict_rereads_and_retries_on_the_fresh_copy(kube, kubeconf
         assert set(await health.stop()) == {200}
 
 
+async def test_409_conflict_rechecks_the_fresh_copy_and_drops_a_canary_that_lost_its_label(
+    kube, kubeconfig
+):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_bumps(1)
+
+        # The label goes just before the next bump; its watch event is held back, so only
+        # the GET after the 409 can tell canaryd.
+        def remove_label() -> None:
+            kube.hold_watch_events()
+            add_label(kube, LABEL, None)
+
+        kube.inject(Fault(verb="patch", name="canary", code=0, action=remove_label))
+        await run.until_gone()
+        patches = kube.requests_for("patch", name="canary")
+        assert patches[-1].status == 409  # the last write: refused, and never retried
+        assert kube.requests_for("get", name="canary")[-1].at > patches[-1].at
+        kube.release_watch_events()
+        create_canary(kube, "other")
+        await run.until_bumps(2, name="other")
+        assert kube.requests_for("patch", name="canary") == patches
+        assert LABEL not in kube.get("flinkdeployments", "default", "canary")["metadata"]["labels"]
+        assert await run.get("/healthz") == (200, "OK")
+
+
 async def test_409_conflict_retries_are_bounded_and_give_no_verdict(kube, kubeconfig):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig, max_conflict_retries=2) as run:
