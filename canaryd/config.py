@@ -74,19 +74,62 @@ class Settings:
     """Base server-side watch timeout; each watch asks for 1 to 2 times this
     (client-go: 5 to 10 min)."""
     watch_idle_timeout: float = 180.0
-    """A watch that delivers nothing (not even a bookmark) for this long is replaced."""
-    request_timeout: float = 10.0
-    """Timeout of one API request (not watches)."""
+    """A watch that delivers nothing (not even a bookmark) for this long is replaced.
+    Not derived from the cycle: it must outlast the API server's bookmark interval
+    (kube-apiserver's watch cache sends one about every minute)."""
+    list_timeout: float = 60.0
+    """Timeout of one list: its cost grows with the number of canaries, not the cycle
+    (kube-apiserver's own default request timeout is 60 s)."""
     max_conflict_retries: int = 3
     """How many times a bump is retried on a fresh copy after 409 Conflict."""
     max_concurrent_bumps: int = 16
     """Bumps in flight at once."""
-    backoff_initial: float = 0.8
-    """First retry delay of a watch or a failed write (client-go: 800 ms)."""
-    backoff_max: float = 30.0
-    """Cap of the retry delay (client-go: 30 s)."""
-    forbidden_retry: float = 60.0
-    """Retry delay of a watch answered 403 (the namespace is not ours, perhaps for now)."""
+
+    # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
+    # of the cycle, so that no delay of canaryd's own outlasts the window it works in
+    # (DESIGN: no watch or list backoff exceeds a quarter of the cycle). Tests shorten
+    # the cycle and get these exactly as a user would.
+
+    @property
+    def request_timeout(self) -> float:
+        """One bump or re-read: 10 s, at most half the cycle (the bump's retry window)."""
+        return min(10.0, self.timeout / 2)
+
+    @property
+    def connect_timeout(self) -> float:
+        """Establishing a connection, a watch's too (a black-holed address fails here,
+        not after the OS's two minutes): 5 s, at most the request timeout."""
+        return min(5.0, self.request_timeout)
+
+    @property
+    def backoff_initial(self) -> float:
+        """First delay after a failure in a row: client-go's 800 ms, at most a
+        twentieth of the cycle."""
+        return min(0.8, self.timeout / 20)
+
+    @property
+    def backoff_max(self) -> float:
+        """Cap of every watch, list and write backoff: client-go's 30 s, at most a
+        quarter of the cycle."""
+        return min(30.0, self.timeout / 4)
+
+    @property
+    def forbidden_retry(self) -> float:
+        """Retry delay of a watch answered 403 (not ours, perhaps for now): once a cycle,
+        at most a minute."""
+        return min(60.0, self.timeout)
+
+    @property
+    def short_watch(self) -> float:
+        """A watch that ends sooner than this with no event failed (client-go: 1 s):
+        it backs off instead of reopening at once."""
+        return min(1.0, self.timeout / 4)
+
+    @property
+    def resume_grace(self) -> float:
+        """After a watch resumes, how long a deferred verdict waits for the replayed
+        events before it is judged: a quarter of the cycle."""
+        return self.timeout / 4
 
     @property
     def all_namespaces(self) -> bool:
@@ -161,10 +204,14 @@ CONFIG_FILE_NAMES = ("config.yaml", "flink-conf.yaml")
 def operator_config_file(path: Path) -> Path:
     """The file itself, or in a directory (the operator's /opt/flink/conf) its
     config.yaml, else its flink-conf.yaml."""
-    if path.is_dir():
-        for name in CONFIG_FILE_NAMES:
-            if (path / name).is_file():
-                return path / name
+    try:
+        is_dir = path.is_dir()
+        found = [path / name for name in CONFIG_FILE_NAMES if is_dir and (path / name).is_file()]
+    except OSError as err:  # PermissionError on a directory canaryd may not search
+        raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
+    if is_dir:
+        if found:
+            return found[0]
         raise ConfigError(
             f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
         )
@@ -175,9 +222,14 @@ def read_operator_config(path: Path) -> dict[str, Any]:
     """Read flink-conf.yaml (flat keys) or config.yaml (nested keys) into flat keys."""
     path = operator_config_file(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"operator config {path} is not UTF-8 text (byte {err.start}: "
+            f"{err.object[err.start : err.start + 1]!r})"
+        ) from err
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from canaryd import logs, metrics
+from canaryd.backoff import Backoff
 from canaryd.config import (
     ConfigError,
     Settings,
@@ -48,6 +50,7 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.notifier = Notifier()
         self._tasks: list[asyncio.Task[None]] = []
+        self._config_problem: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,11 +83,16 @@ class Daemon:
             detail = logs.scrub(str(err)) or type(err).__name__
             raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
         logs.register_secret(configuration.api_key.get("BearerToken"))
-        kube = KubeClient(configuration, request_timeout=settings.request_timeout, reload=reload)
+        kube = KubeClient(
+            configuration,
+            request_timeout=settings.request_timeout,
+            connect_timeout=settings.connect_timeout,
+            reload=reload,
+        )
         try:
             self.watcher = Watcher(settings, self.registry, kube)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
-            self.server = HealthServer(settings, self.registry, self._ready)
+            self.server = HealthServer(settings, self.registry, self._not_ready)
             try:
                 await self.server.start()
             except OSError as err:
@@ -104,11 +112,11 @@ class Daemon:
             try:
                 async with asyncio.TaskGroup() as group:
                     self._tasks = [
-                        group.create_task(self.watcher.run(), name="watcher"),
-                        group.create_task(scheduler.run(), name="scheduler"),
+                        group.create_task(self._supervise("watcher", self.watcher.run)),
+                        group.create_task(self._supervise("scheduler", scheduler.run)),
                         group.create_task(self.server.run(), name="health-server"),
                     ]
-                    group.create_task(self._follow_operator_config(), name="config")
+                    group.create_task(self._supervise("config", self._follow_operator_config))
                     group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                     group.create_task(self._until_stopped(), name="shutdown")
                     self.started.set()
@@ -119,8 +127,34 @@ class Daemon:
             self._remove_signals()
             await kube.close()
 
+    async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run a long-lived task for as long as the daemon runs: a bug that escapes it is
+        logged, counted and followed by a restart with backoff, and never takes the
+        health server (or the other tasks) down with it."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.set_name(name)
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
+        while True:
+            try:
+                await run()
+                why = "returned"
+            except Exception as err:
+                why = type(err).__name__
+                log.exception("task_failed", task=name)
+            metrics.ERRORS.labels(f"task_{name}").inc()
+            delay = backoff.next()
+            log.error("task_restarting", task=name, why=why, restart_in=round(delay, 3))
+            await asyncio.sleep(delay)
+
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready
+
+    def _not_ready(self) -> list[str] | None:
+        """Why /readyz fails: the scopes not listed or not connected; None when ready."""
+        if self.watcher is None or not self.watcher.discovered.is_set():
+            return ["discovery"]
+        return self.watcher.not_ready() or None
 
     def stuck(self) -> str | None:
         """Why the daemon is not making progress, or None when it is (the watchdog)."""
@@ -180,12 +214,17 @@ class Daemon:
             namespaces, _ = namespaces_from_operator_config(read_operator_config(path))
         except ConfigError as err:
             metrics.CONFIG_RELOADS.labels("failed").inc()
-            log.error(
-                "operator_config_reload_failed",
-                error=str(err),
-                keeping=sorted(self.watcher.namespaces or ()) or "all",
-            )
+            if str(err) != self._config_problem:  # once per problem, not per check
+                self._config_problem = str(err)
+                log.error(
+                    "operator_config_reload_failed",
+                    error=str(err),
+                    keeping=sorted(self.watcher.namespaces or ()) or "all",
+                )
             return
+        if self._config_problem is not None:
+            log.info("operator_config_readable_again", was=self._config_problem)
+            self._config_problem = None
         changed = namespaces != self.watcher.namespaces
         metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
         self.watcher.set_namespaces(namespaces)

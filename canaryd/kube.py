@@ -19,6 +19,7 @@ import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import structlog
@@ -55,10 +56,15 @@ class Kind:
     def collection_path(self, namespace: str | None) -> str:
         if namespace is None:
             return f"/apis/{self.group}/{self.version}/{self.plural}"
-        return f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}"
+        return f"/apis/{self.group}/{self.version}/namespaces/{segment(namespace)}/{self.plural}"
 
     def object_path(self, namespace: str, name: str) -> str:
-        return f"{self.collection_path(namespace)}/{name}"
+        return f"{self.collection_path(namespace)}/{segment(name)}"
+
+
+def segment(value: str) -> str:
+    """One path segment, percent-encoded: a name never adds a segment or a query."""
+    return quote(value, safe="")
 
 
 KINDS = {
@@ -143,18 +149,12 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> Ku
     )
 
 
-def error_from_exception(err: BaseException) -> KubeError:
-    """Transport failures (timeouts, resets, refused connections) are transient."""
+def error_from_exception(err: BaseException, reason: str = "ConnectionError") -> KubeError:
+    """Transport failures (timeouts, resets, refused connections, a malformed answer)
+    and credential failures are transient: the next attempt may well work."""
     name = type(err).__name__
-    text = str(err) or name
-    return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason="ConnectionError")
-
-
-def is_canary(obj: Mapping[str, Any], label: str) -> bool:
-    """The upstream test: the label's value equals ``true``, ignoring case."""
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    value = labels.get(label) if isinstance(labels, Mapping) else None
-    return isinstance(value, str) and value.lower() == "true"
+    text = logs.scrub(str(err)) or name
+    return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason=reason)
 
 
 # -------------------------------------------------------------------- client
@@ -180,12 +180,14 @@ class KubeClient:
         configuration: k8s_client.Configuration,
         *,
         request_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
         reload: Any = None,
     ) -> None:
         self._config = configuration
         self._reload = reload
         self.host = str(configuration.host).rstrip("/")
-        self._request_timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._request_timeout = request_timeout
+        self._connect_timeout = min(connect_timeout, request_timeout)
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
         self._last_authorization: str | None = None
@@ -202,8 +204,18 @@ class KubeClient:
             )
         self._base_headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         self._header_blocks: dict[tuple[str | None, str | None], bytes] = {}
+        # Request/response calls when a proxy is in play. Bounded: a request that cannot
+        # get a connection in time fails (ClientTimeout.connect covers the pool wait).
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64, ssl=ssl_context),
+            trust_env=trust_env,
+            headers=self._base_headers,
+        )
+        # Watches, each holding its connection for minutes: a pool of their own with no
+        # limit, so that every scope always gets one however many namespaces are watched
+        # and no watch ever waits behind another, or behind a bump.
+        self._watch_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context),
             trust_env=trust_env,
             read_bufsize=2**21,  # a watch line can hold a large object (etcd: 1.5 MiB)
             headers=self._base_headers,
@@ -224,6 +236,7 @@ class KubeClient:
 
     async def close(self) -> None:
         await self._session.close()
+        await self._watch_session.close()
         if self._http1 is not None:
             await self._http1.close()
 
@@ -247,11 +260,12 @@ class KubeClient:
         params: Mapping[str, str] | None,
         data: str | None,
         headers: dict[str, str],
+        time_limit: float,
     ) -> tuple[int, bytes, str | None]:
         """(status, body, Retry-After) over the lean client, or aiohttp with a proxy."""
         if self._http1 is not None:
             block = self._header_block(headers)
-            async with asyncio.timeout(self._request_timeout.total):
+            async with asyncio.timeout(time_limit):
                 response = await self._http1.request(
                     method,
                     path,
@@ -266,15 +280,25 @@ class KubeClient:
             params=params,
             data=data,
             headers=headers,
-            timeout=self._request_timeout,
+            timeout=aiohttp.ClientTimeout(total=time_limit, connect=self._connect_timeout),
             **self._request_kwargs(),
         ) as reply:
             return reply.status, await reply.read(), reply.headers.get("Retry-After")
 
     async def _headers(self) -> dict[str, str]:
+        """The credential headers. Raises KubeError (transient) when they cannot be had:
+        kubernetes-asyncio's in-cluster refresh hook raises ConfigException ("Token file
+        exists but empty") or FileNotFoundError while the kubelet rotates the token."""
+        try:
+            return self._credential_headers(await self._config.auth_settings())
+        except Exception as err:  # any loader failure; the next try may work
+            metrics.ERRORS.labels("credentials").inc()
+            raise error_from_exception(err, "Credentials") from err
+
+    def _credential_headers(self, settings: Mapping[str, Any]) -> dict[str, str]:
         headers: dict[str, str] = {}
-        # auth_settings() calls the token refresh hook (in-cluster token rotation).
-        for setting in (await self._config.auth_settings()).values():
+        # auth_settings() called the token refresh hook (in-cluster token rotation).
+        for setting in settings.values():
             if setting.get("in") == "header" and setting.get("value"):
                 headers[str(setting["key"])] = str(setting["value"])
         authorization = headers.get("authorization")
@@ -301,11 +325,14 @@ class KubeClient:
         body: Any = None,
         data: str | None = None,
         content_type: str = "application/json",
+        time_limit: float | None = None,
     ) -> dict[str, Any]:
-        """One request; returns the decoded JSON object or raises KubeError.
+        """One request; returns the decoded JSON object or raises KubeError, whatever
+        went wrong: this is the Kubernetes boundary.
 
         ``verb`` (get, list, patch, ...) labels the request in the metrics; ``data`` is
-        an already serialised JSON body, ``body`` one to serialise.
+        an already serialised JSON body, ``body`` one to serialise; ``time_limit``
+        replaces the request timeout (lists).
         """
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
@@ -315,7 +342,7 @@ class KubeClient:
                 headers["Content-Type"] = content_type
             try:
                 status, payload, retry_after = await self._exchange(
-                    method, path, params, data, headers
+                    method, path, params, data, headers, time_limit or self._request_timeout
                 )
             except (
                 aiohttp.ClientError,
@@ -327,6 +354,11 @@ class KubeClient:
             ) as err:
                 count_request(verb, "error")
                 raise error_from_exception(err) from err
+            except Exception as err:  # the boundary: all else is a KubeError
+                count_request(verb, "error")
+                metrics.ERRORS.labels("request").inc()
+                log.warning("request_failed_unexpectedly", verb=verb, error=type(err).__name__)
+                raise error_from_exception(err, "ClientError") from err
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials():
                 continue
@@ -362,18 +394,30 @@ class KubeClient:
         return True
 
     async def watch(
-        self, path: str, params: Mapping[str, str], *, idle_timeout: float
+        self,
+        path: str,
+        params: Mapping[str, str],
+        *,
+        idle_timeout: float,
+        on_connected: Any = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield decoded watch events; ends when the server ends the stream.
 
-        Raises KubeError (TRANSIENT, reason ``Idle``) when nothing, not even a bookmark,
-        arrives for ``idle_timeout`` seconds: a silently dead connection.
+        ``on_connected()`` is called once the server answered 200. Raises KubeError
+        (TRANSIENT, reason ``Idle``) when nothing, not even a bookmark, arrives for
+        ``idle_timeout`` seconds: a silently dead connection; and KubeError for
+        anything else that goes wrong.
         """
         query = {**params, "watch": "true"}
         headers = await self._headers()
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_read=idle_timeout,
+            connect=self._connect_timeout,
+            sock_connect=self._connect_timeout,
+        )
         try:
-            async with self._session.get(
+            async with self._watch_session.get(
                 self.host + path,
                 params=query,
                 headers=headers,
@@ -387,6 +431,8 @@ class KubeClient:
                     raise error_from_response(
                         response.status, await response.read(), response.headers.get("Retry-After")
                     )
+                if on_connected is not None:
+                    on_connected()
                 async for line in response.content:
                     if not line.strip():
                         continue
@@ -409,6 +455,13 @@ class KubeClient:
             # ValueError: aiohttp's "Line is too long" for a line beyond its buffer.
             count_request("watch", "error")
             raise error_from_exception(err) from err
+        except KubeError:
+            raise
+        except Exception as err:  # the boundary: all else is a KubeError
+            count_request("watch", "error")
+            metrics.ERRORS.labels("watch_request").inc()
+            log.warning("watch_failed_unexpectedly", path=path, error=type(err).__name__)
+            raise error_from_exception(err, "ClientError") from err
 
 
 # --------------------------------------------------------------- credentials

@@ -16,11 +16,25 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.kube import is_canary
 
 log = structlog.get_logger("canaryd.registry")
 
 INT64_MAX = 2**63 - 1
+ScopeKey = tuple[str, str | None]
+"""(kind plural, namespace) of one canary watch; namespace None: cluster-wide."""
+
+
+def is_canary(obj: Mapping[str, Any], label: str) -> bool:
+    """The upstream test: the label's value equals ``true``, ignoring case."""
+    metadata = obj.get("metadata")
+    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
+    value = labels.get(label) if isinstance(labels, Mapping) else None
+    return isinstance(value, str) and value.lower() == "true"
+
+
+def one_line(text: str) -> str:
+    """A reason as one line (an API error's message may hold newlines)."""
+    return " ".join(text.split())
 
 
 class CanaryState(enum.Enum):
@@ -63,6 +77,13 @@ class Canary:
     """Monotonic time at which that bump is judged."""
     last_bump_at: float | None = None
     """Wall-clock time of the last successful bump."""
+    deferred_until: float | None = None
+    """Set while the verdict on ``bumped_generation`` waits for its watch to resume:
+    the monotonic time by which it is judged whatever the watch does."""
+    due_seq: int = -1
+    """The scheduler's token for this canary's one live heap entry."""
+    write_problem: str | None = None
+    """The last failed write's cause, to warn once per change rather than per cycle."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -79,6 +100,8 @@ def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         return 0, f"spec.restartNonce is {value!r}, not an integer"
+    if value == INT64_MAX:
+        return 0, f"spec.restartNonce {value} is the largest 64-bit integer; it cannot grow"
     if not -INT64_MAX - 1 <= value < INT64_MAX:
         return 0, f"spec.restartNonce {value} does not fit in a 64-bit integer"
     return value, None
@@ -96,6 +119,11 @@ class Registry:
         self._counts: Counter[CanaryState] = Counter()
         self.closed_namespaces: set[str] = set()
         """Namespaces being deleted: their canaries are not tracked."""
+        self._unsynced: dict[ScopeKey, float] = {}
+        """Watch scopes not resumed since they dropped (monotonic time of the drop):
+        the registry may be behind the cluster there through no fault of the cluster."""
+        self.on_resumed: Callable[[ScopeKey], None] = lambda scope: None
+        """The scheduler's hook: a scope's watch resumed; judge what waited for it."""
         self.on_added: Callable[[Canary], None] = lambda canary: None
         """The scheduler's hook: a canary started being tracked."""
         self.listeners: list[Callable[[], None]] = []
@@ -132,9 +160,36 @@ class Registry:
         for listener in self.listeners:
             listener()
 
+    # ------------------------------------------------------------ watch scopes
+
+    def scope_down(self, scope: ScopeKey, since: float) -> None:
+        """The scope's stream dropped: until it resumes, what it did not deliver is
+        canaryd's own delay, not the cluster's."""
+        self._unsynced.setdefault(scope, since)
+
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        """The resumed stream's first event or bookmark arrived, or a relist finished."""
+        if self._unsynced.pop(scope, None) is not None:
+            self.on_resumed(scope)
+
+    def scope_removed(self, scope: ScopeKey) -> None:
+        """The scope is no longer watched: nothing of it waits any more."""
+        self._unsynced.pop(scope, None)
+
+    def unsynced_since(self, key: CanaryKey) -> float | None:
+        """When the watch that covers this canary dropped, if it has not resumed."""
+        if not self._unsynced:
+            return None
+        since = self._unsynced.get((key.kind, key.namespace))
+        return since if since is not None else self._unsynced.get((key.kind, None))
+
+    def unsynced_scopes(self) -> dict[ScopeKey, float]:
+        return dict(self._unsynced)
+
     def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
         if not self.owns(canary):
             return
+        reason = one_line(reason)
         if canary.state is not state:
             self._counts[canary.state] -= 1
             self._counts[state] += 1
@@ -147,6 +202,20 @@ class Registry:
             )
         canary.state, canary.reason = state, reason
         self._changed()
+
+    def write_failed(self, canary: Canary, reason: str) -> None:
+        """No bump to judge this cycle. A failed write is no verdict either way: it
+        neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
+        replaces only ``pending`` or ``healthy``."""
+        if not self.owns(canary):
+            return
+        canary.bumped_generation = None
+        canary.deferred_until = None
+        if canary.state is CanaryState.UNHEALTHY:
+            verdict = canary.reason.split("; since then: ", 1)[0]
+            self.set_state(canary, CanaryState.UNHEALTHY, f"{verdict}; since then: {reason}")
+        else:
+            self.set_state(canary, CanaryState.UNKNOWN, reason)
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
         """A copy from a list or an ADDED/MODIFIED event."""
@@ -161,11 +230,22 @@ class Registry:
             log.warning("object_without_name", kind=kind)
             return
         key = CanaryKey(kind, namespace, name)
+        uid = str(metadata.get("uid") or "")
+        existing = self._canaries.get(key)
+        if (
+            existing is not None
+            and existing.uid == uid
+            and _generation(metadata) < existing.generation
+        ):
+            # An older copy of the same object (a relist racing a bump, a replaying
+            # proxy): generation never goes backwards within one uid.
+            metrics.ERRORS.labels("stale_copy").inc()
+            log.debug("stale_copy_ignored", canary=str(key), generation=_generation(metadata))
+            return
         why_not = self._not_a_tracked_canary(namespace, obj)
         if why_not is not None:
             self.forget(key, *why_not)
             return
-        uid = str(metadata.get("uid") or "")
         nonce, problem = read_nonce(obj)
         if problem is not None:
             log.warning(
@@ -174,7 +254,6 @@ class Registry:
                 problem=problem,
                 action="the next bump writes a valid nonce",
             )
-        existing = self._canaries.get(key)
         if existing is not None and existing.uid != uid:
             self.forget(key, "replaced", "a new object of the same name replaced it")
             existing = None
@@ -211,13 +290,19 @@ class Registry:
         return None
 
     def reread(self, canary: Canary, obj: Mapping[str, Any]) -> bool:
-        """A fresh copy the scheduler read after a conflict. True: still the canary it
-        owns, refreshed; False: dropped (no longer a canary, or replaced by a new object)."""
+        """A fresh copy the scheduler read (after a 409 or a 404). True: still the canary
+        it owns, refreshed; False: not this record any more. A new object of the same
+        name that is a canary is tracked at once (no watch event may ever announce it);
+        one that is not, or a copy that stopped being a canary, drops the record."""
         if not self.owns(canary):
             return False
+        metadata = obj.get("metadata")
+        uid = str(metadata.get("uid") or "") if isinstance(metadata, Mapping) else ""
+        if uid != canary.uid:
+            self.forget(canary.key, "replaced", "a new object of the same name replaced it")
+            self.observe(canary.key.kind, obj)
+            return False
         why_not = self._not_a_tracked_canary(canary.key.namespace, obj)
-        if why_not is None and str((obj.get("metadata") or {}).get("uid") or "") != canary.uid:
-            why_not = ("replaced", "a new object of the same name replaced it")
         if why_not is not None:
             self.forget(canary.key, *why_not)
             return False
@@ -238,6 +323,10 @@ class Registry:
         self, canary: Canary, generation: int, deadline: float, wall_time: float
     ) -> None:
         """Our bump was written and produced ``generation``; judge it at ``deadline``."""
+        if not self.owns(canary):
+            return
+        canary.write_problem = None
+        canary.deferred_until = None
         canary.bumped_generation = generation
         canary.last_bumped_generation = generation
         canary.bump_deadline = deadline

@@ -1,9 +1,15 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next.
 
-One task walks a deadline heap (not a task per canary); each due canary gets a short
-task for its judge-and-bump, at most ``max_concurrent_bumps`` at once. A canary's
-first bump is placed at a stable offset within the cycle (a hash of its identity),
-so N canaries spread over the cycle instead of firing N writes at once.
+One task walks a deadline heap (not a task per canary). At a canary's deadline it
+judges the previous bump there and then, synchronously — judging never queues
+behind writes — and hands the next bump to a small pool of bump workers
+(``max_concurrent_bumps``). A canary's first bump is placed at a stable offset
+within the cycle (a hash of its identity), so N canaries spread over the cycle
+instead of firing N writes at once.
+
+Every write to the registry after an ``await`` first checks that the record is still
+the one tracked (``Registry.owns``): an answer that arrives after the canary was
+dropped or replaced changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import random
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +31,7 @@ from canaryd import logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError
-from canaryd.registry import Canary, CanaryState, Registry
+from canaryd.registry import Canary, CanaryState, Registry, ScopeKey
 
 log = structlog.get_logger("canaryd.scheduler")
 WRITTEN = metrics.BUMPS.labels("written")
@@ -44,6 +51,11 @@ def bump_body(resource_version: str, nonce: int) -> str:
     )
 
 
+def _scope_name(scope: ScopeKey) -> str:
+    kind, namespace = scope
+    return f"{kind}@{namespace}" if namespace else kind
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,8 +70,14 @@ class Scheduler:
         self._heap: list[tuple[float, int, Canary]] = []
         self._order = itertools.count()
         self._wake = asyncio.Event()
+        self._ready: deque[tuple[float, Canary]] = deque()
+        """Bumps that are due, in order, each with the time it fell due."""
+        self._ready_event = asyncio.Event()
+        self._deferred: set[Canary] = set()
+        """Canaries whose verdict waits for their watch to resume."""
         self._rng = random.Random()
         registry.on_added = self.schedule_first
+        registry.on_resumed = self.scope_resumed
 
     # ------------------------------------------------------------ the heap
 
@@ -68,15 +86,21 @@ class Scheduler:
         self._push(self._clock() + fraction * self.settings.timeout, canary)
 
     def _push(self, due: float, canary: Canary) -> None:
-        heapq.heappush(self._heap, (due, next(self._order), canary))
-        if self._heap[0][2] is canary:
+        """(Re)schedule a canary; any earlier entry of it in the heap becomes void."""
+        seq = next(self._order)
+        canary.due_seq = seq
+        heapq.heappush(self._heap, (due, seq, canary))
+        if self._heap[0][1] == seq:
             self._wake.set()
 
     def lag(self) -> float:
-        """How far behind its heap the scheduler is (0 when nothing is overdue)."""
-        if not self._heap:
-            return 0.0
-        return max(0.0, self._clock() - self._heap[0][0])
+        """How far behind its deadlines the scheduler is: the most overdue heap entry or
+        waiting bump (0 when nothing is overdue)."""
+        now = self._clock()
+        lag = max(0.0, now - self._heap[0][0]) if self._heap else 0.0
+        if self._ready:
+            lag = max(lag, now - self._ready[0][0])
+        return lag
 
     async def _next_due(self) -> tuple[float, Canary]:
         while True:
@@ -84,9 +108,13 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            delay = self._heap[0][0] - self._clock()
+            due, seq, canary = self._heap[0]
+            if seq != canary.due_seq:
+                heapq.heappop(self._heap)  # superseded by a later _push
+                continue
+            delay = due - self._clock()
             if delay <= 0:
-                due, _, canary = heapq.heappop(self._heap)
+                heapq.heappop(self._heap)
                 return due, canary
             self._wake.clear()
             try:
@@ -96,74 +124,163 @@ class Scheduler:
                 pass
 
     async def run(self) -> None:
-        slots = asyncio.Semaphore(self.settings.max_concurrent_bumps)
         try:
             async with asyncio.TaskGroup() as group:
+                for number in range(self.settings.max_concurrent_bumps):
+                    group.create_task(self._bump_worker(), name=f"bump worker {number}")
                 while True:
-                    _, canary = await self._next_due()
-                    if not self.registry.owns(canary):
-                        continue  # dropped since it was scheduled
-                    await slots.acquire()
-                    group.create_task(self._cycle(canary, slots))
+                    due, canary = await self._next_due()
+                    try:
+                        self._on_due(due, canary)
+                    except Exception:
+                        # A bug must not stop the scheduler: say so, count it, go on.
+                        metrics.ERRORS.labels("scheduler").inc()
+                        log.exception("judge_failed_unexpectedly", canary=str(canary.key))
+                        if self.registry.owns(canary):
+                            self._push(self._clock() + self.settings.timeout, canary)
         except asyncio.CancelledError:
             log.info("scheduler_stopped", why="cancelled")
             raise
 
-    async def _cycle(self, canary: Canary, slots: asyncio.Semaphore) -> None:
-        next_due: float | None
-        try:
-            self.judge_previous_bump(canary)
-            next_due = await self.bump_nonce(canary)
-        except Exception:
-            # A bug must not stop the scheduler: say so, count it, try next cycle.
-            metrics.ERRORS.labels("scheduler").inc()
-            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            next_due = self._unknown(canary, self._clock(), "internal error; see logs")
-        finally:
-            slots.release()
-        if next_due is not None and self.registry.owns(canary):
-            self._push(next_due, canary)
+    def _on_due(self, due: float, canary: Canary) -> None:
+        """At the deadline: judge now, then queue the next bump (unless deferred)."""
+        if not self.registry.owns(canary):
+            return  # dropped since it was scheduled
+        metrics.VERDICT_LATENESS.observe(max(0.0, self._clock() - due))
+        if not self.judge_previous_bump(canary):
+            return  # the verdict waits for the watch; it was rescheduled
+        self._ready.append((due, canary))
+        self._ready_event.set()
+
+    async def _bump_worker(self) -> None:
+        while True:
+            while not self._ready:
+                self._ready_event.clear()
+                await self._ready_event.wait()
+            due, canary = self._ready.popleft()
+            next_due: float | None
+            try:
+                next_due = await self.bump_nonce(canary, due)
+            except Exception:
+                # A bug must not stop the scheduler: say so, count it, try next cycle.
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
+                self.registry.write_failed(canary, "internal error; see logs")
+                next_due = self._after_failure(due)
+            if next_due is not None and self.registry.owns(canary):
+                self._push(next_due, canary)
 
     # ------------------------------------------------------------- judging
 
-    def judge_previous_bump(self, canary: Canary) -> None:
-        """Healthy if the watch has seen the bumped generation by the deadline."""
+    def judge_previous_bump(self, canary: Canary) -> bool:
+        """Healthy if the watch has seen the bumped generation by the deadline, else
+        unhealthy — unless the watch covering the canary is not connected: then
+        canaryd's own delay must not decide, and the verdict waits for the watch to
+        resume (one more cycle at most). Returns False when it was deferred."""
         bumped = canary.bumped_generation
         if bumped is None:
-            return  # the last cycle wrote nothing: nothing to judge
-        deadline = canary.bump_deadline if canary.bump_deadline is not None else self._clock()
-        metrics.VERDICT_LATENESS.observe(max(0.0, self._clock() - deadline))
-        canary.bumped_generation = None
+            return True  # the last cycle wrote nothing: nothing to judge
+        now = self._clock()
         if canary.generation >= bumped:
+            self._judged(canary)
             HEALTHY_VERDICTS.inc()
             self.registry.set_state(
                 canary, CanaryState.HEALTHY, f"generation {bumped} observed in time"
             )
+            return True
+        since = self.registry.unsynced_since(canary.key)
+        scope = _scope_name((canary.key.kind, canary.key.namespace))
+        if since is not None:
+            if canary.deferred_until is None:
+                deadline = canary.bump_deadline if canary.bump_deadline is not None else now
+                canary.deferred_until = deadline + self.settings.timeout
+                self._deferred.add(canary)
+                metrics.VERDICTS.labels("deferred").inc()
+                log.info(
+                    "verdict_deferred",
+                    canary=str(canary.key),
+                    generation=bumped,
+                    why=f"the watch of {scope} is not connected",
+                )
+            if now < canary.deferred_until:
+                self._push(canary.deferred_until, canary)
+                return False
+            reason = (
+                f"generation {bumped} not observed: the watch of {scope} has not resumed "
+                f"{now - since:.1f}s after it dropped (one cycle past the deadline)"
+            )
         else:
-            UNHEALTHY_VERDICTS.inc()
             reason = (
                 f"generation {bumped} not observed within "
                 f"{self.settings.timeout:g}s (latest observed {canary.generation})"
             )
-            log.warning("canary_unhealthy", canary=str(canary.key), reason=reason)
-            self.registry.set_state(canary, CanaryState.UNHEALTHY, reason)
+        self._judged(canary)
+        UNHEALTHY_VERDICTS.inc()
+        log.warning("canary_unhealthy", canary=str(canary.key), reason=reason)
+        self.registry.set_state(canary, CanaryState.UNHEALTHY, reason)
+        return True
+
+    def _judged(self, canary: Canary) -> None:
+        canary.bumped_generation = None
+        canary.deferred_until = None
+        self._deferred.discard(canary)
+
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        """A watch resumed: judge what waited for it once the replayed events are in."""
+        kind, namespace = scope
+        at = self._clock() + self.settings.resume_grace
+        for canary in list(self._deferred):
+            if not self.registry.owns(canary):
+                self._deferred.discard(canary)
+                continue
+            if canary.key.kind != kind or namespace not in (None, canary.key.namespace):
+                continue
+            if canary.deferred_until is not None and at < canary.deferred_until:
+                self._push(at, canary)
 
     # ------------------------------------------------------------- bumping
 
-    async def bump_nonce(self, canary: Canary) -> float | None:
+    def _after_failure(self, due: float) -> float:
+        """The next cycle after a cycle that wrote nothing: one timeout after it fell due
+        (never in the past: a late cycle is not repeated at once)."""
+        return max(due + self.settings.timeout, self._clock())
+
+    def _write_failed(self, canary: Canary, cause: str, reason: str) -> None:
+        """A cycle without a bump to judge. Logged as a warning when the cause changes,
+        at debug while it lasts."""
+        if not self.registry.owns(canary):
+            return
+        metrics.BUMPS.labels(cause).inc()
+        if canary.write_problem != cause:
+            log.warning("bump_failed", canary=str(canary.key), cause=cause, reason=reason)
+        elif logs.debug_enabled():
+            log.debug("bump_failed", canary=str(canary.key), cause=cause, reason=reason)
+        self.registry.write_failed(canary, reason)
+        canary.write_problem = cause
+
+    async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.
 
-        Returns when the next cycle is due, or None when the canary was dropped.
+        Returns when the next cycle is due, or None when the record is no longer the
+        one tracked (dropped, or replaced by a new object of the same name).
         """
         timeout = self.settings.timeout
-        started = self._clock()
-        give_up_at = started + timeout / 2
+        now = self._clock()
+        due = now if due is None else due
+        give_up_at = due + timeout / 2
+        if not self.registry.owns(canary):
+            return None
+        if now > give_up_at:
+            # It waited for a worker past its retry window: writes are backed up (slow
+            # answers). Skipping keeps the scheduler's lag bounded.
+            self._write_failed(
+                canary, "skipped", "no bump this cycle: bumps are backed up behind slow writes"
+            )
+            return self._after_failure(due)
         backoff: Backoff | None = None  # made on the first transient failure only
         path = KINDS[canary.key.kind].object_path(canary.key.namespace, canary.key.name)
         conflicts, reread = 0, False
         while True:
-            if not self.registry.owns(canary):
-                return None
             try:
                 if reread:
                     fresh = await self.kube.request("get", "GET", path)
@@ -181,67 +298,121 @@ class Scheduler:
                     content_type=MERGE_PATCH,
                 )
             except KubeError as err:
+                if not self.registry.owns(canary):
+                    return None  # a late answer about a record no longer tracked
                 if err.kind is ErrorKind.CONFLICT:
                     metrics.CONFLICTS.inc()
                     conflicts += 1
                     if conflicts > self.settings.max_conflict_retries:
-                        metrics.BUMPS.labels("conflict_exhausted").inc()
-                        return self._unknown(
-                            canary, started, f"{conflicts} conflicts in a row; no bump this cycle"
+                        self._write_failed(
+                            canary,
+                            "conflict_exhausted",
+                            f"{conflicts} conflicts in a row; no bump this cycle",
                         )
+                        return self._after_failure(due)
                     reread = True
                     # Jittered, so two writers that collided do not collide again.
                     await asyncio.sleep(self._rng.uniform(0, min(0.05, timeout / 20)))
                     continue
-                if err.kind in (ErrorKind.GONE, ErrorKind.FORBIDDEN):
-                    metrics.BUMPS.labels(err.kind.value).inc()
-                    self.registry.forget(canary.key, err.kind.value, f"bump answered {err}")
-                    return None
-                if err.kind is ErrorKind.INVALID:
-                    metrics.BUMPS.labels("invalid").inc()
-                    log.error("bump_rejected", canary=str(canary.key), error=str(err))
-                    return self._unknown(canary, started, f"bump rejected: {err}")
-                if backoff is None:
-                    initial = min(self.settings.backoff_initial, timeout / 10)
-                    backoff = Backoff(
-                        initial, max(initial, self.settings.backoff_max), rng=self._rng
+                if err.kind is ErrorKind.GONE:
+                    return await self._answered_gone(canary, path, err, due)
+                if err.kind is ErrorKind.FORBIDDEN:
+                    self._write_failed(
+                        canary, "forbidden", f"canaryd may not write it (retried next cycle): {err}"
                     )
-                delay = err.retry_after if err.retry_after is not None else backoff.next()
+                    return self._after_failure(due)
+                if err.kind is ErrorKind.INVALID:
+                    self._write_failed(canary, "invalid", f"bump rejected: {err}")
+                    return self._after_failure(due)
+                if backoff is None:
+                    backoff = Backoff(
+                        self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng
+                    )
+                delay = backoff.next()
+                if err.retry_after is not None:
+                    # Honoured, but never a tight loop (Retry-After: 0).
+                    delay = max(err.retry_after, self.settings.backoff_initial)
                 if self._clock() + delay > give_up_at:
-                    metrics.BUMPS.labels("failed").inc()
-                    log.warning("bump_failed", canary=str(canary.key), error=str(err))
-                    return self._unknown(canary, started, f"bump failed: {err}")
-                log.info(
-                    "bump_retry", canary=str(canary.key), error=str(err), retry_in=round(delay, 3)
-                )
+                    self._write_failed(canary, "failed", f"bump failed: {err}")
+                    return self._after_failure(due)
+                if logs.debug_enabled():
+                    log.debug(
+                        "bump_retry",
+                        canary=str(canary.key),
+                        error=str(err),
+                        retry_in=round(delay, 3),
+                    )
                 await asyncio.sleep(delay)
+                if not self.registry.owns(canary):
+                    return None
                 continue
-            return self._written(canary, written, nonce, repairing)
+            if not self.registry.owns(canary):
+                return None
+            return self._written(canary, written, nonce, repairing, due)
+
+    async def _answered_gone(
+        self, canary: Canary, path: str, err: KubeError, due: float
+    ) -> float | None:
+        """A 404 on a bump may be transient (a CRD being re-registered, API servers
+        briefly disagreeing): re-read to tell. Gone: drop it (the watch's DELETED
+        follows). Still there, same uid: no bump this cycle, retried next."""
+        try:
+            fresh = await self.kube.request("get", "GET", path)
+        except KubeError as reread_err:
+            if not self.registry.owns(canary):
+                return None
+            if reread_err.kind is ErrorKind.GONE:
+                metrics.BUMPS.labels("gone").inc()
+                self.registry.forget(canary.key, "gone", f"bump and re-read answered {err}")
+                return None
+            self._write_failed(
+                canary, "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
+            )
+            return self._after_failure(due)
+        if not self.registry.reread(canary, fresh):
+            metrics.BUMPS.labels("not_canary").inc()
+            return None
+        self._write_failed(
+            canary,
+            "gone_but_present",
+            f"bump answered {err}, but the object is still there; retried next cycle",
+        )
+        return self._after_failure(due)
 
     def _written(
-        self, canary: Canary, written: Mapping[str, Any], nonce: int, repaired: str | None
+        self,
+        canary: Canary,
+        written: Mapping[str, Any],
+        nonce: int,
+        repaired: str | None,
+        due: float,
     ) -> float:
         now = self._clock()
         metadata = written.get("metadata") or {}
         generation = metadata.get("generation") if isinstance(metadata, Mapping) else None
         self.registry.refresh(canary, written)
-        WRITTEN.inc()
         if repaired:
             log.warning(
                 "canary_nonce_repaired", canary=str(canary.key), problem=repaired, nonce=nonce
             )
         if not isinstance(generation, int) or isinstance(generation, bool):
-            self.registry.set_state(
-                canary, CanaryState.UNKNOWN, "the API server answered the bump without a generation"
+            self._write_failed(
+                canary, "no_generation", "the API server answered the bump without a generation"
             )
-            return now + self.settings.timeout
+            return self._after_failure(due)
+        before = max(canary.generation, canary.last_bumped_generation or 0)
+        if generation <= before:
+            # The server took the nonce as no change: there is no new generation for
+            # the operator to reconcile, so there is nothing to judge.
+            self._write_failed(
+                canary,
+                "no_change",
+                f"the bump was answered with generation {generation}, not above {before}",
+            )
+            return self._after_failure(due)
+        WRITTEN.inc()
         deadline = now + self.settings.timeout
         self.registry.record_bump(canary, generation, deadline, time.time())
         if logs.debug_enabled():
             log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)
         return deadline
-
-    def _unknown(self, canary: Canary, started: float, reason: str) -> float:
-        canary.bumped_generation = None
-        self.registry.set_state(canary, CanaryState.UNKNOWN, reason)
-        return started + self.settings.timeout

@@ -22,7 +22,7 @@ from canaryd.registry import Canary, Registry
 log = structlog.get_logger("canaryd.server")
 
 REGISTRY = web.AppKey("registry", Registry)
-READY: web.AppKey[Callable[[], bool]] = web.AppKey("ready")
+NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
 
 
 def _iso(timestamp: float | None) -> str | None:
@@ -64,9 +64,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    if request.app[READY]():
+    waiting = request.app[NOT_READY]()
+    if not waiting:
         return web.Response(text="OK")
-    return web.Response(status=503, text="NOT READY: initial lists are not done")
+    more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
+    shown = ", ".join(waiting[:20]) + more
+    return web.Response(status=503, text=f"NOT READY: not listed or not connected: {shown}")
 
 
 async def metrics_page(request: web.Request) -> web.Response:
@@ -75,10 +78,10 @@ async def metrics_page(request: web.Request) -> web.Response:
     return response
 
 
-def build_app(registry: Registry, is_ready: Callable[[], bool]) -> web.Application:
+def build_app(registry: Registry, not_ready: Callable[[], list[str] | None]) -> web.Application:
     app = web.Application(client_max_size=1024)
     app[REGISTRY] = registry
-    app[READY] = is_ready
+    app[NOT_READY] = not_ready
     for path in ("/healthz", "/livez", "/"):
         app.router.add_get(path, health)
     app.router.add_get("/readyz", ready)
@@ -91,10 +94,10 @@ class HealthServer:
     serves until cancelled."""
 
     def __init__(
-        self, settings: Settings, registry: Registry, is_ready: Callable[[], bool]
+        self, settings: Settings, registry: Registry, not_ready: Callable[[], list[str] | None]
     ) -> None:
         self.settings = settings
-        self.app = build_app(registry, is_ready)
+        self.app = build_app(registry, not_ready)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 

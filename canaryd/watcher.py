@@ -29,9 +29,8 @@ from canaryd.kube import (
     KubeError,
     classify_status,
     discover_kinds,
-    is_canary,
 )
-from canaryd.registry import CanaryKey, Registry
+from canaryd.registry import CanaryKey, Registry, is_canary
 
 log = structlog.get_logger("canaryd.watcher")
 
@@ -68,7 +67,13 @@ def _rv(obj: Mapping[str, Any]) -> str:
 
 
 class ListWatch:
-    """The list → watch → bookmark → 410-relist loop of one scope."""
+    """The list → watch → bookmark → 410-relist loop of one scope.
+
+    Backoff follows client-go's reflector: a stream that ends or drops after it was
+    established (it delivered an event, or it lasted ``short_watch``) resumes from its
+    last resourceVersion at once; only failures in a row back off, jittered and capped
+    at a quarter of the cycle. A 410 relists at once.
+    """
 
     def __init__(
         self,
@@ -80,13 +85,21 @@ class ListWatch:
         on_list: Callable[[list[Mapping[str, Any]]], None],
         on_event: Callable[[str, Mapping[str, Any]], None],
         on_denied: Callable[[KubeError], None],
+        on_down: Callable[[float], None] = lambda since: None,
+        on_resumed: Callable[[], None] = lambda: None,
     ) -> None:
         self.kube, self.settings, self.scope = kube, settings, scope
         self.params = {"labelSelector": selector} if selector else {}
         self.on_list, self.on_event, self.on_denied = on_list, on_event, on_denied
+        self.on_down, self.on_resumed = on_down, on_resumed
         self.synced = asyncio.Event()
         """Set once the first list is done (or answered 403: nothing there is ours)."""
+        self.connected = False
+        """A list finished or a stream is open (the server answered 200)."""
+        self.denied = False
+        """The last answer was 403/404: nothing in this scope is ours for now."""
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
+        self._loop = asyncio.get_running_loop()
 
     async def run(self) -> None:
         phase, rv = Phase.LIST, ""
@@ -99,6 +112,7 @@ class ListWatch:
                     phase, rv = await self._watch(rv)
                 except Exception:
                     # A bug must not stop the daemon: say so, count it, start over.
+                    self._down()
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
                     await asyncio.sleep(self._backoff.next())
@@ -107,24 +121,43 @@ class ListWatch:
             log.info("watch_stopped", scope=str(self.scope), why="cancelled")
             raise
 
+    def _down(self) -> None:
+        if self.connected:
+            self.connected = False
+            self.on_down(self._loop.time())
+
     async def _list(self) -> str:
         """List until it succeeds; returns the list's resourceVersion."""
         while True:
             try:
-                listed = await self.kube.request("list", "GET", self.scope.path, params=self.params)
+                listed = await self.kube.request(
+                    "list",
+                    "GET",
+                    self.scope.path,
+                    params=self.params,
+                    time_limit=self.settings.list_timeout,
+                )
                 items = listed.get("items")
                 if items is None:
                     items = []
                 if not isinstance(items, list):
                     raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
             except KubeError as err:
+                self._down()
                 await asyncio.sleep(self._failed(err, "list"))
                 continue
             metrics.RELISTS.labels(self.scope.resource).inc()
             self.on_list([item for item in items if isinstance(item, Mapping)])
             self.synced.set()
+            self.denied = False
+            self.connected = True
+            self.on_resumed()
             self._backoff.reset()
             return _rv(listed)
+
+    def _opened(self) -> None:
+        self.connected = True
+        self.denied = False
 
     async def _watch(self, rv: str) -> tuple[Phase, str]:
         """One watch stream; returns what to do next and where to resume."""
@@ -135,9 +168,13 @@ class ListWatch:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout),
         }
+        opened, events = self._loop.time(), 0
         try:
             async for event in self.kube.watch(
-                self.scope.path, params, idle_timeout=self.settings.watch_idle_timeout
+                self.scope.path,
+                params,
+                idle_timeout=self.settings.watch_idle_timeout,
+                on_connected=self._opened,
             ):
                 kind, obj = event.get("type"), event.get("object")
                 if not isinstance(obj, Mapping):
@@ -152,20 +189,48 @@ class ListWatch:
                 elif kind != "BOOKMARK":
                     metrics.ERRORS.labels("watch_decode").inc()
                     log.warning("watch_event_unknown_type", scope=str(self.scope), type=str(kind))
-                self._backoff.reset()
+                events += 1
+                if events == 1:
+                    # The stream delivers: the scope is in sync again from here on.
+                    self._backoff.reset()
+                    self.on_resumed()
         except KubeError as err:
+            self._down()
             if err.kind is ErrorKind.EXPIRED:
                 # The resourceVersion was compacted: only a new list can resume.
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
                 log.info("watch_expired", scope=str(self.scope), resource_version=rv)
                 return Phase.LIST, ""
+            if self._established(opened, events) and err.kind is ErrorKind.TRANSIENT:
+                # It worked, then dropped (a reset, an idle stream): resume at once.
+                why = "idle" if err.reason == "Idle" else "dropped"
+                metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
+                log.info("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
+                return Phase.WATCH, rv
             await asyncio.sleep(self._failed(err, "watch"))
             if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
                 return Phase.LIST, ""
             return Phase.WATCH, rv
+        self._down()
+        if not self._established(opened, events):
+            # client-go: a watch that ends within a second with no event failed (a proxy
+            # or load balancer that answers and closes); reopening at once is a busy loop.
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "short").inc()
+            delay = self._backoff.next()
+            log.warning(
+                "watch_ended_at_once",
+                scope=str(self.scope),
+                lasted=round(self._loop.time() - opened, 3),
+                retry_in=round(delay, 3),
+            )
+            await asyncio.sleep(delay)
+            return Phase.WATCH, rv
         metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
         log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
         return Phase.WATCH, rv
+
+    def _established(self, opened: float, events: int) -> bool:
+        return events > 0 or self._loop.time() - opened >= self.settings.short_watch
 
     @staticmethod
     def _error_event(status: Mapping[str, Any]) -> KubeError:
@@ -182,22 +247,27 @@ class ListWatch:
         """Log a failed list or watch, count it, and say how long to wait."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
-            log.warning(
-                f"{during}_{err.kind.value}",
-                scope=str(self.scope),
-                error=str(err),
-                retry_in=self.settings.forbidden_retry,
-            )
+            if not self.denied:
+                log.warning(
+                    f"{during}_{err.kind.value}",
+                    scope=str(self.scope),
+                    error=str(err),
+                    retry_in=self.settings.forbidden_retry,
+                )
+            self.denied = True
             self.on_denied(err)
             self.synced.set()  # answered: nothing in this scope is ours
             return self.settings.forbidden_retry
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
-        delay = err.retry_after if err.retry_after is not None else self._backoff.next()
+        delay = self._backoff.next()
+        if err.retry_after is not None:
+            delay = max(err.retry_after, self.settings.backoff_initial)
+        delay = min(delay, self.settings.backoff_max)
         log.warning(
             f"{during}_failed", scope=str(self.scope), error=str(err), retry_in=round(delay, 3)
         )
-        return min(delay, self.settings.backoff_max)
+        return delay
 
 
 class Watcher:
@@ -213,8 +283,15 @@ class Watcher:
 
     @property
     def ready(self) -> bool:
-        return self.discovered.is_set() and all(
-            lw.synced.is_set() for lw, _ in self._watches.values()
+        return self.discovered.is_set() and not self.not_ready()
+
+    def not_ready(self) -> list[str]:
+        """The scopes whose initial list is not done, or whose watch is not connected
+        (a scope answered 403/404 counts as done: nothing there is ours)."""
+        return sorted(
+            str(scope)
+            for scope, (lw, _) in self._watches.items()
+            if not lw.synced.is_set() or not (lw.connected or lw.denied)
         )
 
     async def run(self) -> None:
@@ -243,6 +320,13 @@ class Watcher:
                 log.warning("discovery_failed", error=str(err), retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
+            except Exception:
+                # A bug must not stop the daemon: say so, count it, try again.
+                delay = backoff.next()
+                metrics.ERRORS.labels("discovery").inc()
+                log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
+                await asyncio.sleep(delay)
+                continue
             log.info("discovered", kinds=[k.plural for k in kinds])
             return kinds
 
@@ -253,13 +337,16 @@ class Watcher:
             await asyncio.sleep(self.settings.config_check_interval)
             try:
                 kinds = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                if kinds != self.kinds:
+                    self._follow_kinds(kinds)
             except KubeError as err:
                 log.warning(
                     "rediscovery_failed", error=str(err), keeping=[k.plural for k in self.kinds]
                 )
-                continue
-            if kinds != self.kinds:
-                self._follow_kinds(kinds)
+            except Exception:
+                metrics.ERRORS.labels("discovery").inc()
+                keeping = [k.plural for k in self.kinds]
+                log.exception("rediscovery_failed_unexpectedly", keeping=keeping)
 
     def _follow_kinds(self, kinds: list[Kind]) -> None:
         log.info("kinds_changed", was=[k.plural for k in self.kinds], now=[k.plural for k in kinds])
@@ -303,6 +390,8 @@ class Watcher:
         for scope in [s for s in self._watches if s.kind is not None and s not in desired]:
             _, task = self._watches.pop(scope)
             task.cancel()
+            assert scope.kind is not None
+            self.registry.scope_removed((scope.kind.plural, scope.namespace))
         for scope in desired - set(self._watches):
             self._start(scope)
         metrics.WATCHED_NAMESPACES.set(len(self.namespaces or ()))
@@ -321,6 +410,7 @@ class Watcher:
             )
         else:
             kind = scope.kind
+            key = (kind.plural, scope.namespace)
             lw = ListWatch(
                 self.kube,
                 self.settings,
@@ -331,6 +421,8 @@ class Watcher:
                 ),
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
+                on_down=lambda since: self.registry.scope_down(key, since),
+                on_resumed=lambda: self.registry.scope_resumed(key),
             )
         task = self._group.create_task(lw.run(), name=f"watch {scope}")
         self._watches[scope] = (lw, task)

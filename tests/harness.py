@@ -23,17 +23,10 @@ from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, Fak
 
 LABEL = "flink.apache.org/canary"
 
-TEST_SETTINGS = Settings(
-    host="127.0.0.1",
-    port=0,
-    timeout=0.3,
-    backoff_initial=0.01,
-    backoff_max=0.1,
-    forbidden_retry=0.2,
-    watch_timeout=30.0,
-    watch_idle_timeout=30.0,
-    request_timeout=2.0,
-)
+# The shipped defaults with a short cycle, nothing else: every other timing is the
+# daemon's own, derived from the cycle exactly as it is for users (Settings' properties).
+CYCLE = 0.3
+TEST_SETTINGS = Settings(host="127.0.0.1", port=0, timeout=CYCLE)
 
 
 def canary_body(name: str = "canary", value: str = "true", **extra: Any) -> dict[str, Any]:

@@ -220,7 +220,6 @@ class Soak:
             self.kube,
             kubeconfig,
             timeout=cfg.cycle,
-            request_timeout=1.0,
             kinds=("flinkdeployments",),
         ) as run:
             original = run.registry.set_state

@@ -10,10 +10,9 @@ import asyncio
 
 import pytest
 
-from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
-from tests.harness import LABEL, Running, create_canary, running_daemon
+from tests.harness import CYCLE, LABEL, Running, create_canary, running_daemon
 
 MERGE = "application/merge-patch+json"
 
@@ -207,7 +206,7 @@ async def test_409_conflict_retries_are_bounded_and_give_no_verdict(kube, kubeco
 )
 async def test_transient_failure_is_retried_within_the_cycle(kube, kubeconfig, fault):
     create_canary(kube)
-    async with running_daemon(kube, kubeconfig, timeout=1.0, request_timeout=0.3) as run:
+    async with running_daemon(kube, kubeconfig, timeout=1.0) as run:
         await run.until_bumps(1)
         health = HealthWatch(run)
         kube.inject(fault)
@@ -244,7 +243,7 @@ async def test_transient_failure_that_persists_is_unknown_not_unhealthy(kube, ku
         assert set(await health.stop()) == {200}
 
 
-async def test_404_not_found_drops_the_canary(kube, kubeconfig):
+async def test_404_on_a_bump_rereads_and_a_canary_that_is_gone_is_dropped(kube, kubeconfig):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
         await run.until_bumps(1)
@@ -252,21 +251,170 @@ async def test_404_not_found_drops_the_canary(kube, kubeconfig):
         kube.hold_watch_events()
         kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
         await run.until_gone()
-        assert kube.requests_for("patch")[-1].status == 404
+        last_patch = kube.requests_for("patch")[-1]
+        assert last_patch.status == 404
+        reread = kube.requests_for("get", name="canary")
+        assert reread and reread[-1].at > last_patch.at and reread[-1].status == 404
         assert await run.get("/healthz") == (200, "OK")
         kube.release_watch_events()
 
 
-async def test_403_forbidden_stops_owning_the_canary_and_says_why(kube, kubeconfig):
+async def test_404_on_a_bump_of_a_canary_still_there_is_unknown_and_retried_next_cycle(
+    kube, kubeconfig
+):
+    """A 404 can be transient (a CRD being re-registered, API servers that briefly
+    disagree). Dropping on it stopped the checks for good: nothing brings an unchanged
+    object back through a running watch."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        health = HealthWatch(run)
+        kube.inject(Fault(verb="patch", name="canary", code=404))
+        canary = await run.until_state(CanaryState.UNKNOWN)
+        assert "still there" in canary.reason
+        assert run.canary() is canary  # still tracked, same record
+        bumps = len(run.bumps())
+        await run.until_bumps(bumps + 2)
+        await run.until_state(CanaryState.HEALTHY)
+        assert set(await health.stop()) == {200}
+
+
+async def test_403_on_a_bump_is_unknown_retried_every_cycle_and_warned_once(
+    kube, kubeconfig, capsys
+):
     kube.create_namespace("canary")
     create_canary(kube, namespace="canary")
     async with running_daemon(kube, kubeconfig) as run:
-        await run.until_bumps(1)
-        before = metrics.DROPPED.labels("forbidden")._value.get()
-        kube.deny(verb="patch", resource="flinkdeployments", namespace="canary")
-        await run.until_gone(namespace="canary")
-        assert metrics.DROPPED.labels("forbidden")._value.get() == before + 1
-        assert await run.get("/healthz") == (200, "OK")
+        await run.until_state(CanaryState.HEALTHY, namespace="canary")
+        health = HealthWatch(run)
+        rule = kube.deny(verb="patch", resource="flinkdeployments", namespace="canary")
+        canary = await run.until_state(CanaryState.UNKNOWN, namespace="canary")
+        assert "may not write" in canary.reason and "403" in canary.reason
+        denied = lambda: [  # noqa: E731
+            r for r in kube.requests_for("patch", name="canary") if r.status == 403
+        ]
+        await run.until(lambda: len(denied()) >= 4, "four cycles of 403s")
+        assert run.canary(namespace="canary") is canary  # never dropped for a 403 on a bump
+        kube.rbac_denies.remove(rule)
+        await run.until_state(CanaryState.HEALTHY, namespace="canary")
+        assert set(await health.stop()) == {200}
+    warnings = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if "bump_failed" in line and "warning" in line
+    ]
+    assert len(warnings) == 1, warnings
+
+
+async def test_a_late_404_does_not_drop_the_canary_recreated_meanwhile(kube, kubeconfig):
+    """The old canary's bump is answered 404 after a new one of the same name was
+    tracked: the answer is about a record no longer tracked and changes nothing."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        old = await run.until_state(CanaryState.HEALTHY)
+
+        def recreate() -> None:
+            kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+            create_canary(kube)
+
+        kube.inject(
+            Fault(verb="patch", name="canary", code=404, latency=CYCLE / 3, action=recreate)
+        )
+        await run.until(
+            lambda: run.canary() is not None and run.canary() is not old, "the new canary"
+        )
+        new = run.tracked()
+        await run.until(
+            lambda: any(r.status == 404 for r in kube.requests_for("patch")), "the late 404"
+        )
+        await run.until_state(CanaryState.HEALTHY)
+        assert run.canary() is new
+
+
+async def test_a_reread_that_finds_a_new_uid_tracks_the_new_object(kube, kubeconfig):
+    """Replaced while the watch was held: the 409's re-read is the only news of it."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        old = await run.until_state(CanaryState.HEALTHY)
+        kube.hold_watch_events()
+        kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+        recreated = create_canary(kube)
+        await run.until(
+            lambda: run.canary() is not None and run.canary() is not old,
+            "the re-read to track the new object",
+        )
+        assert run.tracked().uid == recreated["metadata"]["uid"]
+        kube.release_watch_events()
+        await run.until_state(CanaryState.HEALTHY)
+
+
+async def test_a_failed_write_leaves_an_unhealthy_verdict_standing(kube, kubeconfig):
+    """Watch stuck → unhealthy; writes then failing must not turn /healthz back to OK."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.hold_watch_events()
+        await run.until_state(CanaryState.UNHEALTHY)
+        outage = kube.inject(Fault(verb="patch", code=503, times=-1))
+        await run.until(lambda: outage.hits >= 6, "several failed writes")
+        canary = run.tracked()
+        assert canary.state is CanaryState.UNHEALTHY
+        assert "since then" in canary.reason and "503" in canary.reason
+        assert (await run.get("/healthz"))[0] == 500
+        kube.faults.remove(outage)
+        kube.release_watch_events()
+        await run.until_state(CanaryState.HEALTHY)
+
+
+async def test_a_deadline_is_judged_at_the_deadline_while_writes_are_slow(kube, kubeconfig):
+    """Judging queued behind bump slots held by retrying writes, and then read a
+    generation that arrived after the deadline as "observed in time"."""
+    busy = [f"busy-{n:02}" for n in range(40)]
+    create_canary(kube, "target")
+    for name in busy:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig) as run:
+        target = await run.until_state(CanaryState.HEALTHY, "target")
+
+        def slow_failures(req):
+            if req.verb == "patch" and req.name != "target":
+                return Fault(code=503, latency=CYCLE / 3)
+            return None
+
+        kube.hooks.append(slow_failures)
+        # The target's next bump is written, and its event withheld until just after
+        # its deadline.
+        kube.inject(Fault(verb="patch", name="target", code=0, action=kube.hold_watch_events))
+        bumps = len(run.bumps("target"))
+        await run.until_bumps(bumps + 1, "target")
+        await run.until(lambda: target.bumped_generation is not None, "the target's bump")
+        assert target.bump_deadline is not None
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, target.bump_deadline - loop.time()) + CYCLE / 10)
+        kube.release_watch_events()
+        await run.until_state(CanaryState.UNHEALTHY, "target", within=2 * CYCLE)
+        assert "not observed within" in run.tracked("target").reason
+        kube.hooks.remove(slow_failures)
+
+
+async def test_the_scheduler_lag_stays_bounded_when_writes_are_slow(kube, kubeconfig):
+    names = [f"c-{n:03}" for n in range(200)]
+    for name in names:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until(lambda: len(run.registry) == len(names), "every canary tracked")
+        kube.hooks.append(
+            lambda req: Fault(code=503, latency=CYCLE / 2) if req.verb == "patch" else None
+        )
+        scheduler = run.daemon.scheduler
+        lags: list[float] = []
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 6 * CYCLE
+        while loop.time() < until:
+            lags.append(scheduler.lag())
+            await asyncio.sleep(CYCLE / 20)  # sampling period, not synchronisation
+        assert max(lags) <= CYCLE, f"scheduler lag reached {max(lags):.2f}s"
+        assert run.registry.counts()["unhealthy"] == 0
 
 
 @pytest.mark.parametrize("new_value", [None, "false"], ids=["removed", "set-to-false"])

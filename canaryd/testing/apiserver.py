@@ -195,7 +195,9 @@ class Fault:
 
     ``code`` answers with that Status code (``retry_after`` adds the header);
     ``drop`` closes the connection without an answer; ``latency`` delays the
-    request, then it fails with ``code`` or, with ``code=0``, is served normally.
+    request, then it fails with ``code`` or, with ``code=0``, is served normally;
+    ``empty_watch`` answers a watch 200 and ends the stream at once, with no event
+    (a proxy or load balancer in front of the API server that does so).
     ``action`` runs first: a concurrent writer that wins the race against this request
     (e.g. ``lambda: kube.update(...)``), so a stale precondition gets a real 409.
     """
@@ -208,6 +210,7 @@ class Fault:
     times: int = 1
     retry_after: int | None = None
     drop: bool = False
+    empty_watch: bool = False
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None
@@ -271,6 +274,13 @@ def _now() -> str:
 def _labels(obj: dict[str, Any]) -> dict[str, str]:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return labels if isinstance(labels, dict) else {}
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON, as the server compares them: Python's ``True == 1 == 1.0`` is not
+    (the stored bytes and apiequality.Semantic.DeepEqual on decoded JSON tell them
+    apart)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _without_metadata(obj: dict[str, Any]) -> dict[str, Any]:
@@ -569,7 +579,7 @@ class FakeKube:
         if sent_rv and str(sent_rv) != current["metadata"]["resourceVersion"]:
             raise conflict(rtype, name)
         new = self._prepare_update(rtype, current, proposed, status_only)
-        if new == current:
+        if _same_json(new, current):
             # A no-op write stores nothing, keeps the resourceVersion and emits no
             # event (staging/src/k8s.io/apiserver/pkg/storage/etcd3/store.go,
             # GuaranteedUpdate: "if !origState.stale && bytes.Equal(data, origState.data)").
@@ -644,7 +654,9 @@ class FakeKube:
             # Any change outside metadata bumps generation (strategy.go, PrepareForUpdate:
             # copyNonMetadata + apiequality.Semantic.DeepEqual); metadata-only writes never do.
             meta["generation"] = old_meta.get("generation", 1)
-            if not status_only and _without_metadata(new) != _without_metadata(current):
+            if not status_only and not _same_json(
+                _without_metadata(new), _without_metadata(current)
+            ):
                 meta["generation"] += 1
         return new
 
@@ -868,6 +880,12 @@ class FakeKube:
                 assert request.transport is not None
                 request.transport.close()
                 raise ApiError(500, "InternalError", "connection dropped")
+            if fault.empty_watch and req.verb == "watch":
+                empty = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+                empty.enable_chunked_encoding()
+                await empty.prepare(request)
+                await empty.write_eof()
+                return empty
             if fault.code:
                 headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after else {}
                 raise ApiError(
