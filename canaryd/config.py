@@ -126,6 +126,14 @@ class Settings:
         return min(1.0, self.timeout / 4)
 
     @property
+    def judge_slack(self) -> float:
+        """A judge that runs later than this after its deadline ran late because canaryd
+        itself stalled (GC, CPU starvation): watch events may sit unread in its sockets,
+        so an unhealthy verdict is re-checked once this much later. A tenth of the cycle,
+        at most a second."""
+        return min(1.0, self.timeout / 10)
+
+    @property
     def resume_grace(self) -> float:
         """After a watch resumes, how long a deferred verdict waits for the replayed
         events before it is judged: a quarter of the cycle."""

@@ -147,14 +147,32 @@ class Http1Client:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             body = await self._read_chunked(reader)
         elif "content-length" in headers:
-            length = int(headers["content-length"])
+            try:
+                length = int(headers["content-length"])
+            except ValueError:
+                raise ProtocolError(
+                    f"malformed Content-Length {headers['content-length'][:40]!r}"
+                ) from None
             if not 0 <= length <= MAX_BODY:
                 raise ProtocolError(f"unacceptable Content-Length {length}")
             body = await reader.readexactly(length)
         else:
-            body = await reader.read(MAX_BODY)  # until the server closes
+            body = await self._read_to_eof(reader)  # the server closes to end the body
             keep = False
         return Response(status, headers, body), keep
+
+    @staticmethod
+    async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
+        """A close-delimited body: one ``read()`` returns what has arrived so far, not
+        the whole body, so read until the server closes."""
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := await reader.read(65536):
+            total += len(chunk)
+            if total > MAX_BODY:
+                raise ProtocolError("response body too large")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     @staticmethod
     async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

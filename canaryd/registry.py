@@ -80,6 +80,8 @@ class Canary:
     deferred_until: float | None = None
     """Set while the verdict on ``bumped_generation`` waits for its watch to resume:
     the monotonic time by which it is judged whatever the watch does."""
+    late_recheck: bool = False
+    """An unhealthy verdict found by a late judge waits for one re-check."""
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
     write_problem: str | None = None

@@ -146,8 +146,9 @@ class Scheduler:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
         if not self.registry.owns(canary):
             return  # dropped since it was scheduled
-        metrics.VERDICT_LATENESS.observe(max(0.0, self._clock() - due))
-        if not self.judge_previous_bump(canary):
+        lateness = max(0.0, self._clock() - due)
+        metrics.VERDICT_LATENESS.observe(lateness)
+        if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
             return  # the verdict waits for the watch; it was rescheduled
         self._ready.append((due, canary))
         self._ready_event.set()
@@ -172,11 +173,13 @@ class Scheduler:
 
     # ------------------------------------------------------------- judging
 
-    def judge_previous_bump(self, canary: Canary) -> bool:
+    def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
         """Healthy if the watch has seen the bumped generation by the deadline, else
-        unhealthy — unless the watch covering the canary is not connected: then
-        canaryd's own delay must not decide, and the verdict waits for the watch to
-        resume (one more cycle at most). Returns False when it was deferred."""
+        unhealthy — unless canaryd's own delay may be why it has not: the watch covering
+        the canary is not connected (the verdict waits for it to resume, one more cycle
+        at most), or this judge itself runs ``late`` because canaryd stalled (events may
+        sit unread in its sockets: re-checked once, ``judge_slack`` later). Returns
+        False when it was deferred."""
         bumped = canary.bumped_generation
         if bumped is None:
             return True  # the last cycle wrote nothing: nothing to judge
@@ -210,6 +213,12 @@ class Scheduler:
                 f"{now - since:.1f}s after it dropped (one cycle past the deadline)"
             )
         else:
+            if late and not canary.late_recheck:
+                canary.late_recheck = True
+                metrics.VERDICTS.labels("rechecked").inc()
+                log.info("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
+                self._push(now + self.settings.judge_slack, canary)
+                return False
             reason = (
                 f"generation {bumped} not observed within "
                 f"{self.settings.timeout:g}s (latest observed {canary.generation})"
@@ -223,6 +232,7 @@ class Scheduler:
     def _judged(self, canary: Canary) -> None:
         canary.bumped_generation = None
         canary.deferred_until = None
+        canary.late_recheck = False
         self._deferred.discard(canary)
 
     def scope_resumed(self, scope: ScopeKey) -> None:

@@ -8,12 +8,18 @@ Faults, per bump canaryd sends: 5% a 5xx, 2% a 429 with Retry-After, 5% a
 concurrent writer that wins the race. Four in five of those set a label and an
 annotation by merge patch (8 keys, ever-new values); one in five replaces the
 whole object like the operator's own canary bump, first from a copy taken
-earlier (refused with 409 as stale), then from a fresh one. Every ~20 cycles
-the watch connections are cut; every ~100 the history is compacted too (the
-re-watch gets 410). In the first half, at seeded points, watch delivery is
-withheld for 2.5 to 4 cycles: each stuck period must be detected within two
-cycles and healed within two cycles of its release. canaryd's own live memory
-is traced over the second half.
+earlier (refused with 409 as stale), then from a fresh one.
+
+Faults of canaryd's own connection, none of which may cost a verdict: every 7 cycles
+the watch connections are reset mid-stream; every 50 the history is compacted with
+the reset (the resumed watch meets 410 and relists); every 120 the API server
+refuses connections for 3 cycles and comes back; every 90 it answers watches 200
+and closes them at once for 0.8 of a cycle. In the first half, at seeded points,
+watch delivery is withheld for 2.5 to 4 cycles: each stuck period must be detected
+within 2.5 cycles and healed within 2.5 cycles of its release. canaryd's own live
+memory is traced over the second half.
+
+Every daemon setting but the cycle is its shipped default.
 """
 
 from __future__ import annotations
@@ -29,9 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, ApiError, FakeKube, Fault, Request
 from tests.harness import Running, create_canary, running_daemon
+
+log = structlog.get_logger("soak")
 
 
 @dataclass
@@ -45,8 +55,12 @@ class SoakConfig:
     throttles: float = 0.02
     concurrent_writes: float = 0.05
     replace_share: float = 0.2
-    drop_every: int = 20
-    compact_every: int = 100
+    drop_every: int = 7
+    compact_every: int = 50
+    outage_every: int = 120
+    outage_cycles: int = 3
+    empty_watch_every: int = 90
+    empty_watch_share: float = 0.8
     stuck_every: int = 25
 
 
@@ -58,6 +72,8 @@ class SoakReport:
     polls: int = 0
     false_unhealthy_polls: int = 0
     false_unhealthy_verdicts: int = 0
+    false_verdicts: list[str] = field(default_factory=list)
+    """When (seconds into the run) and which canary, for each false unhealthy verdict."""
     stuck_periods: list[dict[str, float]] = field(default_factory=list)
     min_bumps: int = 0
     max_bumps: int = 0
@@ -78,6 +94,7 @@ class SoakReport:
             f"/healthz polls: {self.polls}; failed outside a stuck period: "
             f"{self.false_unhealthy_polls}",
             f"unhealthy verdicts outside a stuck period: {self.false_unhealthy_verdicts}",
+            *(f"  false verdict: {v}" for v in self.false_verdicts),
             f"stuck periods: {len(self.stuck_periods)}; detected in "
             f"{_span(detect)} s; healed in {_span(heal)} s after release",
             *(
@@ -237,6 +254,13 @@ class Soak:
             poller = asyncio.create_task(self.poll_health(run, stop))
             started = self.started = self.clock()
             held_until: int | None = None
+            outage_until: int | None = None
+            loop = asyncio.get_running_loop()
+
+            def quiet(cycle: int) -> bool:
+                """No stuck window now or soon: canaryd's own faults are judged apart."""
+                return held_until is None and not any(cycle <= at <= cycle + 6 for at in stuck_at)
+
             for cycle in range(cfg.cycles):
                 if cycle == half:
                     tracemalloc.start()
@@ -251,13 +275,34 @@ class Soak:
                     self.kube.release_watch_events()
                     self.windows.append((held, self.clock()))
                     held_until = None
-                if cycle and cycle % cfg.compact_every == 0:
+                if outage_until is not None and cycle >= outage_until:
+                    await self.kube.accept_connections()
+                    self.note("outage over")
+                    outage_until = None
+                if outage_until is not None:
+                    pass  # nothing else happens to a server that is away
+                elif cycle and cycle % cfg.outage_every == cfg.outage_every // 2 and quiet(cycle):
+                    await self.kube.refuse_connections()
+                    outage_until = cycle + cfg.outage_cycles
+                    self.faults["API server away (connections refused)"] += 1
+                    self.note("outage")
+                elif cycle and cycle % cfg.empty_watch_every == 0 and quiet(cycle):
+                    empty = self.kube.inject(Fault(verb="watch", empty_watch=True, times=-1))
+                    self.kube.close_watches()
+                    loop.call_later(
+                        cfg.empty_watch_share * cfg.cycle, self.kube.faults.remove, empty
+                    )
+                    self.faults["watches answered and closed at once"] += 1
+                    self.note("empty watches")
+                elif cycle and cycle % cfg.compact_every == 0:
                     self.kube.compact()
                     self.kube.abort_watches()
-                    self.faults["compaction (410)"] += 1
+                    self.faults["compaction with a reset (410)"] += 1
+                    self.note("compaction with a reset")
                 elif cycle and cycle % cfg.drop_every == 0:
                     self.kube.abort_watches()
-                    self.faults["watch connections cut"] += 1
+                    self.faults["watch connections reset mid-stream"] += 1
+                    self.note("reset")
                 for key in names:
                     obj = self.kube.get("flinkdeployments", key[0], key[1])
                     if obj is not None and self.rng.random() < 0.2:
@@ -266,6 +311,8 @@ class Soak:
             if held_until is not None:
                 self.kube.release_watch_events()
                 self.windows.append((held, self.clock()))
+            if outage_until is not None:
+                await self.kube.accept_connections()
             self.kube.hooks.remove(self.chaos)
             await asyncio.sleep(3 * cfg.cycle)  # let the last verdicts land
             self.report.traced_kib_end = _traced_kib()
@@ -282,6 +329,10 @@ class Soak:
         self.judge()
         return self.report
 
+    def note(self, what: str) -> None:
+        """A line in the log for each fault of canaryd's own connection (diagnosis)."""
+        log.info("soak_fault", fault=what, at=round(self.clock() - self.started, 3))
+
     def nonce(self, namespace: str, name: str) -> int:
         obj = self.kube.get("flinkdeployments", namespace, name) or {}
         spec = obj.get("spec")
@@ -290,8 +341,8 @@ class Soak:
 
     def judge(self) -> None:
         cycle = self.config.cycle
-        # Health may fail from the hold until two cycles after the release.
-        excused = [(held, released + 2 * cycle) for held, released in self.windows]
+        # Health may fail from the hold until 2.5 cycles after the release.
+        excused = [(held, released + 2.5 * cycle) for held, released in self.windows]
 
         def excusable(t: float) -> bool:
             return any(a <= t <= b for a, b in excused)
@@ -300,11 +351,13 @@ class Soak:
         self.report.false_unhealthy_polls = sum(
             1 for t, status in self.health if status != 200 and not excusable(t)
         )
-        self.report.false_unhealthy_verdicts = sum(
-            1
-            for t, _, state in self.transitions
+        false = [
+            f"{t - self.started:.3f} s {key}"
+            for t, key, state in self.transitions
             if state is CanaryState.UNHEALTHY and not excusable(t)
-        )
+        ]
+        self.report.false_unhealthy_verdicts = len(false)
+        self.report.false_verdicts = false
         for held, released in self.windows:
             failing = [t for t, status in self.health if status != 200 and t >= held]
             first = min(failing) if failing else float("inf")

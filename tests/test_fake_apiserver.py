@@ -626,6 +626,29 @@ async def test_close_watches_ends_every_stream(kube, crd):
         assert await consumer == []
 
 
+async def test_an_empty_watch_fault_answers_200_and_ends_at_once(kube, crd):
+    kube.inject(Fault(verb="watch", empty_watch=True))
+    w = watch.Watch()
+    stream = watch_fd(crd, w, timeout_seconds=60)
+    async with asyncio.timeout(5):
+        assert await next_events(stream, 1) == []
+    assert kube.requests_for("watch", FD)[-1].status == 200
+
+
+async def test_refused_connections_then_the_same_server_back(kube, crd):
+    await create(crd, canary())
+    await kube.refuse_connections()
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await http.get(kube.url + "/version")
+        await kube.accept_connections()
+        async with http.get(
+            kube.url + f"/apis/flink.apache.org/v1beta1/namespaces/default/{FD}/canary",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as response:
+            assert response.status == 200  # same address, same state
+
+
 async def test_request_log_records_what_the_client_sent(kube, crd):
     await create(crd, canary())
     await patch(

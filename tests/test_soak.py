@@ -25,13 +25,13 @@ async def test_soak_survives_faults_and_detects_every_stuck_period(kube, kubecon
     print("\n" + "\n".join(report.lines()))
     if target := os.environ.get("CANARYD_SOAK_REPORT"):
         write_report(Path(target), report)
-    two_cycles = 2 * config.cycle
+    budget = 2.5 * config.cycle
     assert report.false_unhealthy_polls == 0
     assert report.false_unhealthy_verdicts == 0
     assert report.stuck_periods, "no stuck period was played"
     for period in report.stuck_periods:
-        assert period["detected_in"] <= two_cycles, period
-        assert period["healed_in"] <= two_cycles, period
+        assert period["detected_in"] <= budget, period
+        assert period["healed_in"] <= budget, period
     assert report.min_bumps >= CYCLES // 2  # every canary kept being bumped
     assert report.labels_expected > 0 and report.labels_missing == 0
     # A leak of one small object per canary-cycle would be ~50 KiB per 10 cycles here.

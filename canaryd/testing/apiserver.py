@@ -331,6 +331,8 @@ class FakeKube:
         self._background: set[asyncio.Task[None]] = set()
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._listen: tuple[str, int, ssl.SSLContext | None] = ("127.0.0.1", 0, None)
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
         self.listeners: list[Callable[[], None]] = []
         """Called after every request, write, and watch start or end."""
@@ -357,10 +359,35 @@ class FakeKube:
     ) -> None:
         self._runner = web.AppRunner(self.app(), handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
+        self._site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        await self._site.start()
         bound_port = self._runner.addresses[0][1]
         scheme = "https" if ssl_context is not None else "http"
         self.url = f"{scheme}://{host}:{bound_port}"
+        self._listen = (host, bound_port, ssl_context)
+
+    async def refuse_connections(self) -> None:
+        """The API server goes away: nothing listens on its port (connections are
+        refused) and every open connection, watches included, is cut."""
+        assert self._runner is not None and self._runner.server is not None
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        self.abort_watches()
+        for handler in list(self._runner.server.connections):
+            handler.force_close()
+            if handler.transport is not None:
+                handler.transport.abort()
+        self._notify()
+
+    async def accept_connections(self) -> None:
+        """The API server is back on the same address, with the same state."""
+        assert self._runner is not None
+        if self._site is None:
+            host, port, ssl_context = self._listen
+            self._site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+            await self._site.start()
+        self._notify()
 
     async def stop(self) -> None:
         self.close_watches()
@@ -887,7 +914,9 @@ class FakeKube:
                 await empty.write_eof()
                 return empty
             if fault.code:
-                headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after else {}
+                headers = (
+                    {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+                )
                 raise ApiError(
                     fault.code, _REASONS.get(fault.code, "Unknown"), fault.message, headers=headers
                 )
