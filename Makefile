@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench clean
+.PHONY: install test lint format demo soak bench controlplane e2e clean
 
 install: $(STAMP)
 
@@ -41,6 +41,18 @@ soak: $(STAMP)
 # processes, 1,000 and 10,000 canaries; about 5 minutes. Writes docs/PERFORMANCE.md.
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py --output docs/PERFORMANCE.md
+
+# A real control plane (etcd, kube-apiserver, kube-controller-manager) built from Go
+# modules into .cache/controlplane; a no-op once that pinned build is there. Needs Go.
+controlplane:
+	bash tests/controlplane/build.sh
+
+# canaryd against the real control plane: tests/test_e2e.py (the seed's reproductions
+# and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
+# server). CI runs it after `make test`.
+e2e: $(STAMP) controlplane
+	CANARYD_E2E=controlplane $(BIN)/python -m pytest -p no:cacheprovider -rs \
+		tests/test_e2e.py tests/test_conformance.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

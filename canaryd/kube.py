@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import math
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +193,9 @@ class KubeClient:
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
         self._last_authorization: str | None = None
+        self.last_answer = -math.inf
+        """time.monotonic() of the last HTTP answer of any status, a watch's included:
+        whether the API server was reachable at all since some moment."""
         ssl_context = self._ssl_context()
         # The lean client for request/response calls, unless a proxy is in play (then
         # aiohttp, which speaks to proxies).
@@ -359,6 +364,7 @@ class KubeClient:
                 metrics.ERRORS.labels("request").inc()
                 log.warning("request_failed_unexpectedly", verb=verb, error=type(err).__name__)
                 raise error_from_exception(err, "ClientError") from err
+            self.last_answer = time.monotonic()
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials():
                 continue
@@ -424,6 +430,7 @@ class KubeClient:
                 timeout=timeout,
                 **self._request_kwargs(),
             ) as response:
+                self.last_answer = time.monotonic()
                 count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials()  # the retry then uses fresh ones

@@ -208,6 +208,18 @@ class Scheduler:
             if now < canary.deferred_until:
                 self._push(canary.deferred_until, canary)
                 return False
+            if self.kube.last_answer < since:
+                # Not one answer from the API server since the watch dropped: it is
+                # away, and nobody (the operator neither) can reconcile through it.
+                # That is no verdict on the canary.
+                self._judged(canary)
+                metrics.VERDICTS.labels("unreachable").inc()
+                self.registry.write_failed(
+                    canary,
+                    f"no verdict on generation {bumped}: the API server has not answered "
+                    f"since the watch of {scope} dropped {now - since:.1f}s ago",
+                )
+                return True
             reason = (
                 f"generation {bumped} not observed: the watch of {scope} has not resumed "
                 f"{now - since:.1f}s after it dropped (one cycle past the deadline)"
@@ -300,6 +312,9 @@ class Scheduler:
                     reread = False
                 repairing = canary.nonce_problem
                 nonce = 1 if repairing else canary.nonce + 1
+                # What the generation was before this write: the watch may deliver the
+                # write's own event before its answer arrives.
+                before = max(canary.generation, canary.last_bumped_generation or 0)
                 written = await self.kube.request(
                     "patch",
                     "PATCH",
@@ -358,7 +373,7 @@ class Scheduler:
                 continue
             if not self.registry.owns(canary):
                 return None
-            return self._written(canary, written, nonce, repairing, due)
+            return self._written(canary, written, nonce, repairing, due, before)
 
     async def _answered_gone(
         self, canary: Canary, path: str, err: KubeError, due: float
@@ -396,6 +411,7 @@ class Scheduler:
         nonce: int,
         repaired: str | None,
         due: float,
+        before: int,
     ) -> float:
         now = self._clock()
         metadata = written.get("metadata") or {}
@@ -410,7 +426,6 @@ class Scheduler:
                 canary, "no_generation", "the API server answered the bump without a generation"
             )
             return self._after_failure(due)
-        before = max(canary.generation, canary.last_bumped_generation or 0)
         if generation <= before:
             # The server took the nonce as no change: there is no new generation for
             # the operator to reconcile, so there is nothing to judge.

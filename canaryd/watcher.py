@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +125,7 @@ class ListWatch:
     def _down(self) -> None:
         if self.connected:
             self.connected = False
-            self.on_down(self._loop.time())
+            self.on_down(time.monotonic())  # the scheduler's clock
 
     async def _list(self) -> str:
         """List until it succeeds; returns the list's resourceVersion."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import math
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,7 @@ class StubKube:
         self.cluster, self.registry = cluster, registry
         self.pending: list[Pending] = []
         self.violations: list[str] = []
+        self.last_answer = math.inf  # the API server answers (only the watch drops here)
 
     async def request(self, verb: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         name = path.rsplit("/", 1)[1]

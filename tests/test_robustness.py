@@ -271,7 +271,7 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: 100.0)  # type: ignore[arg-type]
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
-    next_due = scheduler._written(canary, answer, 2, None, 100.0)
+    next_due = scheduler._written(canary, answer, 2, None, 100.0, 2)
     assert canary.bumped_generation is None  # nothing to judge
     assert canary.state is CanaryState.UNKNOWN
     assert "not above 2" in canary.reason

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.harness import CYCLE, LABEL, Running, create_canary, running_daemon
@@ -413,7 +414,9 @@ async def test_the_scheduler_lag_stays_bounded_when_writes_are_slow(kube, kubeco
         while loop.time() < until:
             lags.append(scheduler.lag())
             await asyncio.sleep(CYCLE / 20)  # sampling period, not synchronisation
-        assert max(lags) <= CYCLE, f"scheduler lag reached {max(lags):.2f}s"
+        # Bounded: skipped bumps keep it near half a cycle (unbounded before: 5 cycles and
+        # growing); twice the cycle leaves room for a loaded machine.
+        assert max(lags) <= 2 * CYCLE, f"scheduler lag reached {max(lags):.2f}s"
         assert run.registry.counts()["unhealthy"] == 0
 
 
@@ -533,3 +536,24 @@ async def test_malformed_canary_is_repaired_with_a_valid_nonce_never_a_crash(
         assert isinstance(
             kube.get("flinkdeployments", "default", "canary")["spec"]["restartNonce"], int
         )
+
+
+async def test_a_bump_whose_watch_event_arrives_before_its_answer_is_judged_normally(
+    kube, kubeconfig
+):
+    """Found on the real API server: the watch often delivers a write's own event before
+    the write's answer. The generation it shows is then already the bumped one, and
+    that is no sign of a write the server took as unchanged."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        no_change = metrics.BUMPS.labels("no_change")._value.get()
+        states: list[CanaryState] = []
+        run.registry.listeners.append(lambda: states.append(run.tracked().state))
+        late = kube.inject(Fault(verb="patch", name="canary", code=0, delay_answer=CYCLE / 5))
+        late.times = 3
+        await run.until(lambda: late.times == 0, "three late answers")
+        await run.until_bumps(len(run.bumps()) + 1)
+        await run.until_state(CanaryState.HEALTHY)
+        assert metrics.BUMPS.labels("no_change")._value.get() == no_change
+        assert CanaryState.UNKNOWN not in states

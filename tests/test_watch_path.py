@@ -198,3 +198,21 @@ async def test_a_watch_not_resumed_one_more_cycle_later_is_unhealthy_naming_the_
         kube.faults.remove(refused)
         kube.release_watch_events()
         await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)
+
+
+async def test_an_api_server_away_past_the_extra_cycle_is_no_verdict(kube, kubeconfig):
+    """Nothing answers (connections refused) for longer than the deferral: nobody can
+    reconcile through an API server that is away, so that is no verdict on the canary
+    (unknown, /healthz 200), unlike a watch that fails while the server answers."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.inject(Fault(verb="patch", name="canary", code=0, action=kube.hold_watch_events))
+        await run.until_bumps(len(run.bumps()) + 1)
+        await kube.refuse_connections()
+        kube.release_watch_events()
+        canary = await run.until_state(CanaryState.UNKNOWN, within=5 * CYCLE)
+        assert "has not answered" in canary.reason
+        assert await run.get("/healthz") == (200, "OK")
+        await kube.accept_connections()
+        await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)

@@ -45,8 +45,14 @@ NOT_MODELLED = (
     "list pagination (limit/continue) and resourceVersionMatch",
     "the watch cache's sendInitialEvents / initial-events-end bookmark",
     "admission webhooks, quota, owner references and garbage collection",
-    "TLS, client certificates and any authentication other than one bearer token",
+    "client certificates and any authentication other than one bearer token",
+    "bookmark timing: kube-apiserver's watch cache sends about one a minute; the fake "
+    "every bookmark_interval (canaryd's idle watchdog outlasts both)",
+    "authorization per request only: an open watch outlives a removed RoleBinding, "
+    "as on kube-apiserver (checked by tests/test_e2e.py), but nothing else of RBAC",
 )
+"""What the fake leaves out, each irrelevant to canaryd; tests/test_conformance.py
+compares the rest with a real kube-apiserver in ``make e2e``."""
 
 FLINK_GROUP = "flink.apache.org"
 FLINK_VERSION = "v1beta1"
@@ -197,7 +203,9 @@ class Fault:
     ``drop`` closes the connection without an answer; ``latency`` delays the
     request, then it fails with ``code`` or, with ``code=0``, is served normally;
     ``empty_watch`` answers a watch 200 and ends the stream at once, with no event
-    (a proxy or load balancer in front of the API server that does so).
+    (a proxy or load balancer in front of the API server that does so);
+    ``delay_answer`` serves the request, then holds its answer that long (the write's
+    watch event reaches watchers first, as it often does on a real server).
     ``action`` runs first: a concurrent writer that wins the race against this request
     (e.g. ``lambda: kube.update(...)``), so a stale precondition gets a real 409.
     """
@@ -211,6 +219,7 @@ class Fault:
     retry_after: int | None = None
     drop: bool = False
     empty_watch: bool = False
+    delay_answer: float = 0.0
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None
@@ -925,6 +934,8 @@ class FakeKube:
         if req.verb == "watch":
             return await self._watch(request, req)
         result = self._serve(request, req, raw)
+        if fault is not None and fault.delay_answer:
+            await asyncio.sleep(fault.delay_answer)
         return web.json_response(result, status=201 if req.verb == "create" else 200)
 
     def _authenticate(self, request: web.Request) -> None:
