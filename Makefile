@@ -28,8 +28,9 @@ test: lint
 	$(BIN)/python -m pytest
 
 # canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
-demo: $(STAMP)
-	$(BIN)/python -m canaryd.testing.demo
+# `make demo CONTROLPLANE=1` plays it on the real control plane of `make e2e`.
+demo: $(STAMP) $(if $(CONTROLPLANE),controlplane)
+	$(BIN)/python -m $(if $(CONTROLPLANE),tests.controlplane.demo,canaryd.testing.demo)
 
 # The reliability soak at 1,000 cycles (about 4 minutes); figures on stdout and in
 # soak-report.json. `make test` runs the same soak at 100 cycles.

@@ -60,6 +60,7 @@ class Cluster:
 
 
 OWN = "canaryd-own"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -499,3 +500,25 @@ async def test_the_rbac_manifests_grant_what_canaryd_uses_and_no_more(cluster):
     assert plane.request("GET", f"/apis/{G}/{V}/namespaces/{OWN}/{FD}", token=own)[0] == 200
     assert plane.request("GET", f"/apis/{G}/{V}/namespaces/default/{FD}", token=own)[0] == 403
     assert plane.request("GET", "/api/v1/namespaces", token=own)[0] == 200
+
+
+async def test_the_demo_plays_on_the_real_control_plane(cluster):
+    """`make demo CONTROLPLANE=1`: the demo's scenario on a control plane of its own."""
+    cluster.needs_plane()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.controlplane.demo",
+        "--timeout",
+        "1s",
+        "--once",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(120):
+        output, _ = await process.communicate()
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-3000:]
+    assert "<- kept" in text and "<- not re-added" in text
+    assert "scenario done: /healthz stayed 200 throughout" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client as k8s_client
@@ -247,6 +248,20 @@ async def test_a_reason_with_newlines_stays_one_line_in_verbose(kube, kubeconfig
         assert len(text.strip().splitlines()) == 3  # OK + one line per canary
 
 
+def canary_copy(generation: int = 2, rv: str = "5") -> dict[str, Any]:
+    """A copy of canary ns/c (uid "uid") as a list or watch would carry it."""
+    return {
+        "metadata": {
+            "name": "c",
+            "namespace": "ns",
+            "uid": "uid",
+            "resourceVersion": rv,
+            "generation": generation,
+            "labels": {LABEL: "true"},
+        }
+    }
+
+
 def _canary(generation: int = 2) -> Canary:
     return Canary(CanaryKey("flinkdeployments", "ns", "c"), "uid", "5", generation, 1)
 
@@ -254,19 +269,7 @@ def _canary(generation: int = 2) -> Canary:
 def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     registry = Registry(LABEL)
     canary = _canary()
-    registry.observe(
-        "flinkdeployments",
-        {
-            "metadata": {
-                "name": "c",
-                "namespace": "ns",
-                "uid": "uid",
-                "resourceVersion": "5",
-                "generation": 2,
-                "labels": {LABEL: "true"},
-            }
-        },
-    )
+    registry.observe("flinkdeployments", canary_copy())
     canary = registry.get(canary.key)
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: 100.0)  # type: ignore[arg-type]
@@ -289,23 +292,11 @@ def test_int64_nonce_messages():
 def test_an_older_copy_never_moves_generation_backwards():
     registry = Registry(LABEL)
 
-    def copy(generation: int, rv: str) -> dict[str, object]:
-        return {
-            "metadata": {
-                "name": "c",
-                "namespace": "ns",
-                "uid": "uid",
-                "resourceVersion": rv,
-                "generation": generation,
-                "labels": {LABEL: "true"},
-            }
-        }
-
-    registry.observe("flinkdeployments", copy(3, "30"))
-    registry.observe("flinkdeployments", copy(2, "20"))  # replayed, older
+    registry.observe("flinkdeployments", canary_copy(3, "30"))
+    registry.observe("flinkdeployments", canary_copy(2, "20"))  # replayed, older
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None and canary.generation == 3 and canary.resource_version == "30"
-    registry.observe("flinkdeployments", copy(4, "40"))
+    registry.observe("flinkdeployments", canary_copy(4, "40"))
     assert canary.generation == 4
 
 
@@ -315,16 +306,7 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
     now = [100.0]
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
-    copy = {
-        "metadata": {
-            "name": "c",
-            "namespace": "ns",
-            "uid": "uid",
-            "resourceVersion": "5",
-            "generation": 2,
-            "labels": {LABEL: "true"},
-        }
-    }
+    copy = canary_copy()
     registry.observe("flinkdeployments", copy)
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
@@ -346,19 +328,7 @@ def test_a_late_judge_still_finds_a_bump_that_never_arrived():
     now = [100.0]
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
-    registry.observe(
-        "flinkdeployments",
-        {
-            "metadata": {
-                "name": "c",
-                "namespace": "ns",
-                "uid": "uid",
-                "resourceVersion": "5",
-                "generation": 2,
-                "labels": {LABEL: "true"},
-            }
-        },
-    )
+    registry.observe("flinkdeployments", canary_copy())
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
     registry.record_bump(canary, 3, 100.0 + CYCLE, 0.0)

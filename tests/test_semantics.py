@@ -557,3 +557,73 @@ async def test_a_bump_whose_watch_event_arrives_before_its_answer_is_judged_norm
         await run.until_state(CanaryState.HEALTHY)
         assert metrics.BUMPS.labels("no_change")._value.get() == no_change
         assert CanaryState.UNKNOWN not in states
+
+
+# canaryd's own watch stream ends or drops: its delays never decide a verdict
+
+
+async def test_a_deadline_while_the_watch_is_down_is_judged_once_it_resumed(kube, kubeconfig):
+    """The bump's event is withheld, the stream is cut and re-watches are refused past
+    the deadline: canaryd's own disconnection must not make the canary unhealthy. Once
+    the watch resumes it replays the bump and the canary is healthy."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        kube.hold_watch_events()
+        bumps = len(run.bumps())
+        await run.until_bumps(bumps + 1)
+        refused = kube.inject(Fault(verb="watch", resource="flinkdeployments", times=-1))
+        kube.abort_watches()
+        kube.release_watch_events()
+        await run.until(
+            lambda: (
+                metrics.VERDICTS.labels("deferred")._value.get() > 0
+                and canary.deferred_until is not None
+            ),
+            "the verdict to be deferred",
+            within=3 * CYCLE,
+        )
+        assert canary.state is CanaryState.HEALTHY  # no verdict while the watch is down
+        kube.faults.remove(refused)
+        await run.until(
+            lambda: canary.deferred_until is None and canary.bumped_generation is None,
+            "the deferred verdict",
+            within=3 * CYCLE,
+        )
+        assert canary.state is CanaryState.HEALTHY, canary.reason
+
+
+async def test_a_watch_not_resumed_one_more_cycle_later_is_unhealthy_naming_the_watch(
+    kube, kubeconfig
+):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        kube.hold_watch_events()
+        await run.until_bumps(len(run.bumps()) + 1)
+        refused = kube.inject(Fault(verb="watch", resource="flinkdeployments", times=-1))
+        kube.abort_watches()
+        canary = await run.until_state(CanaryState.UNHEALTHY, within=5 * CYCLE)
+        assert "watch of flinkdeployments" in canary.reason
+        assert "not resumed" in canary.reason
+        kube.faults.remove(refused)
+        kube.release_watch_events()
+        await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)
+
+
+async def test_an_api_server_away_past_the_extra_cycle_is_no_verdict(kube, kubeconfig):
+    """Nothing answers (connections refused) for longer than the deferral: nobody can
+    reconcile through an API server that is away, so that is no verdict on the canary
+    (unknown, /healthz 200), unlike a watch that fails while the server answers."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.inject(Fault(verb="patch", name="canary", code=0, action=kube.hold_watch_events))
+        await run.until_bumps(len(run.bumps()) + 1)
+        await kube.refuse_connections()
+        kube.release_watch_events()
+        canary = await run.until_state(CanaryState.UNKNOWN, within=5 * CYCLE)
+        assert "has not answered" in canary.reason
+        assert await run.get("/healthz") == (200, "OK")
+        await kube.accept_connections()
+        await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)

@@ -18,7 +18,7 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class Demo:
         self.timeout = timeout
         self.samples = samples
         self.kube = FakeKube(bookmark_interval=5.0)
+        self.api_url = ""
+        """The API server's URL, once the cluster runs."""
         self.started = 0.0
         self.last_health = ""
         self.failures = 0
@@ -48,8 +50,24 @@ class Demo:
         print(f"[{elapsed:6.1f}s] {text}", flush=True)
 
     def path(self, plural: str, namespace: str, name: str = "") -> str:
-        base = f"{self.kube.url}/apis/flink.apache.org/v1beta1/namespaces/{namespace}/{plural}"
+        base = f"{self.api_url}/apis/flink.apache.org/v1beta1/namespaces/{namespace}/{plural}"
         return f"{base}/{name}" if name else base
+
+    @contextlib.asynccontextmanager
+    async def cluster(self, tmp: Path, namespaces: list[str]) -> AsyncIterator[Path]:
+        """Run the cluster with these namespaces; yields canaryd's kubeconfig. Here the
+        fake API server; tests/controlplane/demo.py plays the same on a real one."""
+        async with self.kube.running():
+            for namespace in namespaces:
+                self.kube.create_namespace(namespace)
+            self.api_url = self.kube.url
+            kubeconfig = self.kube.write_kubeconfig(tmp / "kubeconfig")
+            self.say(f"fake API server on {self.kube.url} (kubeconfig {kubeconfig})")
+            yield kubeconfig
+
+    def session(self) -> aiohttp.ClientSession:
+        """The demo's own client of the API server (the fake needs no credentials)."""
+        return aiohttp.ClientSession()
 
     async def apply_samples(self, http: aiohttp.ClientSession, namespaces: list[str]) -> None:
         files = sorted(p for p in self.samples.glob("*.yaml") if p.name != "kustomization.yaml")
@@ -159,40 +177,40 @@ class Demo:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         with tempfile.TemporaryDirectory(prefix="canaryd-demo-") as tmp:
-            async with self.kube.running():
-                for namespace in ("default", "team-a"):
-                    self.kube.create_namespace(namespace)
-                kubeconfig = self.kube.write_kubeconfig(Path(tmp) / "kubeconfig")
-                self.say(f"fake API server on {self.kube.url} (kubeconfig {kubeconfig})")
-                async with aiohttp.ClientSession() as http:
-                    await self.apply_samples(http, ["default", "team-a"])
-                    port = free_port()
-                    proc = await asyncio.create_subprocess_exec(
-                        *canaryd_argv(
-                            kubeconfig,
-                            port,
-                            self.timeout,
-                            "--log-format",
-                            "console",
-                            "--log-level",
-                            "warning",
-                        ),
-                        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                    )
-                    url = f"http://127.0.0.1:{port}/healthz?verbose"
-                    self.say(f"canaryd started (cycle {self.timeout:g}s): curl '{url}'")
-                    watcher = asyncio.create_task(self.show_health(http, url))
-                    scenario = asyncio.create_task(self.scenario(http))
-                    stopper = asyncio.create_task(stop.wait())
-                    # With --once the scenario's end stops the demo; otherwise Ctrl-C.
-                    waited = {scenario, stopper} if once else {stopper}
-                    await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-                    for task in (watcher, scenario, stopper):
-                        task.cancel()
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(signal.SIGTERM)
-                    code = await proc.wait()
-                    self.say(f"canaryd exited with {code}")
+            async with (
+                self.cluster(Path(tmp), ["default", "team-a"]) as kubeconfig,
+                self.session() as http,
+            ):
+                await self.apply_samples(http, ["default", "team-a"])
+                port = free_port()
+                proc = await asyncio.create_subprocess_exec(
+                    *canaryd_argv(
+                        kubeconfig,
+                        port,
+                        self.timeout,
+                        "--log-format",
+                        "console",
+                        "--log-level",
+                        "warning",
+                    ),
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+                url = f"http://127.0.0.1:{port}/healthz?verbose"
+                self.say(f"canaryd started (cycle {self.timeout:g}s): curl '{url}'")
+                plain = aiohttp.ClientSession()  # canaryd's port: no credentials
+                watcher = asyncio.create_task(self.show_health(plain, url))
+                scenario = asyncio.create_task(self.scenario(http))
+                stopper = asyncio.create_task(stop.wait())
+                # With --once the scenario's end stops the demo; otherwise Ctrl-C.
+                waited = {scenario, stopper} if once else {stopper}
+                await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                for task in (watcher, scenario, stopper):
+                    task.cancel()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                code = await proc.wait()
+                await plain.close()
+                self.say(f"canaryd exited with {code}")
         return 0 if code == 0 and not self.failures else 1
 
 
