@@ -34,6 +34,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"canaryd: {err}", file=sys.stderr)
         sys.exit(2)
     logs.configure(settings.log_format, settings.log_level)
+    if settings.timeout < 1.0:
+        structlog.get_logger("canaryd").warning(
+            "short_cycle",
+            timeout=settings.timeout,
+            detail="a cycle below 1 s is for tests; the operator's default is 1 min",
+        )
     try:
         run(Daemon(settings).run())
     except ConfigError as err:

@@ -21,6 +21,10 @@ DEFAULT_LABEL = "flink.apache.org/canary"
 DEFAULT_KINDS = ("flinkdeployments", "flinksessionjobs")
 KNOWN_KINDS = frozenset(DEFAULT_KINDS)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MIN_TIMEOUT = 0.1
+"""The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
+cannot keep pace and verdicts flap. Below a second is for tests."""
+DURATION_FLAGS = ("--timeout", "--config-check-interval")
 
 # The operator's own keys (flink-kubernetes-operator KubernetesOperatorConfigOptions).
 KEY_NAMESPACES = "kubernetes.operator.watched.namespaces"
@@ -248,7 +252,14 @@ def read_operator_config(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"operator config {path} must be a mapping of keys to values")
-    return flatten(data)
+    flat = flatten(data)
+    for key in (KEY_NAMESPACES, KEY_DYNAMIC, KEY_TIMEOUT, KEY_PORT, KEY_CHECK_INTERVAL):
+        if any(name.startswith(f"{key}.") for name in flat):
+            raise ConfigError(
+                f"operator config {path}: {key} must be a value (namespaces: a "
+                "comma-separated string or a list), not a mapping"
+            )
+    return flat
 
 
 def parse_namespaces(value: Any) -> frozenset[str] | None:
@@ -355,9 +366,26 @@ def _split_list(values: Sequence[str]) -> list[str]:
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--timeout -5s`` reaches argparse as two flags; join it as ``--timeout=-5s`` so
+    that the duration is refused with the duration's message."""
+    out: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item in DURATION_FLAGS and i + 1 < len(items) and items[i + 1].startswith("-"):
+            out.append(f"{item}={items[i + 1]}")
+            i += 2
+            continue
+        out.append(item)
+        i += 1
+    return out
+
+
 def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Resolve every setting by precedence; raises ConfigError on any bad value."""
-    args = build_parser().parse_args(list(argv))
+    args = build_parser().parse_args(_join_negative_values(argv))
 
     def pick(flag: Any, env: str | None) -> Any:
         if flag is not None:
@@ -413,7 +441,18 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
     timeout = resolve(args.timeout, "CANARYD_TIMEOUT", KEY_TIMEOUT)
     if timeout is not None:
-        changes["timeout"] = _positive_duration(timeout, "timeout")
+        seconds = _positive_duration(timeout, "timeout")
+        if seconds < MIN_TIMEOUT:
+            bare = (
+                " (a bare number is milliseconds: write e.g. '5 s')"
+                if str(timeout).strip().replace(".", "", 1).isdigit()
+                else ""
+            )
+            raise ConfigError(
+                f"timeout {str(timeout).strip()!r} is {seconds * 1000:g} ms, below the "
+                f"{MIN_TIMEOUT * 1000:g} ms cycle canaryd can keep{bare}"
+            )
+        changes["timeout"] = seconds
 
     host = pick(args.host, "CANARYD_HOST")
     if host is not None:

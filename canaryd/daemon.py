@@ -11,8 +11,10 @@ import contextlib
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import structlog
+import yaml
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
@@ -22,7 +24,7 @@ from canaryd.config import (
     namespaces_from_operator_config,
     read_operator_config,
 )
-from canaryd.kube import KubeClient, kubeconfig_path, load_configuration
+from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
@@ -30,6 +32,29 @@ from canaryd.systemd import Notifier
 from canaryd.watcher import Watcher
 
 log = structlog.get_logger("canaryd.daemon")
+
+
+def check_kubeconfig_file(path: str) -> None:
+    """A kubeconfig that is missing, unreadable or not a mapping gets one clear line,
+    not the loader's internals ("list indices must be integers", a NoneType)."""
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(
+            f"no kubeconfig at {path}: pass --kubeconfig or set KUBECONFIG "
+            "(in a pod, canaryd uses its service account)"
+        )
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read kubeconfig {path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"kubeconfig {path} is not valid YAML") from err
+    if not isinstance(data, dict):
+        shown = "empty" if data is None else f"a YAML {type(data).__name__}"
+        raise ConfigError(
+            f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
+            "users, contexts and current-context)"
+        )
 
 
 class _Shutdown(Exception):
@@ -72,16 +97,18 @@ class Daemon:
 
     async def _run(self) -> None:
         settings = self.settings
+        in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
+        if not in_cluster:
+            check_kubeconfig_file(where)
         try:
             configuration, reload = await load_configuration(settings.kubeconfig, settings.context)
         except Exception as err:  # any loader failure is a configuration problem
-            where = (
-                "in-cluster service account"
-                if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST")
-                else kubeconfig_path(settings.kubeconfig)
-            )
             detail = logs.scrub(str(err)) or type(err).__name__
             raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
+        problem = server_url_problem(str(configuration.host or ""))
+        if problem is not None:
+            raise ConfigError(f"kubeconfig {where}: {problem}")
         logs.register_secret(configuration.api_key.get("BearerToken"))
         kube = KubeClient(
             configuration,

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import structlog
@@ -62,6 +62,20 @@ class Kind:
 
     def object_path(self, namespace: str, name: str) -> str:
         return f"{self.collection_path(namespace)}/{segment(name)}"
+
+
+def server_url_problem(host: str) -> str | None:
+    """What is wrong with a kubeconfig's cluster server, or None when it can be used."""
+    try:
+        parts = urlsplit(host)
+        port = parts.port
+    except ValueError as err:
+        return f"cluster server {host!r} is not a usable URL ({err})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"cluster server {host!r} is not an http(s) URL with a host"
+    if port == 0:
+        return f"cluster server {host!r} has port 0"
+    return None
 
 
 def segment(value: str) -> str:

@@ -212,3 +212,80 @@ async def test_odd_requests_get_clear_errors_and_the_daemon_keeps_answering(kube
             assert response.status in (405, 413)
         assert await run.get("/healthz") == (200, "OK")
         assert (await run.get("/readyz"))[0] == 200
+
+
+# ---------------------------------------------- one clear line, exit 2 (issue 12)
+
+
+def run_main(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+    from canaryd.__main__ import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--host", "127.0.0.1", "--port", "0"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return int(exited.value.code or 0), lines
+
+
+def kubeconfig_with_server(tmp_path, server: str):
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n"
+        "users: [{name: c, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: c}}]\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "server", ["not a url", "ftp://example.invalid", "http://", "https://127.0.0.1:99999", ""]
+)
+def test_a_kubeconfig_server_that_is_not_a_url_is_one_line(tmp_path, capsys, monkeypatch, server):
+    path = kubeconfig_with_server(tmp_path, server)
+    code, lines = run_main(["--kubeconfig", str(path)], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert str(path) in lines[0] and "server" in lines[0]
+
+
+def test_no_kubeconfig_at_all_says_so(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "nowhere" / "config"
+    code, lines = run_main(["--kubeconfig", str(missing)], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert str(missing) in lines[0] and "no kubeconfig" in lines[0]
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "just text\n", "clusters: 5\n"])
+def test_a_kubeconfig_that_is_not_a_mapping_is_one_line(tmp_path, capsys, monkeypatch, text):
+    path = tmp_path / "kubeconfig"
+    path.write_text(text)
+    code, lines = run_main(["--kubeconfig", str(path)], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert str(path) in lines[0]
+    assert "Traceback" not in lines[0] and "NoneType" not in lines[0]
+
+
+def test_watched_namespaces_as_a_mapping_is_refused(tmp_path, capsys, monkeypatch):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.watched.namespaces: {a: 1}\n")
+    code, lines = run_main(["--operator-config", str(conf)], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert "kubernetes.operator.watched.namespaces" in lines[0] and str(conf) in lines[0]
+
+
+@pytest.mark.parametrize("value", ["1ms", "50ms", "5", "-5s", "0"])
+def test_a_cycle_the_daemon_cannot_keep_is_refused_with_its_unit(
+    tmp_path, capsys, monkeypatch, value
+):
+    code, lines = run_main(["--timeout", value], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert "timeout" in lines[0]
+    assert "ms" in lines[0] or "greater than zero" in lines[0]
+
+
+def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_path):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.health.canary.resource.timeout: 5\n")
+    with pytest.raises(ConfigError, match=r"5 ms.*milliseconds"):
+        load_settings(["--operator-config", str(conf)], {})

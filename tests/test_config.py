@@ -208,7 +208,8 @@ def test_cli_missing_kubeconfig_exits_2(tmp_path: Path):
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert result.returncode == 2
-    assert "cannot load Kubernetes credentials" in result.stderr.strip().splitlines()[-1]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no kubeconfig at" in lines[0] and "missing" in lines[0]
     assert "Traceback" not in result.stderr
 
 
