@@ -325,39 +325,75 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Precedence: flag > environment > operator config file > default.",
     )
     add = parser.add_argument
-    add("--kubeconfig", metavar="PATH", help="kubeconfig file [env KUBECONFIG]")
-    add("--context", metavar="NAME", help="kubeconfig context [env CANARYD_CONTEXT]")
+    add(
+        "--kubeconfig",
+        metavar="PATH",
+        help="kubeconfig file [env KUBECONFIG] (default: in-cluster when "
+        "KUBERNETES_SERVICE_HOST is set, else ~/.kube/config)",
+    )
+    add(
+        "--context",
+        metavar="NAME",
+        help="kubeconfig context [env CANARYD_CONTEXT] (default: its current context)",
+    )
     add(
         "--namespace",
         metavar="NS",
         action="append",
-        help="watched namespace, repeatable or comma-separated; default all "
-        f"[env WATCH_NAMESPACES] [{KEY_NAMESPACES}]",
+        help="watched namespace, repeatable or comma-separated "
+        f"[env WATCH_NAMESPACES] [{KEY_NAMESPACES}] (default: all namespaces)",
     )
     add(
         "--operator-config",
         metavar="PATH",
-        help="the operator's flink-conf.yaml or config.yaml [env CANARYD_OPERATOR_CONFIG]",
+        help="the operator's flink-conf.yaml or config.yaml, or its conf directory "
+        "[env CANARYD_OPERATOR_CONFIG] (default: none)",
     )
-    add("--label", metavar="KEY", help=f"canary label [env CANARYD_LABEL] ({DEFAULT_LABEL})")
+    add(
+        "--label",
+        metavar="KEY",
+        help=f"canary label, value true in any case [env CANARYD_LABEL] (default: {DEFAULT_LABEL})",
+    )
     add(
         "--kind",
         metavar="PLURAL",
         action="append",
         help="canary kinds, repeatable or comma-separated [env CANARYD_KINDS] "
-        f"({','.join(DEFAULT_KINDS)})",
+        f"(default: {','.join(DEFAULT_KINDS)})",
     )
-    add("--timeout", metavar="DURATION", help=f"canary cycle [env CANARYD_TIMEOUT] [{KEY_TIMEOUT}]")
-    add("--host", metavar="ADDR", help="health server address [env CANARYD_HOST] (0.0.0.0)")
-    add("--port", metavar="N", help=f"health server port [env CANARYD_PORT] [{KEY_PORT}] (8085)")
+    add(
+        "--timeout",
+        metavar="DURATION",
+        help="canary cycle: bump every DURATION, judge each bump one DURATION later; "
+        "e.g. '30 s', '1 min', 'PT1M', a bare number is milliseconds "
+        f"[env CANARYD_TIMEOUT] [{KEY_TIMEOUT}] (default: 1 min; at least 100 ms)",
+    )
+    add(
+        "--host", metavar="ADDR", help="health server address [env CANARYD_HOST] (default: 0.0.0.0)"
+    )
+    add(
+        "--port",
+        metavar="N",
+        help=f"health server port [env CANARYD_PORT] [{KEY_PORT}] (default: 8085)",
+    )
     add(
         "--config-check-interval",
         metavar="DURATION",
         help=f"operator config re-read interval [env CANARYD_CONFIG_CHECK_INTERVAL] "
-        f"[{KEY_CHECK_INTERVAL}] (5 min)",
+        f"[{KEY_CHECK_INTERVAL}] (default: 5 min)",
     )
-    add("--log-format", metavar="json|console", help="[env CANARYD_LOG_FORMAT] (json)")
-    add("--log-level", metavar="LEVEL", help="[env CANARYD_LOG_LEVEL] (info)")
+    add(
+        "--log-format",
+        metavar="json|console",
+        help="log format on stderr: one JSON object a line, or aligned text for people "
+        "[env CANARYD_LOG_FORMAT] (default: json)",
+    )
+    add(
+        "--log-level",
+        metavar="LEVEL",
+        help=f"least severe level logged: {', '.join(LOG_LEVELS)} "
+        "[env CANARYD_LOG_LEVEL] (default: info)",
+    )
     add("--version", action="version", version=f"canaryd {__version__}")
     return parser
 

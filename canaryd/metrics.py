@@ -76,7 +76,8 @@ CONFIG_RELOADS = Counter(
 )
 WATCHED_NAMESPACES = Gauge(
     "canaryd_watched_namespaces",
-    "Namespaces with canary watches (0 when watching all namespaces cluster-wide).",
+    "Watched namespaces that are not terminating (when all are watched: every namespace "
+    "the Namespaces watch knows).",
     registry=REGISTRY,
 )
 

@@ -73,6 +73,8 @@ class Canary:
     """The generation our last successful bump produced, until it is judged."""
     last_bumped_generation: int | None = None
     """The generation of the last successful bump, judged or not (for display)."""
+    judged_generation: int | None = None
+    """The generation the last verdict (the state's reason) was about."""
     bump_deadline: float | None = None
     """Monotonic time at which that bump is judged."""
     last_bump_at: float | None = None

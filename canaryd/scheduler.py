@@ -242,6 +242,7 @@ class Scheduler:
         return True
 
     def _judged(self, canary: Canary) -> None:
+        canary.judged_generation = canary.bumped_generation
         canary.bumped_generation = None
         canary.deferred_until = None
         canary.late_recheck = False

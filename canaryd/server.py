@@ -41,6 +41,10 @@ def canary_json(canary: Canary) -> dict[str, object]:
         "bumpedGeneration": canary.last_bumped_generation,
         "observedGeneration": canary.generation,
         "lastBumpAt": _iso(canary.last_bump_at),
+        # bumpedGeneration is the last bump written, judged or not; these two say
+        # which one the reason is about and which one still waits for its deadline.
+        "judgedGeneration": canary.judged_generation,
+        "pendingGeneration": canary.bumped_generation,
     }
 
 

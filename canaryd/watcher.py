@@ -280,6 +280,8 @@ class Watcher:
         self.kinds: list[Kind] = []
         self.discovered = asyncio.Event()
         self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
+        self._seen_namespaces: set[str] = set()
+        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
 
     @property
@@ -395,7 +397,14 @@ class Watcher:
             self.registry.scope_removed((scope.kind.plural, scope.namespace))
         for scope in desired - set(self._watches):
             self._start(scope)
-        metrics.WATCHED_NAMESPACES.set(len(self.namespaces or ()))
+        self._count_namespaces()
+
+    def _count_namespaces(self) -> None:
+        if self.namespaces is None:
+            watched = self._seen_namespaces - self.registry.closed_namespaces
+        else:
+            watched = set(self.namespaces) - self.registry.closed_namespaces
+        metrics.WATCHED_NAMESPACES.set(len(watched))
 
     def _start(self, scope: Scope) -> None:
         assert self._group is not None
@@ -463,6 +472,8 @@ class Watcher:
         )
 
     def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
+        self._seen_namespaces = {str((obj.get("metadata") or {}).get("name")) for obj in items}
+        self._count_namespaces()
         closed = set()
         for obj in items:
             if self._terminating(obj):
@@ -476,6 +487,11 @@ class Watcher:
 
     def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
         name = str((obj.get("metadata") or {}).get("name"))
+        if event == "DELETED":
+            self._seen_namespaces.discard(name)
+        else:
+            self._seen_namespaces.add(name)
+        self._count_namespaces()
         if event == "DELETED":
             self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
             self.registry.closed_namespaces.discard(name)  # a namespace of that name may come

@@ -332,6 +332,8 @@ async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
             "bumpedGeneration",
             "observedGeneration",
             "lastBumpAt",
+            "judgedGeneration",
+            "pendingGeneration",
         }
         assert first["kind"] == "FlinkDeployment" and first["state"] == "healthy"
         assert first["observedGeneration"] >= first["bumpedGeneration"] - 1
