@@ -161,3 +161,27 @@ def create_canary(
 ) -> dict[str, Any]:
     rtype = FLINK_DEPLOYMENTS if kind == "flinkdeployments" else FLINK_SESSION_JOBS
     return kube.create(rtype, namespace, canary_body(name, **body))
+
+
+def counter(metric: Any, *labels: str) -> float:
+    """A Prometheus counter's (or gauge's) current value, by its labels."""
+    value: float = (metric.labels(*labels) if labels else metric)._value.get()
+    return value
+
+
+def write_dynamic_config(path: Path, namespaces: str) -> None:
+    """An operator flink-conf.yaml with these watched namespaces and dynamic namespaces on."""
+    path.write_text(
+        f"kubernetes.operator.watched.namespaces: {namespaces}\n"
+        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
+    )
+
+
+def following(path: Path, *namespaces: str) -> dict[str, object]:
+    """Daemon settings as load_settings makes them for that file: namespaces followed."""
+    return {
+        "operator_config": path,
+        "namespaces": frozenset(namespaces),
+        "namespaces_from_file": True,
+        "dynamic_namespaces": True,
+    }

@@ -14,7 +14,7 @@ from canaryd import metrics
 from canaryd.config import ConfigError, load_settings, parse_duration
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import Fault
-from tests.harness import create_canary, running_daemon
+from tests.harness import counter, create_canary, running_daemon
 
 UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -130,10 +130,10 @@ async def test_a_copy_without_generation_never_moves_the_canary_backwards(kube, 
         await run.until(lambda: bool(kube.watchers), "the watch")
         obj = kube.get("flinkdeployments", "default", "canary")
         del obj["metadata"]["generation"]
-        stale_before = counter_value(metrics.ERRORS, "stale_copy")
+        stale_before = counter(metrics.ERRORS, "stale_copy")
         kube.inject_watch_line(json.dumps({"type": "MODIFIED", "object": obj}).encode() + b"\n")
         await run.until(
-            lambda: counter_value(metrics.ERRORS, "stale_copy") > stale_before,
+            lambda: counter(metrics.ERRORS, "stale_copy") > stale_before,
             "the generation-less copy",
         )
         assert canary.generation >= 2
@@ -149,11 +149,6 @@ async def test_pretty_printed_error_bodies_are_understood(kube, kubeconfig):
         kube.inject(Fault(verb="patch", code=403, message="denied, pretty"))
         canary = await run.until_state(CanaryState.UNKNOWN)
         assert canary.reason.endswith("403 Forbidden: denied, pretty")
-
-
-def counter_value(metric, *labels: str) -> float:
-    value: float = metric.labels(*labels)._value.get()
-    return value
 
 
 # ---------------------------------------------- odd requests to canaryd

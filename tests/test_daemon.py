@@ -17,31 +17,14 @@ from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.conftest import TOKEN
-from tests.harness import LABEL, create_canary, running_daemon
-
-
-def counter(metric, *labels: str) -> float:
-    value: float = (metric.labels(*labels) if labels else metric)._value.get()
-    return value
-
-
-def write_dynamic_config(path: Path, namespaces: str) -> None:
-    """An operator flink-conf.yaml with these watched namespaces and dynamic namespaces on."""
-    path.write_text(
-        f"kubernetes.operator.watched.namespaces: {namespaces}\n"
-        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
-    )
-
-
-def following(path: Path, *namespaces: str) -> dict[str, object]:
-    """Daemon settings as load_settings makes them for that file: namespaces followed."""
-    return {
-        "operator_config": path,
-        "namespaces": frozenset(namespaces),
-        "namespaces_from_file": True,
-        "dynamic_namespaces": True,
-    }
-
+from tests.harness import (
+    LABEL,
+    counter,
+    create_canary,
+    following,
+    running_daemon,
+    write_dynamic_config,
+)
 
 # ---------------------------------------------------------------- watching
 

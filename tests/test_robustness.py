@@ -20,13 +20,15 @@ from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
 from canaryd.testing.apiserver import Fault
-from tests.harness import CYCLE, LABEL, create_canary, running_daemon
-
-
-def counter(metric, *labels: str) -> float:
-    value: float = metric.labels(*labels)._value.get()
-    return value
-
+from tests.harness import (
+    CYCLE,
+    LABEL,
+    counter,
+    create_canary,
+    following,
+    running_daemon,
+    write_dynamic_config,
+)
 
 # ------------------------------------------------------ the Kubernetes boundary
 
@@ -187,18 +189,8 @@ async def test_an_unreadable_operator_config_at_runtime_keeps_the_settings(
     kube.create_namespace("team")
     create_canary(kube, namespace="team")
     path = tmp_path / "flink-conf.yaml"
-    path.write_text(
-        "kubernetes.operator.watched.namespaces: team\n"
-        "kubernetes.operator.dynamic.namespaces.enabled: true\n"
-    )
-    async with running_daemon(
-        kube,
-        kubeconfig,
-        operator_config=path,
-        namespaces=frozenset({"team"}),
-        namespaces_from_file=True,
-        dynamic_namespaces=True,
-    ) as run:
+    write_dynamic_config(path, "team")
+    async with running_daemon(kube, kubeconfig, **following(path, "team")) as run:
         await run.until_state(CanaryState.HEALTHY, namespace="team")
         failed = counter(metrics.CONFIG_RELOADS, "failed")
         path.write_bytes(b"kubernetes.operator.watched.namespaces: t\xffam\n")

@@ -14,14 +14,9 @@ import pytest
 from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FakeKube, Fault
-from tests.harness import CYCLE, create_canary, running_daemon
+from tests.harness import CYCLE, counter, create_canary, running_daemon
 
 NAMESPACES = 250
-
-
-def counter(metric, *labels: str) -> float:
-    value: float = metric.labels(*labels)._value.get()
-    return value
 
 
 def open_watches(kube: FakeKube, plural: str | None = None) -> int:

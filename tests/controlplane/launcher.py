@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from canaryd.testing.process import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RBAC = ROOT / "config" / "rbac"
@@ -47,13 +48,6 @@ CANARYD_NAMESPACE = "canaryd"
 """Where the cluster-wide variant's ServiceAccount lives (config/rbac binds it there)."""
 NAMESPACED = "canaryd-own"
 """The namespace of the namespaced variant: its ServiceAccount, Role and canaries."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def built_bin_dir() -> Path:
