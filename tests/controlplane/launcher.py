@@ -280,8 +280,16 @@ class ControlPlane:
         self.apply(namespace_object(NAMESPACED))
         for obj in manifests(RBAC / "namespaced"):
             self.apply(retarget(obj, NAMESPACED), namespace=NAMESPACED)
-        self._write_kubeconfig("canaryd", self.service_account_token(CANARYD_NAMESPACE))
-        self._write_kubeconfig("canaryd-namespaced", self.service_account_token(NAMESPACED))
+        for user, namespace in (("canaryd", CANARYD_NAMESPACE), ("canaryd-namespaced", NAMESPACED)):
+            token = self.service_account_token(namespace)
+            self._write_kubeconfig(user, token)
+            # Just started, kube-apiserver may answer 429 or 403 until its priority
+            # levels and RBAC caches are filled: ready means canaryd's user gets through.
+            path = f"/apis/flink.apache.org/v1beta1/namespaces/{namespace}/flinkdeployments"
+            self._wait(
+                f"{user} to be served",
+                lambda path=path, token=token: self.request("GET", path, token=token)[0] == 200,
+            )
 
     def service_account_token(self, namespace: str, name: str = "canaryd") -> str:
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
