@@ -80,6 +80,11 @@ WATCHED_NAMESPACES = Gauge(
     "the Namespaces watch knows).",
     registry=REGISTRY,
 )
+BAD_HTTP_REQUESTS = Counter(
+    "canaryd_http_bad_requests_total",
+    "Malformed HTTP requests to the health port (answered 400, logged at most once a cycle).",
+    registry=REGISTRY,
+)
 
 
 class HasCounts(Protocol):

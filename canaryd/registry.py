@@ -86,8 +86,6 @@ class Canary:
     """An unhealthy verdict found by a late judge waits for one re-check."""
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
-    write_problem: str | None = None
-    """The last failed write's cause, to warn once per change rather than per cycle."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -129,6 +127,7 @@ class Registry:
         self.on_resumed: Callable[[ScopeKey], None] = lambda scope: None
         """The scheduler's hook: a scope's watch resumed; judge what waited for it."""
         self.on_added: Callable[[Canary], None] = lambda canary: None
+        self.on_forgotten: Callable[[CanaryKey], None] = lambda key: None
         """The scheduler's hook: a canary started being tracked."""
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
@@ -197,7 +196,10 @@ class Registry:
         if canary.state is not state:
             self._counts[canary.state] -= 1
             self._counts[state] += 1
-            log.info(
+            # Verdicts an operator acts on are info; the rest (pending, unknown while the
+            # API server is away: every canary at once) are detail.
+            verdict = CanaryState.UNHEALTHY in (state, canary.state)
+            (log.info if verdict else log.debug)(
                 "canary_state",
                 canary=str(canary.key),
                 state=state.value,
@@ -329,7 +331,6 @@ class Registry:
         """Our bump was written and produced ``generation``; judge it at ``deadline``."""
         if not self.owns(canary):
             return
-        canary.write_problem = None
         canary.deferred_until = None
         canary.bumped_generation = generation
         canary.last_bumped_generation = generation
@@ -346,6 +347,7 @@ class Registry:
         self._counts[canary.state] -= 1
         metrics.DROPPED.labels(cause).inc()
         log.info("canary_dropped", canary=str(key), cause=cause, reason=detail or cause)
+        self.on_forgotten(key)
         self._changed()
         return canary
 

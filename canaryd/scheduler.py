@@ -30,6 +30,7 @@ import structlog
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
+from canaryd.episodes import Episodes
 from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError
 from canaryd.registry import Canary, CanaryState, Registry, ScopeKey
 
@@ -76,8 +77,19 @@ class Scheduler:
         self._deferred: set[Canary] = set()
         """Canaries whose verdict waits for their watch to resume."""
         self._rng = random.Random()
+        self.failures = Episodes(
+            "bump_failures",
+            subject="canary",
+            subjects="canaries",
+            detail_event="bump_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.scheduler",
+            clock=clock,
+        )
+        """Failed bumps, logged as episodes (an outage is not a line per canary)."""
         registry.on_added = self.schedule_first
         registry.on_resumed = self.scope_resumed
+        registry.on_forgotten = self.failures.recovered
 
     # ------------------------------------------------------------ the heap
 
@@ -199,7 +211,7 @@ class Scheduler:
                 canary.deferred_until = deadline + self.settings.timeout
                 self._deferred.add(canary)
                 metrics.VERDICTS.labels("deferred").inc()
-                log.info(
+                log.debug(
                     "verdict_deferred",
                     canary=str(canary.key),
                     generation=bumped,
@@ -228,7 +240,7 @@ class Scheduler:
             if late and not canary.late_recheck:
                 canary.late_recheck = True
                 metrics.VERDICTS.labels("rechecked").inc()
-                log.info("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
+                log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
                 self._push(now + self.settings.judge_slack, canary)
                 return False
             reason = (
@@ -237,7 +249,11 @@ class Scheduler:
             )
         self._judged(canary)
         UNHEALTHY_VERDICTS.inc()
-        log.warning("canary_unhealthy", canary=str(canary.key), reason=reason)
+        # The verdict an operator is paged for: a warning naming the canary when it
+        # turns unhealthy; while it stays unhealthy, detail.
+        (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
+            "canary_unhealthy", canary=str(canary.key), reason=reason
+        )
         self.registry.set_state(canary, CanaryState.UNHEALTHY, reason)
         return True
 
@@ -269,17 +285,13 @@ class Scheduler:
         return max(due + self.settings.timeout, self._clock())
 
     def _write_failed(self, canary: Canary, cause: str, reason: str) -> None:
-        """A cycle without a bump to judge. Logged as a warning when the cause changes,
-        at debug while it lasts."""
+        """A cycle without a bump to judge: counted, and told in the failure episode
+        (per canary at debug)."""
         if not self.registry.owns(canary):
             return
         metrics.BUMPS.labels(cause).inc()
-        if canary.write_problem != cause:
-            log.warning("bump_failed", canary=str(canary.key), cause=cause, reason=reason)
-        elif logs.debug_enabled():
-            log.debug("bump_failed", canary=str(canary.key), cause=cause, reason=reason)
+        self.failures.failed(canary.key, cause, reason)
         self.registry.write_failed(canary, reason)
-        canary.write_problem = cause
 
     async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.
@@ -439,6 +451,7 @@ class Scheduler:
         WRITTEN.inc()
         deadline = now + self.settings.timeout
         self.registry.record_bump(canary, generation, deadline, time.time())
+        self.failures.recovered(canary.key)
         if logs.debug_enabled():
             log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)
         return deadline

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.kube import KINDS
-from canaryd.registry import Canary, Registry
+from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
 
@@ -93,6 +97,48 @@ def build_app(registry: Registry, not_ready: Callable[[], list[str] | None]) -> 
     return app
 
 
+class RequestErrorLog:
+    """aiohttp's server logger for the health port. A malformed request (anyone may
+    send one: the port is unauthenticated, on 0.0.0.0 by default) is counted in
+    ``canaryd_http_bad_requests_total`` and told in at most one line per interval,
+    without aiohttp's traceback. Anything else (a bug in a handler) is logged as
+    aiohttp logs it."""
+
+    def __init__(self, interval: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+        self._interval, self._clock = interval, clock
+        self._log = logging.getLogger("aiohttp.server")
+        self._told_at: float | None = None
+        self._untold = 0
+
+    def _bad_request(self, args: tuple[Any, ...], exc: object) -> bool:
+        if not isinstance(exc, HttpProcessingError):
+            return False
+        metrics.BAD_HTTP_REQUESTS.inc()
+        self._untold += 1
+        now = self._clock()
+        if self._told_at is None or now - self._told_at >= self._interval():
+            log.warning(
+                "bad_http_requests",
+                count=self._untold,
+                error=one_line(f"{type(exc).__name__}: {exc}")[:300],
+                remote=str(args[1]) if len(args) > 1 else None,
+                next_line_in=round(self._interval(), 3),
+            )
+            self._told_at, self._untold = now, 0
+        return True
+
+    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        if not self._bad_request((msg, *args), kwargs.get("exc_info")):
+            self._log.debug(msg, *args, **kwargs)
+
+    def exception(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        if not self._bad_request((msg, *args), kwargs.get("exc_info")):
+            self._log.exception(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)  # warning, info, error, isEnabledFor, ...
+
+
 class HealthServer:
     """Binds at ``start()`` (so a busy port fails before anything else runs), then
     serves until cancelled."""
@@ -107,7 +153,11 @@ class HealthServer:
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
-            self.app, handle_signals=False, access_log=None, shutdown_timeout=1.0
+            self.app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=1.0,
+            logger=RequestErrorLog(lambda: self.settings.timeout),
         )
         await self._runner.setup()
         try:

@@ -22,6 +22,7 @@ import structlog
 from canaryd import metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
+from canaryd.episodes import Episodes
 from canaryd.kube import (
     NAMESPACES_PATH,
     ErrorKind,
@@ -34,6 +35,18 @@ from canaryd.kube import (
 from canaryd.registry import CanaryKey, Registry, is_canary
 
 log = structlog.get_logger("canaryd.watcher")
+
+
+def watch_failures(settings: Settings) -> Episodes:
+    """Failed lists and watches of every scope, told as episodes (per scope at debug)."""
+    return Episodes(
+        "watch_failures",
+        subject="scope",
+        subjects="scopes",
+        detail_event="watch_failed",
+        interval=lambda: settings.timeout,
+        logger_name="canaryd.watcher",
+    )
 
 
 @dataclass(frozen=True)
@@ -88,8 +101,11 @@ class ListWatch:
         on_denied: Callable[[KubeError], None],
         on_down: Callable[[float], None] = lambda since: None,
         on_resumed: Callable[[], None] = lambda: None,
+        failures: Episodes | None = None,
     ) -> None:
         self.kube, self.settings, self.scope = kube, settings, scope
+        self.failures = failures or watch_failures(settings)
+        """Where failures are told: an outage is an episode, not a line per retry."""
         self.params = {"labelSelector": selector} if selector else {}
         self.on_list, self.on_event, self.on_denied = on_list, on_event, on_denied
         self.on_down, self.on_resumed = on_down, on_resumed
@@ -149,6 +165,7 @@ class ListWatch:
                 continue
             metrics.RELISTS.labels(self.scope.resource).inc()
             self.on_list([item for item in items if isinstance(item, Mapping)])
+            self.failures.recovered(self.scope)
             self.synced.set()
             self.denied = False
             self.connected = True
@@ -159,6 +176,10 @@ class ListWatch:
     def _opened(self) -> None:
         self.connected = True
         self.denied = False
+        if self.failures.cause(self.scope) != "ended_at_once":
+            # Answered 200: what failed (no connection, an error status) works again. A
+            # watch that ended at once with no event recovers only when one arrives.
+            self.failures.recovered(self.scope)
 
     async def _watch(self, rv: str) -> tuple[Phase, str]:
         """One watch stream; returns what to do next and where to resume."""
@@ -194,19 +215,21 @@ class ListWatch:
                 if events == 1:
                     # The stream delivers: the scope is in sync again from here on.
                     self._backoff.reset()
+                    self.failures.recovered(self.scope)
                     self.on_resumed()
         except KubeError as err:
             self._down()
             if err.kind is ErrorKind.EXPIRED:
                 # The resourceVersion was compacted: only a new list can resume.
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
-                log.info("watch_expired", scope=str(self.scope), resource_version=rv)
+                log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
                 return Phase.LIST, ""
             if self._established(opened, events) and err.kind is ErrorKind.TRANSIENT:
                 # It worked, then dropped (a reset, an idle stream): resume at once.
                 why = "idle" if err.reason == "Idle" else "dropped"
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
-                log.info("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
+                # Counted; a resume that fails is the failure worth a line.
+                log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
                 return Phase.WATCH, rv
             await asyncio.sleep(self._failed(err, "watch"))
             if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
@@ -218,11 +241,11 @@ class ListWatch:
             # or load balancer that answers and closes); reopening at once is a busy loop.
             metrics.WATCH_RESTARTS.labels(self.scope.resource, "short").inc()
             delay = self._backoff.next()
-            log.warning(
-                "watch_ended_at_once",
-                scope=str(self.scope),
-                lasted=round(self._loop.time() - opened, 3),
-                retry_in=round(delay, 3),
+            self.failures.failed(
+                self.scope,
+                "ended_at_once",
+                f"the watch ended after {self._loop.time() - opened:.3f}s with no event "
+                f"(retry in {delay:.3f}s)",
             )
             await asyncio.sleep(delay)
             return Phase.WATCH, rv
@@ -248,13 +271,11 @@ class ListWatch:
         """Log a failed list or watch, count it, and say how long to wait."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
-            if not self.denied:
-                log.warning(
-                    f"{during}_{err.kind.value}",
-                    scope=str(self.scope),
-                    error=str(err),
-                    retry_in=self.settings.forbidden_retry,
-                )
+            self.failures.failed(
+                self.scope,
+                f"{during}_{err.kind.value}",
+                f"{err} (retry in {self.settings.forbidden_retry:g}s)",
+            )
             self.denied = True
             self.on_denied(err)
             self.synced.set()  # answered: nothing in this scope is ours
@@ -265,9 +286,7 @@ class ListWatch:
         if err.retry_after is not None:
             delay = max(err.retry_after, self.settings.backoff_initial)
         delay = min(delay, self.settings.backoff_max)
-        log.warning(
-            f"{during}_failed", scope=str(self.scope), error=str(err), retry_in=round(delay, 3)
-        )
+        self.failures.failed(self.scope, f"{during}_error", f"{err} (retry in {delay:.3f}s)")
         return delay
 
 
@@ -283,6 +302,7 @@ class Watcher:
         self._seen_namespaces: set[str] = set()
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
+        self.failures = watch_failures(settings)
 
     @property
     def ready(self) -> bool:
@@ -395,6 +415,7 @@ class Watcher:
             task.cancel()
             assert scope.kind is not None
             self.registry.scope_removed((scope.kind.plural, scope.namespace))
+            self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
         self._count_namespaces()
@@ -417,6 +438,7 @@ class Watcher:
                 on_list=self._namespaces_listed,
                 on_event=self._namespace_event,
                 on_denied=self._namespaces_denied,
+                failures=self.failures,
             )
         else:
             kind = scope.kind
@@ -433,6 +455,7 @@ class Watcher:
                 on_denied=lambda err: self._scope_denied(scope, err),
                 on_down=lambda since: self.registry.scope_down(key, since),
                 on_resumed=lambda: self.registry.scope_resumed(key),
+                failures=self.failures,
             )
         task = self._group.create_task(lw.run(), name=f"watch {scope}")
         self._watches[scope] = (lw, task)

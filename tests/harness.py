@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from canaryd import logs
 from canaryd.config import Settings
 from canaryd.daemon import Daemon
 from canaryd.registry import Canary, CanaryKey, CanaryState
@@ -185,3 +187,23 @@ def following(path: Path, *namespaces: str) -> dict[str, object]:
         "namespaces_from_file": True,
         "dynamic_namespaces": True,
     }
+
+
+@contextlib.contextmanager
+def json_logs(level: str = "debug") -> Iterator[None]:
+    """canaryd's own log configuration (JSON), on the test's captured stderr."""
+    logs.configure("json", level)
+    try:
+        yield
+    finally:
+        logs.configure("console", "info")  # what tests/conftest.py sets
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """canaryd's JSON log records in captured output (other lines ignored)."""
+    records = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                records.append(json.loads(line))
+    return records

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import yaml
 from canaryd import logs
 from canaryd.registry import CanaryState, Registry
 from canaryd.testing.apiserver import FakeKube, Fault
-from tests.harness import create_canary, running_daemon
+from tests.harness import create_canary, json_logs, running_daemon
 
 TOKEN = "s3cr3t-bearer-token-abcdef123456"
 
@@ -94,16 +92,6 @@ async def test_insecure_skip_tls_verify_turns_verification_off(server_context, t
         config = kube.write_kubeconfig(tmp_path / "kubeconfig", insecure=True)
         async with running_daemon(kube, config) as run:
             await run.until_state(CanaryState.HEALTHY)
-
-
-@contextlib.contextmanager
-def json_logs() -> Iterator[None]:
-    """canaryd's own log configuration (JSON, debug), on the test's captured stderr."""
-    logs.configure("json", "debug")
-    try:
-        yield
-    finally:
-        logs.configure("console", "info")  # what tests/conftest.py sets
 
 
 async def test_no_token_or_private_key_in_logs_at_any_level_tracebacks_included(

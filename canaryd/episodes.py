@@ -1,0 +1,130 @@
+"""Failures of many subjects told as episodes, so that an outage stays readable.
+
+An API server outage makes every canary's bump fail and every watch retry; logging
+each would write a line per canary per cycle (745 lines for a 30 s outage of 300
+canaries on a 10 s cycle; over four thousand with 200 watches). An ``Episodes``
+log tells it as an operator on call reads it:
+
+- ``<name>_started`` (warning) once per cause when the first subject fails with it,
+  naming that subject and the error;
+- ``<name>_ongoing`` (warning) at most once per interval (the cycle) while any
+  subject fails: how many, by cause, which (the first few), one example error;
+- ``<name>_ended`` (info) when the last failing subject recovers or is gone: how
+  long it lasted and how many subjects it touched.
+
+Each subject's own failure is logged at debug (``detail_event``), with its error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+import structlog
+
+from canaryd import logs
+
+SHOWN = 10
+"""How many failing subjects a summary names."""
+
+
+class Episodes:
+    def __init__(
+        self,
+        name: str,
+        *,
+        subject: str,
+        subjects: str,
+        detail_event: str,
+        interval: Callable[[], float],
+        logger_name: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.subject = subject
+        """The log field that names a subject (``canary``, ``scope``)."""
+        self.subjects = subjects
+        """The summary's field that names the failing ones (``canaries``, ``scopes``)."""
+        self.detail_event = detail_event
+        self._interval = interval
+        self._clock = clock
+        self._log = structlog.get_logger(logger_name)
+        self._failing: dict[Hashable, str] = {}
+        """Each failing subject's cause (errors are not kept: one example is)."""
+        self._example = ""
+        self._by_cause: Counter[str] = Counter()
+        self._announced: set[str] = set()
+        self._affected: set[Hashable] = set()
+        self._started_at: float | None = None
+        self._summarised_at = 0.0
+
+    @property
+    def failing(self) -> int:
+        return len(self._failing)
+
+    def cause(self, subject: Hashable) -> str | None:
+        """Why ``subject`` fails now (None: it does not)."""
+        return self._failing.get(subject)
+
+    def failed(self, subject: Hashable, cause: str, error: str) -> None:
+        """``subject`` failed (again) with ``cause``; ``error`` says how."""
+        now = self._clock()
+        if logs.debug_enabled():
+            self._log.debug(
+                self.detail_event, **{self.subject: str(subject)}, cause=cause, error=error
+            )
+        if self._started_at is None:
+            self._started_at = self._summarised_at = now
+        previous = self._failing.get(subject)
+        if previous is not None:
+            self._by_cause[previous] -= 1
+        self._failing[subject] = cause
+        self._example = error
+        self._by_cause[cause] += 1
+        self._affected.add(subject)
+        if cause not in self._announced:
+            self._announced.add(cause)
+            self._log.warning(
+                f"{self.name}_started", cause=cause, **{self.subject: str(subject)}, error=error
+            )
+            return
+        self._summarise(now)
+
+    def recovered(self, subject: Hashable) -> None:
+        """``subject`` works again, or is no longer tracked."""
+        cause = self._failing.pop(subject, None)
+        if cause is None:
+            return
+        self._by_cause[cause] -= 1
+        if self._failing:
+            self._summarise(self._clock())
+            return
+        assert self._started_at is not None
+        self._log.info(
+            f"{self.name}_ended",
+            lasted=round(self._clock() - self._started_at, 3),
+            affected=len(self._affected),
+            causes=sorted(self._announced),
+        )
+        self._by_cause.clear()
+        self._example = ""
+        self._announced.clear()
+        self._affected.clear()
+        self._started_at = None
+
+    def _summarise(self, now: float) -> None:
+        if now - self._summarised_at < self._interval():
+            return
+        assert self._started_at is not None
+        self._summarised_at = now
+        names = sorted(str(subject) for subject in self._failing)
+        self._log.warning(
+            f"{self.name}_ongoing",
+            failing=len(self._failing),
+            causes={cause: n for cause, n in sorted(self._by_cause.items()) if n > 0},
+            **{self.subjects: names[:SHOWN]},
+            more=max(0, len(names) - SHOWN),
+            example=self._example,
+            lasting=round(now - self._started_at, 3),
+        )
