@@ -4,7 +4,10 @@ Starts the fake API server, applies ``config/samples/`` in two namespaces, runs
 canaryd as its own process with a short cycle, and prints ``/healthz?verbose``
 whenever it changes while it plays the seed's scenarios: a user adds a label and
 an annotation (kept), a canary label is removed (dropped, never re-added), a
-canary is deleted (dropped). Health stays 200 throughout. Ctrl-C stops it all.
+canary is deleted (dropped); health stays 200 throughout. Then the two failures
+the check exists to tell apart: the watch delivery stuck for two cycles (the
+canaries go ``unhealthy``, ``/healthz`` 500, then they recover) and a write outage
+(``unknown``: no verdict either way, ``/healthz`` stays 200). Ctrl-C stops it all.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import aiohttp
 import yaml
 
 from canaryd.config import parse_duration
-from canaryd.testing.apiserver import FakeKube
+from canaryd.testing.apiserver import FakeKube, Fault
 from canaryd.testing.process import canaryd_argv, free_port
 
 SAMPLES = Path(__file__).resolve().parents[2] / "config" / "samples"
@@ -35,6 +38,9 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
 class Demo:
+    can_inject_faults = True
+    """The fake API server can withhold watch events and fail writes; a real one can't."""
+
     def __init__(self, timeout: float, samples: Path) -> None:
         self.timeout = timeout
         self.samples = samples
@@ -44,6 +50,9 @@ class Demo:
         self.started = 0.0
         self.last_health = ""
         self.failures = 0
+        """/healthz answers other than 200 where none was expected."""
+        self.expecting_failure = False
+        self.expected_failures = 0
 
     def say(self, text: str) -> None:
         elapsed = asyncio.get_running_loop().time() - self.started
@@ -91,8 +100,11 @@ class Demo:
                     text = f"{response.status} " + (await response.text()).strip()
             except aiohttp.ClientError:
                 text = "(canaryd not answering yet)"
-            if not text.startswith("200"):
-                self.failures += "not answering" not in text
+            if not text.startswith("200") and "not answering" not in text:
+                if self.expecting_failure:
+                    self.expected_failures += 1
+                else:
+                    self.failures += 1
             # Print when states change, not when only generation numbers move.
             if re.sub(r"\d+", "N", text) != re.sub(r"\d+", "N", self.last_health):
                 body = "\n".join(f"           {line}" for line in text.splitlines())
@@ -119,7 +131,10 @@ class Demo:
                 return result
 
         async def healthy_everywhere() -> bool:
-            return self.last_health.startswith("200") and "pending" not in self.last_health
+            status, *canaries = self.last_health.splitlines() or [""]
+            return status.startswith("200") and all(
+                line.startswith("healthy ") for line in canaries
+            )
 
         await self.until(healthy_everywhere, 4 * cycle)
         self.say(
@@ -168,7 +183,57 @@ class Demo:
         verdict = (
             "stayed 200 throughout" if not self.failures else (f"failed {self.failures} times")
         )
+        self.say(f"  steps 1-3 done: /healthz {verdict}")
+        if not self.can_inject_faults:
+            self.say("  (steps 4 and 5 need the fake API server: run `make demo` for them)")
+            return
+        await self.stuck_delivery(healthy_everywhere)
+        await self.write_outage(healthy_everywhere)
+        verdict = "as expected" if not self.failures else f"failed {self.failures} times"
         self.say(f"  scenario done: /healthz {verdict}")
+
+    async def stuck_delivery(self, healthy_everywhere: Callable[[], Awaitable[bool]]) -> None:
+        cycle = self.timeout
+        self.say(
+            "step 4: the fake API server withholds watch events for two cycles "
+            "(bumps are written, but the watch no longer delivers them)"
+        )
+        self.expecting_failure = True
+        self.kube.hold_watch_events()
+        await asyncio.sleep(2 * cycle)
+        self.kube.release_watch_events()
+        self.say("  the fake delivers watch events again")
+        recovered = await self.until(healthy_everywhere, 4 * cycle)
+        self.expecting_failure = False
+        if self.expected_failures:
+            self.say("  /healthz 500 while the delivery was stuck: the check caught it")
+        else:
+            self.failures += 1
+            self.say("  /healthz never failed while the delivery was stuck  <- NOT EXPECTED")
+        if recovered:
+            self.say("  recovered: /healthz 200, every canary healthy")
+        else:
+            self.failures += 1
+            self.say("  did not recover within four cycles  <- NOT EXPECTED")
+
+    async def write_outage(self, healthy_everywhere: Callable[[], Awaitable[bool]]) -> None:
+        cycle = self.timeout
+        self.say(
+            "step 5: the fake API server answers 503 to every write for two cycles "
+            "(a write outage: no bump, so no verdict)"
+        )
+        before = self.failures
+        outage = self.kube.inject(Fault(verb="patch", code=503, times=-1))
+        await asyncio.sleep(2 * cycle)
+        self.kube.faults.remove(outage)
+        self.say("  the fake accepts writes again")
+        if self.failures == before:
+            self.say("  /healthz stayed 200 during the write outage: a failed write is no verdict")
+        if await self.until(healthy_everywhere, 4 * cycle):
+            self.say("  recovered: every canary healthy")
+        else:
+            self.failures += 1
+            self.say("  did not recover within four cycles  <- NOT EXPECTED")
 
     async def run(self, *, once: bool) -> int:
         self.started = asyncio.get_running_loop().time()
@@ -219,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m canaryd.testing.demo",
         description=__doc__.splitlines()[0] if __doc__ else "",
     )
-    parser.add_argument("--timeout", default="5s", help="canary cycle (default 5s)")
+    parser.add_argument("--timeout", default="3s", help="canary cycle (default 3s)")
     parser.add_argument(
         "--once", action="store_true", help="exit after the scenario instead of waiting for Ctrl-C"
     )

@@ -21,6 +21,7 @@ from tests.controlplane.launcher import ControlPlane, namespace_object
 
 class ControlPlaneDemo(Demo):
     plane: ControlPlane | None = None
+    can_inject_faults = False  # a real kube-apiserver neither withholds events nor fails
 
     @contextlib.asynccontextmanager
     async def cluster(self, tmp: Path, namespaces: list[str]) -> AsyncIterator[Path]:
