@@ -65,7 +65,7 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings.label)
-        self._collector = metrics.StateCollector(self.registry)
+        self._collector = metrics.StateCollector(self.registry, lambda: self._not_ready())
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()

@@ -5,7 +5,7 @@ Every swallowed exception counts in ``ERRORS`` with the place it happened.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,8 +22,9 @@ API_REQUESTS = Counter(
 )
 BUMPS = Counter(
     "canaryd_bumps_total",
-    "Nonce bumps by result: written, failed (transient, state unknown), conflict_exhausted, "
-    "gone, forbidden, not_canary, invalid.",
+    "Nonce bumps by result: written, or why none was: failed (transient), skipped, "
+    "conflict_exhausted, forbidden, invalid, gone, gone_unconfirmed, gone_but_present, "
+    "not_canary, no_change, no_generation.",
     ["result"],
     registry=REGISTRY,
 )
@@ -92,10 +93,14 @@ class HasCounts(Protocol):
 
 
 class StateCollector(Collector):
-    """``canaryd_canaries{state}`` read from the registry's counts at scrape time."""
+    """Read at scrape time: ``canaryd_canaries{state}`` from the registry's counts, and
+    ``canaryd_ready`` (1 when /readyz answers 200) from ``not_ready``."""
 
-    def __init__(self, source: HasCounts) -> None:
+    def __init__(
+        self, source: HasCounts, not_ready: Callable[[], Sequence[str] | None] = lambda: None
+    ) -> None:
         self._source = source
+        self._not_ready = not_ready
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -104,3 +109,8 @@ class StateCollector(Collector):
         for state, count in self._source.counts().items():
             family.add_metric([state], count)
         yield family
+        yield GaugeMetricFamily(
+            "canaryd_ready",
+            "1 when every watch scope is listed and connected (/readyz 200), else 0.",
+            value=0 if self._not_ready() else 1,
+        )

@@ -78,10 +78,15 @@ def flag_value(args: list[str], flag: str) -> str | None:
 # --------------------------------------------------------------------- YAML
 
 
+NOT_OBJECTS = {CONFIG / "monitoring" / "alerts-test.yaml"}  # promtool's unit tests
+
+
 def test_every_yaml_file_parses():
     files = sorted(CONFIG.rglob("*.yaml"))
     assert len(files) >= 20
-    for path in files:
+    for path in NOT_OBJECTS:
+        assert isinstance(yaml.safe_load(path.read_text()), dict), path
+    for path in (f for f in files if f not in NOT_OBJECTS):
         for doc in docs(path):
             assert isinstance(doc, dict) and "kind" in doc, path
 

@@ -1,0 +1,229 @@
+"""config/monitoring: what Prometheus and Grafana users install beside canaryd.
+
+The rules and the dashboard may only name metrics (and labels) that a running
+canaryd exports; the ServiceMonitor and PodMonitor select what config/standalone
+and config/sidecar deploy; and `promtool` (Prometheus' own checker) accepts the
+rules and runs their unit tests (config/monitoring/alerts-test.yaml) when it can
+be had from the package registries here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from canaryd import metrics
+from canaryd.registry import CanaryState
+from tests.harness import create_canary, running_daemon
+
+ROOT = Path(__file__).resolve().parents[1]
+MONITORING = ROOT / "config" / "monitoring"
+NAME = re.compile(r"\b(canaryd_[a-z_]+)(\{[^}]*\})?")
+LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+# The labels Prometheus Operator's scrape adds to every sample (target labels).
+TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
+ALERTS = {
+    "CanarydCanaryUnhealthy",
+    "CanarydNoBumpWritten",
+    "CanarydWatchRestartsHigh",
+    "CanarydNotReady",
+    "CanarydDown",
+    "CanarydInternalErrors",
+}
+
+
+def load(name: str) -> Any:
+    return yaml.safe_load((MONITORING / name).read_text())
+
+
+def rules() -> list[dict[str, Any]]:
+    rule_doc = load("prometheusrule.yaml")
+    return [rule for group in rule_doc["spec"]["groups"] for rule in group["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    board = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    return [
+        target["expr"]
+        for panel in board["panels"]
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+
+
+def label_names() -> dict[str, set[str]]:
+    """Each exported family's labels, from canaryd's metric definitions."""
+    names: dict[str, set[str]] = {"canaryd_canaries": {"state"}, "canaryd_ready": set()}
+    for value in vars(metrics).values():
+        name = getattr(value, "_name", None)
+        if isinstance(name, str) and name.startswith("canaryd_"):
+            labels = set(getattr(value, "_labelnames", ()))
+            kind = getattr(value, "_type", "")
+            if kind == "counter":
+                names[f"{name}_total"] = labels
+            elif kind == "histogram":
+                for suffix in ("_bucket", "_sum", "_count"):
+                    names[f"{name}{suffix}"] = labels | ({"le"} if suffix == "_bucket" else set())
+            else:
+                names[name] = labels
+    return names
+
+
+def exported(text: str) -> set[str]:
+    """Every sample name /metrics can carry: the TYPE lines' families with their
+    suffixes, and the samples present."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            suffixes = {
+                "counter": ["_total", ""],
+                "histogram": ["_bucket", "_sum", "_count"],
+            }.get(kind, [""])
+            names.update(
+                family.removesuffix("_total") + s if kind == "counter" else family + s
+                for s in suffixes
+            )
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+def test_the_prometheus_rule_has_the_alerts_users_expect():
+    rule_doc = load("prometheusrule.yaml")
+    assert rule_doc["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule_doc["kind"] == "PrometheusRule"
+    alerts = {rule["alert"]: rule for rule in rules()}
+    assert set(alerts) == ALERTS
+    for name, rule in alerts.items():
+        assert rule["expr"].strip(), name
+        assert re.fullmatch(r"\d+[smh]", rule["for"]), name
+        assert rule["labels"]["severity"] in {"critical", "warning"}, name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        assert "runbook" in rule["annotations"]["description"].lower() or rule["annotations"].get(
+            "runbook_url"
+        ), name
+
+
+async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        status, text = await run.get("/metrics")
+    assert status == 200
+    names = exported(text)
+    labels = label_names()
+    exprs = [rule["expr"] for rule in rules()] + dashboard_exprs()
+    assert len(dashboard_exprs()) >= 10
+    used: set[str] = set()
+    for expr in exprs:
+        for name, selector in NAME.findall(expr):
+            used.add(name)
+            assert name in names, f"{name} (in {expr!r}) is not exported by canaryd"
+            for label in LABEL.findall(selector or ""):
+                known = labels.get(name, set()) | TARGET_LABELS
+                assert label in known, f"{name} has no label {label!r} (in {expr!r})"
+    # The alerts cover the verdicts, the writes, the watches and readiness.
+    for needed in (
+        "canaryd_canaries",
+        "canaryd_bumps_total",
+        "canaryd_watch_restarts_total",
+        "canaryd_ready",
+    ):
+        assert needed in used, needed
+
+
+def test_the_grafana_dashboard_is_importable():
+    board = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    assert board["uid"] and board["title"] and board["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_the_monitors_select_what_the_manifests_deploy():
+    service_monitor = load("servicemonitor.yaml")
+    service = yaml.safe_load((ROOT / "config/standalone/service.yaml").read_text())
+    assert service_monitor["kind"] == "ServiceMonitor"
+    selector = service_monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= ports
+    assert all(e["path"] == "/metrics" for e in service_monitor["spec"]["endpoints"])
+
+    pod_monitor = load("podmonitor.yaml")
+    assert pod_monitor["kind"] == "PodMonitor"
+    operator = yaml.safe_load(
+        (ROOT / "config/sidecar-example/operator-deployment.yaml").read_text()
+    )
+    pod_labels = operator["spec"]["template"]["metadata"]["labels"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    patch = yaml.safe_load((ROOT / "config/sidecar/operator-patch.yaml").read_text())
+    sidecar_ports = {
+        port["name"]
+        for container in patch["spec"]["template"]["spec"]["containers"]
+        for port in container.get("ports", [])
+    }
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= sidecar_ports
+    kustomization = load("kustomization.yaml")
+    assert set(kustomization["resources"]) == {
+        "servicemonitor.yaml",
+        "prometheusrule.yaml",
+    }
+
+
+def promtool() -> str | None:
+    """promtool on PATH, or Debian's (`apt-get download prometheus`, unpacked into
+    .cache/promtool without installing anything); None when neither can be had."""
+    found = shutil.which("promtool")
+    if found:
+        return found
+    cached = ROOT / ".cache" / "promtool" / "usr" / "bin" / "promtool"
+    if cached.exists():
+        return str(cached)
+    if not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run(
+            ["apt-get", "download", "prometheus"], cwd=tmp, capture_output=True, timeout=300
+        )
+        debs = list(Path(tmp).glob("prometheus_*.deb"))
+        if got.returncode != 0 or not debs:
+            return None
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(cached.parents[2])], check=True)
+    return str(cached) if cached.exists() else None
+
+
+def test_promtool_accepts_the_rules_and_their_unit_tests_pass(tmp_path):
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool is neither on PATH nor downloadable (apt-get download prometheus)")
+    rule_file = tmp_path / "canaryd-rules.yaml"
+    rule_file.write_text(yaml.safe_dump(load("prometheusrule.yaml")["spec"]))
+    checked = subprocess.run(
+        [tool, "check", "rules", str(rule_file)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in checked.stdout + checked.stderr
+    tests = yaml.safe_load((MONITORING / "alerts-test.yaml").read_text())
+    tests["rule_files"] = [str(rule_file)]
+    test_file = tmp_path / "alerts-test.yaml"
+    test_file.write_text(yaml.safe_dump(tests))
+    ran = subprocess.run([tool, "test", "rules", str(test_file)], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    tested = {
+        alert["alertname"] for test in tests["tests"] for alert in test.get("alert_rule_test", [])
+    }
+    assert tested == ALERTS, f"alerts without a unit test: {ALERTS - tested}"
