@@ -19,6 +19,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check canaryd tests bench
 	$(BIN)/ruff format --check canaryd tests bench
 	$(BIN)/mypy canaryd
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format canaryd tests bench
