@@ -24,7 +24,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIN_TIMEOUT = 0.1
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
 cannot keep pace and verdicts flap. Below a second is for tests."""
-DURATION_FLAGS = ("--timeout", "--config-check-interval")
+DURATION_FLAGS = (
+    "--timeout",
+    "--config-check-interval",
+    "--lease-duration",
+    "--renew-deadline",
+    "--retry-period",
+)
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 # The operator's own keys (flink-kubernetes-operator KubernetesOperatorConfigOptions).
 KEY_NAMESPACES = "kubernetes.operator.watched.namespaces"
@@ -88,6 +95,19 @@ class Settings:
     """How many times a bump is retried on a fresh copy after 409 Conflict."""
     max_concurrent_bumps: int = 16
     """Bumps in flight at once."""
+    leader_elect: bool = False
+    """Run replicated: only the holder of the Lease bumps (client-go's leader election)."""
+    lease_name: str = "canaryd"
+    lease_namespace: str | None = None
+    """None: the service account's namespace in a pod, else ``default``."""
+    identity: str | None = None
+    """This replica's holder identity; None: the host name (a pod's name)."""
+    lease_duration: float = 15.0
+    """How long followers wait, after they last saw the lease change, before taking it."""
+    renew_deadline: float = 10.0
+    """A leader that could not renew for this long stops bumping and steps down."""
+    retry_period: float = 2.0
+    """How often a leader renews and a follower looks at the lease."""
 
     # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
     # of the cycle, so that no delay of canaryd's own outlasts the window it works in
@@ -394,6 +414,50 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"least severe level logged: {', '.join(LOG_LEVELS)} "
         "[env CANARYD_LOG_LEVEL] (default: info)",
     )
+    add(
+        "--leader-elect",
+        action="store_true",
+        default=None,
+        help="run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, "
+        "the others keep their registry warm [env CANARYD_LEADER_ELECT] (default: off)",
+    )
+    add(
+        "--lease-name",
+        metavar="NAME",
+        help="the Lease [env CANARYD_LEASE_NAME] (default: canaryd)",
+    )
+    add(
+        "--lease-namespace",
+        metavar="NS",
+        help="the Lease's namespace [env CANARYD_LEASE_NAMESPACE] (default: the service "
+        "account's namespace in a pod, else default)",
+    )
+    add(
+        "--identity",
+        metavar="ID",
+        help="this replica's holder identity [env CANARYD_IDENTITY] (default: the host name)",
+    )
+    for flag, env, default, what in (
+        (
+            "--lease-duration",
+            "CANARYD_LEASE_DURATION",
+            "15 s",
+            "followers wait this long after the lease last changed before they take it",
+        ),
+        (
+            "--renew-deadline",
+            "CANARYD_RENEW_DEADLINE",
+            "10 s",
+            "a leader that cannot renew for this long stops bumping",
+        ),
+        (
+            "--retry-period",
+            "CANARYD_RETRY_PERIOD",
+            "2 s",
+            "how often the lease is renewed or looked at",
+        ),
+    ):
+        add(flag, metavar="DURATION", help=f"{what} [env {env}] (default: {default})")
     add("--version", action="version", version=f"canaryd {__version__}")
     return parser
 
@@ -520,5 +584,66 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
             )
         changes["log_level"] = log_level.lower()
 
+    changes.update(_leader_election(args, pick, environ))
+
     # Every value left out of ``changes`` (or None in it) is the default.
     return replace(settings, **changes)
+
+
+def _leader_election(
+    args: argparse.Namespace, pick: Any, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    elect = args.leader_elect
+    if elect is None and environ.get("CANARYD_LEADER_ELECT", "") != "":
+        value = environ["CANARYD_LEADER_ELECT"].strip().lower()
+        if value not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"invalid CANARYD_LEADER_ELECT {value!r}: expected true or false")
+        elect = value in ("true", "1", "yes")
+    if elect is not None:
+        changes["leader_elect"] = elect
+    for field, flag, env in (
+        ("lease_name", args.lease_name, "CANARYD_LEASE_NAME"),
+        ("lease_namespace", args.lease_namespace, "CANARYD_LEASE_NAMESPACE"),
+        ("identity", args.identity, "CANARYD_IDENTITY"),
+    ):
+        value = pick(flag, env)
+        if value is not None:
+            value = value.strip()
+            if field != "identity" and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", value):
+                raise ConfigError(f"invalid {field.replace('_', ' ')} {value!r}: not a DNS name")
+            if not value:
+                raise ConfigError(f"invalid {field}: empty")
+            changes[field] = value
+    defaults = Settings()
+    timings = {}
+    for field, flag, env in (
+        ("lease_duration", args.lease_duration, "CANARYD_LEASE_DURATION"),
+        ("renew_deadline", args.renew_deadline, "CANARYD_RENEW_DEADLINE"),
+        ("retry_period", args.retry_period, "CANARYD_RETRY_PERIOD"),
+    ):
+        value = pick(flag, env)
+        timings[field] = (
+            _positive_duration(value, field.replace("_", " "))
+            if value is not None
+            else getattr(defaults, field)
+        )
+        if value is not None:
+            changes[field] = timings[field]
+    # client-go's NewLeaderElector: LeaseDuration > RenewDeadline > JitterFactor (1.2) x
+    # RetryPeriod, or a leader could lose its lease before it notices.
+    if not timings["lease_duration"] > timings["renew_deadline"]:
+        raise ConfigError("lease duration must be greater than the renew deadline")
+    if not timings["renew_deadline"] > 1.2 * timings["retry_period"]:
+        raise ConfigError("renew deadline must be greater than 1.2 x the retry period")
+    return changes
+
+
+def lease_namespace(settings: Settings) -> str:
+    """The Lease's namespace: as set, else the pod's service account's, else default."""
+    if settings.lease_namespace:
+        return settings.lease_namespace
+    try:
+        return SA_NAMESPACE_FILE.read_text().strip() or "default"
+    except OSError:
+        return "default"

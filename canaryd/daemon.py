@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from canaryd.config import (
     read_operator_config,
 )
 from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
+from canaryd.leader import LeaderElector
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
@@ -73,6 +75,7 @@ class Daemon:
         self.server: HealthServer | None = None
         self.watcher: Watcher | None = None
         self.scheduler: Scheduler | None = None
+        self.elector: LeaderElector | None = None
         self.notifier = Notifier()
         self._tasks: list[asyncio.Task[None]] = []
         self._config_problem: str | None = None
@@ -119,7 +122,18 @@ class Daemon:
         try:
             self.watcher = Watcher(settings, self.registry, kube)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
-            self.server = HealthServer(settings, self.registry, self._not_ready)
+            if settings.leader_elect:
+                self.elector = LeaderElector(
+                    settings,
+                    kube,
+                    settings.identity or socket.gethostname(),
+                    on_started_leading=scheduler.activate,
+                    on_stopped_leading=scheduler.standby,
+                    on_new_leader=self._new_leader,
+                )
+                scheduler.may_write = self.elector.holds_lease
+                scheduler.standby(None)  # until this replica holds the lease
+            self.server = HealthServer(settings, self.registry, self._not_ready, self._role)
             try:
                 await self.server.start()
             except OSError as err:
@@ -144,6 +158,8 @@ class Daemon:
                         group.create_task(self.server.run(), name="health-server"),
                     ]
                     group.create_task(self._supervise("config", self._follow_operator_config))
+                    if self.elector is not None:
+                        group.create_task(self._supervise("leader", self.elector.run))
                     group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                     group.create_task(self._until_stopped(), name="shutdown")
                     self.started.set()
@@ -173,6 +189,17 @@ class Daemon:
             delay = backoff.next()
             log.error("task_restarting", task=name, why=why, restart_in=round(delay, 3))
             await asyncio.sleep(delay)
+
+    def _role(self) -> tuple[str, str | None]:
+        """/healthz's ``role`` and ``leader``."""
+        if self.elector is None:
+            return "single", None
+        return ("leader" if self.elector.leading else "follower"), self.elector.leader
+
+    def _new_leader(self, leader: str | None) -> None:
+        """A follower's canaries say who leads."""
+        if self.scheduler is not None and not self.scheduler.active:
+            self.scheduler.standby(leader)
 
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready

@@ -86,6 +86,16 @@ BAD_HTTP_REQUESTS = Counter(
     "Malformed HTTP requests to the health port (answered 400, logged at most once a cycle).",
     registry=REGISTRY,
 )
+LEADER = Gauge(
+    "canaryd_leader",
+    "1 while this replica holds the Lease (with --leader-elect), else 0.",
+    registry=REGISTRY,
+)
+LEADER_TRANSITIONS = Counter(
+    "canaryd_leader_transitions",
+    "Times this replica saw the Lease pass to a new holder (itself included).",
+    registry=REGISTRY,
+)
 
 
 class HasCounts(Protocol):

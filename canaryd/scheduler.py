@@ -87,18 +87,59 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
+        self.standby_reason: str | None = None
+        """Why this replica does not bump (a follower under --leader-elect); None: it does."""
+        self.may_write: Callable[[], bool] = lambda: True
+        """Asked right before every write (the leader elector's ``holds_lease``)."""
         registry.on_added = self.schedule_first
         registry.on_resumed = self.scope_resumed
         registry.on_forgotten = self.failures.recovered
 
+    # ------------------------------------------------------- leader election
+
+    @property
+    def active(self) -> bool:
+        return self.standby_reason is None
+
+    def standby(self, leader: str | None) -> None:
+        """Not the leader: no bumps and no verdicts from here on; every canary is
+        ``pending`` with a standby reason. The registry stays warm (the watches run), so
+        this replica judges from its first cycle once it leads."""
+        self.standby_reason = (
+            f"standby: {leader} holds the lease" if leader else "standby: waiting for the lease"
+        )
+        self._heap.clear()
+        self._ready.clear()
+        self._deferred.clear()
+        for canary in self.registry.canaries():
+            canary.bumped_generation = None
+            canary.deferred_until = None
+            canary.late_recheck = False
+            self.failures.recovered(canary.key)
+            self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
+
+    def activate(self) -> None:
+        """This replica leads: every canary gets its first bump within a cycle."""
+        self.standby_reason = None
+        for canary in self.registry.canaries():
+            self.registry.set_state(
+                canary, CanaryState.PENDING, "waiting for the first bump to be judged"
+            )
+            self.schedule_first(canary)
+
     # ------------------------------------------------------------ the heap
 
     def schedule_first(self, canary: Canary) -> None:
+        if self.standby_reason is not None:
+            self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
+            return
         fraction = zlib.crc32(str(canary.key).encode()) / 2**32
         self._push(self._clock() + fraction * self.settings.timeout, canary)
 
     def _push(self, due: float, canary: Canary) -> None:
         """(Re)schedule a canary; any earlier entry of it in the heap becomes void."""
+        if self.standby_reason is not None:
+            return  # a follower schedules nothing; activate() schedules every canary
         seq = next(self._order)
         canary.due_seq = seq
         heapq.heappush(self._heap, (due, seq, canary))
@@ -156,8 +197,8 @@ class Scheduler:
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
-        if not self.registry.owns(canary):
-            return  # dropped since it was scheduled
+        if not self.registry.owns(canary) or self.standby_reason is not None:
+            return  # dropped since it was scheduled, or no longer the leader
         lateness = max(0.0, self._clock() - due)
         metrics.VERDICT_LATENESS.observe(lateness)
         if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
@@ -323,6 +364,8 @@ class Scheduler:
                         metrics.BUMPS.labels("not_canary").inc()
                         return None
                     reread = False
+                if self.standby_reason is not None or not self.may_write():
+                    return None  # no longer the leader: only the leader writes
                 repairing = canary.nonce_problem
                 nonce = 1 if repairing else canary.nonce + 1
                 # What the generation was before this write: the watch may deliver the
@@ -384,7 +427,7 @@ class Scheduler:
                 if not self.registry.owns(canary):
                     return None
                 continue
-            if not self.registry.owns(canary):
+            if not self.registry.owns(canary) or self.standby_reason is not None:
                 return None
             return self._written(canary, written, nonce, repairing, due, before)
 

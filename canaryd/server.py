@@ -27,6 +27,11 @@ log = structlog.get_logger("canaryd.server")
 
 REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
+ROLE: web.AppKey[Callable[[], tuple[str, str | None]]] = web.AppKey("role")
+
+
+def single() -> tuple[str, str | None]:
+    return "single", None
 
 
 def _iso(timestamp: float | None) -> str | None:
@@ -57,7 +62,13 @@ async def health(request: web.Request) -> web.Response:
     healthy = registry.healthy
     status = 200 if healthy else 500
     if "application/json" in request.headers.get("Accept", ""):
-        body = {"healthy": healthy, "canaries": [canary_json(c) for c in registry.canaries()]}
+        role, leader = request.app[ROLE]()
+        body = {
+            "healthy": healthy,
+            "role": role,
+            "leader": leader,
+            "canaries": [canary_json(c) for c in registry.canaries()],
+        }
         return web.Response(status=status, text=json.dumps(body), content_type="application/json")
     text = "OK" if healthy else "ERROR"
     if "verbose" in request.query:
@@ -86,10 +97,15 @@ async def metrics_page(request: web.Request) -> web.Response:
     return response
 
 
-def build_app(registry: Registry, not_ready: Callable[[], list[str] | None]) -> web.Application:
+def build_app(
+    registry: Registry,
+    not_ready: Callable[[], list[str] | None],
+    role: Callable[[], tuple[str, str | None]] = single,
+) -> web.Application:
     app = web.Application(client_max_size=1024)
     app[REGISTRY] = registry
     app[NOT_READY] = not_ready
+    app[ROLE] = role
     for path in ("/healthz", "/livez", "/"):
         app.router.add_get(path, health)
     app.router.add_get("/readyz", ready)
@@ -144,10 +160,14 @@ class HealthServer:
     serves until cancelled."""
 
     def __init__(
-        self, settings: Settings, registry: Registry, not_ready: Callable[[], list[str] | None]
+        self,
+        settings: Settings,
+        registry: Registry,
+        not_ready: Callable[[], list[str] | None],
+        role: Callable[[], tuple[str, str | None]] = single,
     ) -> None:
         self.settings = settings
-        self.app = build_app(registry, not_ready)
+        self.app = build_app(registry, not_ready, role)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 

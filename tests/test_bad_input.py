@@ -284,3 +284,38 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
     conf.write_text("kubernetes.operator.health.canary.resource.timeout: 5\n")
     with pytest.raises(ConfigError, match=r"5 ms.*milliseconds"):
         load_settings(["--operator-config", str(conf)], {})
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--renew-deadline", "20s"], {}, "lease duration must be greater than the renew deadline"),
+        (["--retry-period", "9s"], {}, "renew deadline must be greater than 1.2 x the retry"),
+        (["--lease-duration", "-1s"], {}, "lease duration"),
+        (["--lease-name", "Not_A_Name"], {}, "invalid lease name"),
+        ([], {"CANARYD_LEADER_ELECT": "perhaps"}, "CANARYD_LEADER_ELECT"),
+    ],
+)
+def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch, args, env, says):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    flag = [] if env else ["--leader-elect"]  # the flag wins over the environment
+    code, lines = run_main([*flag, *args], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert says in lines[0], lines
+
+
+def test_leader_election_settings_by_flag_and_environment():
+    settings = load_settings(
+        ["--leader-elect", "--lease-duration", "30s", "--identity", "pod-0"],
+        {"CANARYD_RENEW_DEADLINE": "20 s", "CANARYD_LEASE_NAMESPACE": "ops"},
+    )
+    assert settings.leader_elect and settings.identity == "pod-0"
+    assert (settings.lease_duration, settings.renew_deadline, settings.retry_period) == (
+        30.0,
+        20.0,
+        2.0,
+    )
+    assert settings.lease_namespace == "ops" and settings.lease_name == "canaryd"
+    assert load_settings([], {"CANARYD_LEADER_ELECT": "true"}).leader_elect
+    assert not load_settings([], {}).leader_elect

@@ -278,6 +278,37 @@ async def script(api: Api, forbid: Callable[[], None]) -> dict[str, Any]:
         "message": (body or {}).get("message"),
     }
 
+    # Leases (leader election): create, a stale update, an update without a
+    # resourceVersion, a PUT that creates.
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
+    spec = {"holderIdentity": "a", "leaseDurationSeconds": 15, "leaseTransitions": 0}
+    status, body = await api.call("POST", leases, {"metadata": {"name": "l"}, "spec": spec})
+    created = body if status == 201 else {}
+    facts["create a lease"] = {
+        **status_fact(status, body),
+        "generation": (created.get("metadata") or {}).get("generation"),
+        "spec": created.get("spec"),
+    }
+    status, body = await api.call("POST", leases, {"metadata": {"name": "l"}, "spec": spec})
+    facts["create it again"] = status_fact(status, body)
+    held = {**created, "spec": {**spec, "holderIdentity": "b"}}
+    status, body = await api.call("PUT", f"{leases}/l", held)
+    moved = (
+        status == 200
+        and body["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
+    )
+    facts["update a lease with its resourceVersion"] = {
+        **status_fact(status, body),
+        "rv moved": moved,
+    }
+    status, body = await api.call("PUT", f"{leases}/l", held)  # the same, now stale
+    facts["update a lease with a stale resourceVersion"] = status_fact(status, body)
+    unconditional = {"metadata": {"name": "l"}, "spec": spec}
+    status, body = await api.call("PUT", f"{leases}/l", unconditional)
+    facts["update a lease without a resourceVersion"] = status_fact(status, body)
+    status, body = await api.call("PUT", f"{leases}/m", {"metadata": {"name": "m"}, "spec": spec})
+    facts["PUT a lease that does not exist"] = status_fact(status, body)
+
     # Namespace lifecycle.
     status, body = await api.call("DELETE", f"/api/v1/namespaces/{NS}")
     facts["delete a namespace"] = {"code": status, "phase": (body.get("status") or {}).get("phase")}

@@ -667,6 +667,77 @@ async def test_request_log_records_what_the_client_sent(kube, crd):
     assert [r.verb for r in kube.requests] == ["create", "patch"]
 
 
+# ---------------------------------------------------------------------- leases
+# coordination.k8s.io/v1 Leases as kube-apiserver serves them
+# (pkg/registry/coordination/lease/strategy.go; compared in tests/test_conformance.py).
+
+
+def lease_body(holder: str, rv: str | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": "canaryd"}
+    if rv is not None:
+        metadata["resourceVersion"] = rv
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": metadata,
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15, "leaseTransitions": 0},
+    }
+
+
+async def test_a_lease_is_created_read_and_updated_with_its_resource_version(kube, api):
+    leases = client.CoordinationV1Api(api)
+    created = await leases.create_namespaced_lease("default", lease_body("a"))
+    assert created.spec.holder_identity == "a" and created.metadata.generation is None
+    got = await leases.read_namespaced_lease("canaryd", "default")
+    assert got.metadata.resource_version == created.metadata.resource_version
+    updated = await leases.replace_namespaced_lease(
+        "canaryd", "default", lease_body("b", created.metadata.resource_version)
+    )
+    assert updated.spec.holder_identity == "b"
+    assert updated.metadata.resource_version != created.metadata.resource_version
+    with pytest.raises(ApiException) as again:
+        await leases.create_namespaced_lease("default", lease_body("c"))
+    assert again.value.status == 409 and json.loads(again.value.body)["reason"] == "AlreadyExists"
+
+
+async def test_a_stale_lease_update_is_409_and_changes_nothing(kube, api):
+    leases = client.CoordinationV1Api(api)
+    created = await leases.create_namespaced_lease("default", lease_body("a"))
+    rv = created.metadata.resource_version
+    await leases.replace_namespaced_lease("canaryd", "default", lease_body("b", rv))
+    with pytest.raises(ApiException) as stale:
+        await leases.replace_namespaced_lease("canaryd", "default", lease_body("c", rv))
+    assert stale.value.status == 409 and json.loads(stale.value.body)["reason"] == "Conflict"
+    assert kube.get("leases", "default", "canaryd")["spec"]["holderIdentity"] == "b"
+    with pytest.raises(ApiException) as unconditional:
+        await leases.replace_namespaced_lease("canaryd", "default", lease_body("c"))
+    assert unconditional.value.status == 422  # AllowUnconditionalUpdate: false
+
+
+async def test_a_put_of_a_missing_lease_creates_it(kube, api):
+    created = await client.CoordinationV1Api(api).replace_namespaced_lease(
+        "canaryd", "default", lease_body("a")
+    )
+    assert created.spec.holder_identity == "a"
+    assert kube.requests[-1].status == 201  # leaseStrategy.AllowCreateOnUpdate
+
+
+async def test_clients_are_told_apart_by_token_and_faults_can_target_one(kube, tmp_path):
+    a = kube.add_client("system:serviceaccount:canaryd:a")
+    b = kube.add_client("system:serviceaccount:canaryd:b")
+    kube.inject(Fault(user="system:serviceaccount:canaryd:b", code=503, times=-1))
+    path = f"{kube.url}/apis/flink.apache.org/v1beta1/namespaces/default/{FD}"
+    async with aiohttp.ClientSession() as http:
+        for token, expected in ((a, 200), (b, 503), (TOKEN, 200)):
+            async with http.get(path, headers={"Authorization": f"Bearer {token}"}) as response:
+                assert response.status == expected, token
+    assert [r.user for r in kube.requests] == [
+        "system:serviceaccount:canaryd:a",
+        "system:serviceaccount:canaryd:b",
+        kube.user,
+    ]
+
+
 # ------------------------------------------------------------------ standalone
 
 

@@ -86,6 +86,9 @@ FLINK_SESSION_JOBS = ResourceType(
     FLINK_GROUP, FLINK_VERSION, "flinksessionjobs", "FlinkSessionJob", True, True, True
 )
 FLINK_TYPES = (FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS)
+# A built-in type: no generation, no status (pkg/registry/coordination/lease/strategy.go:
+# AllowUnconditionalUpdate false, AllowCreateOnUpdate true).
+LEASES = ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, False, False)
 
 
 class ApiError(Exception):
@@ -174,6 +177,10 @@ class Request:
     namespace: str | None = None
     name: str | None = None
     subresource: str | None = None
+    user: str = ""
+    """Who sent it (by its bearer token); empty when the fake takes any."""
+    created: bool = False
+    """The request created an object (a POST, or a PUT that creates: 201)."""
 
 
 @dataclass
@@ -193,6 +200,7 @@ class RequestRecord:
     status: int = 0
     at: float = 0.0
     """Loop time when the request arrived."""
+    user: str = ""
 
 
 @dataclass
@@ -214,6 +222,8 @@ class Fault:
     resource: str | None = None
     namespace: str | None = None
     name: str | None = None
+    user: str | None = None
+    """Only this client's requests (its user, by bearer token: ``FakeKube.add_client``)."""
     code: int = 500
     times: int = 1
     retry_after: int | None = None
@@ -235,6 +245,7 @@ class Fault:
             )
             and (self.namespace is None or self.namespace == req.namespace)
             and (self.name is None or self.name == req.name)
+            and (self.user is None or self.user == req.user)
         )
 
 
@@ -310,10 +321,12 @@ class FakeKube:
         history_limit: int = 100_000,
         auto_finalize_namespaces: bool = True,
     ) -> None:
-        self.types: dict[str, ResourceType] = {NAMESPACES.plural: NAMESPACES}
+        self.types: dict[str, ResourceType] = {NAMESPACES.plural: NAMESPACES, LEASES.plural: LEASES}
         self.types.update({t.plural: t for t in crds})
         self.token = token
         self.user = user
+        self.clients: dict[str, str] = {}
+        """More bearer tokens and their users (several canaryd processes told apart)."""
         self.bookmark_interval = bookmark_interval
         self.default_watch_timeout = default_watch_timeout
         self.history_limit = history_limit
@@ -427,6 +440,21 @@ class FakeKube:
     def write_kubeconfig(self, path: str | Path, **options: Any) -> Path:
         target = Path(path)
         target.write_text(yaml.safe_dump(self.kubeconfig(**options)))
+        return target
+
+    def add_client(self, user: str) -> str:
+        """A client of its own: returns its bearer token; its requests carry ``user``
+        (in the request log, for faults, in RBAC messages)."""
+        token = f"token-{uuid.uuid4().hex}"
+        self.clients[token] = user
+        return token
+
+    def client_kubeconfig(self, path: str | Path, user: str) -> Path:
+        """A kubeconfig for a client of its own (``add_client``)."""
+        config = self.kubeconfig()
+        config["users"][0]["user"] = {"token": self.add_client(user)}
+        target = Path(path)
+        target.write_text(yaml.safe_dump(config))
         return target
 
     # ------------------------------------------------------- controls for tests
@@ -898,7 +926,7 @@ class FakeKube:
         record.verb, record.namespace, record.name = req.verb, req.namespace, req.name
         record.subresource = req.subresource
         record.resource = req.rtype.plural if req.rtype else None
-        self._authenticate(request)
+        req.user = record.user = self._authenticate(request)
         fault = next((f for f in self.faults if f.matches(req)), None)
         for hook in self.hooks:
             if fault is not None:
@@ -936,13 +964,18 @@ class FakeKube:
         result = self._serve(request, req, raw)
         if fault is not None and fault.delay_answer:
             await asyncio.sleep(fault.delay_answer)
-        return web.json_response(result, status=201 if req.verb == "create" else 200)
+        created = req.verb == "create" or req.created
+        return web.json_response(result, status=201 if created else 200)
 
-    def _authenticate(self, request: web.Request) -> None:
-        if self.token is None:
-            return
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+    def _authenticate(self, request: web.Request) -> str:
+        """The request's user (the configured one when the fake takes any token)."""
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        if token is not None and token in self.clients:
+            return self.clients[token]
+        if self.token is not None and token != self.token:
             raise ApiError(401, "Unauthorized", "Unauthorized")
+        return self.user
 
     def _authorize(self, req: Request) -> None:
         # The RBAC authorizer's denial message
@@ -958,7 +991,7 @@ class FakeKube:
         raise ApiError(
             403,
             "Forbidden",
-            f'{resource} is forbidden: User "{self.user}" cannot {req.verb} resource '
+            f'{resource} is forbidden: User "{req.user or self.user}" cannot {req.verb} resource '
             f'"{req.rtype.plural}" in API group "{req.rtype.group}" {scope}',
             details=_details(req.rtype, req.name),
         )
@@ -1114,13 +1147,18 @@ class FakeKube:
                 raise ApiError(
                     400, "BadRequest", "the name of the object does not match the name on the URL"
                 )
+            if rtype is LEASES and self.get(rtype.plural, req.namespace, req.name) is None:
+                # leaseStrategy.AllowCreateOnUpdate: a PUT of a missing Lease creates it.
+                req.created = True
+                return self.create(rtype, req.namespace, body)
             return self.update(
                 rtype,
                 req.namespace,
                 req.name,
                 lambda _old: body,
                 status_only=status_only,
-                require_rv=rtype.custom,
+                # Neither custom resources nor Leases allow unconditional updates.
+                require_rv=rtype.custom or rtype is LEASES,
             )
         if req.verb == "patch":
             apply = self._patcher(rtype, request.headers.get("Content-Type", ""), body)

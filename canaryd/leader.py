@@ -1,0 +1,258 @@
+"""Leader election over a ``coordination.k8s.io/v1`` Lease, with client-go's rules.
+
+client-go (tools/leaderelection/leaderelection.go, tryAcquireOrRenew) trusts no other
+clock: a candidate takes the lease only when it has itself seen the holder's record
+unchanged for the record's whole lease duration (measured on its own monotonic
+clock), or when the holder is empty (released). Every write is an update with the
+resourceVersion it read, so two candidates cannot both win: the second gets 409 and
+reads again next round (it never overwrites). The leader renews every retry period;
+if it has not renewed for ``renew_deadline`` it stops being leader at once — before
+any follower can have waited out ``lease_duration`` (greater by construction) — so
+there are never two writers. On shutdown the leader releases the lease (holder
+cleared, duration 1 s), and a follower takes it at its next look.
+
+``holds_lease()`` is what the scheduler asks right before each write: it is true only
+while the last successful renew is younger than the renew deadline, whatever the
+elector task is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from canaryd import metrics
+from canaryd.config import Settings, lease_namespace
+from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
+
+log = structlog.get_logger("canaryd.leader")
+
+
+def micro_time(at: datetime | None = None) -> str:
+    """metav1.MicroTime's RFC 3339 form with microseconds."""
+    return (at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(
+        self,
+        settings: Settings,
+        kube: KubeClient,
+        identity: str,
+        *,
+        on_started_leading: Callable[[], None],
+        on_stopped_leading: Callable[[str | None], None],
+        on_new_leader: Callable[[str | None], None] = lambda leader: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings, self.kube, self.identity = settings, kube, identity
+        self.namespace = lease_namespace(settings)
+        self.name = settings.lease_name
+        base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
+        self._collection, self._path = base, f"{base}/{segment(self.name)}"
+        self.on_started_leading = on_started_leading
+        self.on_stopped_leading = on_stopped_leading
+        self.on_new_leader = on_new_leader
+        self._clock = clock
+        self._rng = random.Random()
+        self.leading = False
+        self.leader: str | None = None
+        """The holder this replica last saw (None: nobody)."""
+        self._observed_spec: str | None = None
+        self._observed_at = 0.0
+        """When (our clock) the record last changed as we saw it."""
+        self._expires_at = float("inf")
+        """When the other holder's lease runs out, as this replica last saw it."""
+        self._renewed_at = float("-inf")
+        """When the last successful acquire or renew started (our clock)."""
+        metrics.LEADER.set(0)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def holds_lease(self) -> bool:
+        return self.leading and self._clock() < self._renewed_at + self.settings.renew_deadline
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        log.info("leader_election_started", lease=str(self), identity=self.identity)
+        try:
+            while True:
+                await self._acquire()
+                self._start_leading()
+                await self._renew()
+                self._stop_leading("it could not renew the lease within the renew deadline")
+        except asyncio.CancelledError:
+            if self.leading:
+                self._stop_leading("canaryd is stopping")
+                await self._release()
+            log.info("leader_election_stopped", why="cancelled")
+            raise
+        except Exception:
+            # A bug: the supervisor logs it and restarts the election; never lead blind.
+            if self.leading:
+                self._stop_leading("leader election failed unexpectedly")
+            raise
+
+    def _pause(self) -> float:
+        # Jittered below the retry period, so that a released lease is taken in under one.
+        return self.settings.retry_period * self._rng.uniform(0.75, 1.0)
+
+    async def _acquire(self) -> None:
+        while True:  # polling the Lease on the API server: there is no event to await
+            if await self._try(self.settings.request_timeout):
+                return
+            # Look again at the next retry, or the moment the holder's lease runs out
+            # (as this replica measures it), whichever comes first.
+            until_expiry = self._expires_at - self._clock()
+            await asyncio.sleep(max(0.0, min(self._pause(), until_expiry)))
+
+    async def _renew(self) -> None:
+        """Renew every retry period; returns when the renew deadline passed without one."""
+        while True:
+            await asyncio.sleep(self.settings.retry_period)
+            while True:
+                left = self._renewed_at + self.settings.renew_deadline - self._clock()
+                if left <= 0:
+                    return
+                try:
+                    async with asyncio.timeout(left):
+                        if await self._try(min(left, self.settings.request_timeout)):
+                            break
+                except TimeoutError:
+                    return
+                await asyncio.sleep(min(self._pause(), max(0.0, left)))
+
+    def _start_leading(self) -> None:
+        self.leading = True
+        metrics.LEADER.set(1)
+        log.info("leading", lease=str(self), identity=self.identity)
+        self.on_started_leading()
+
+    def _stop_leading(self, why: str) -> None:
+        self.leading = False
+        metrics.LEADER.set(0)
+        log.warning("stopped_leading", lease=str(self), identity=self.identity, why=why)
+        self.on_stopped_leading(self.leader if self.leader != self.identity else None)
+
+    # ------------------------------------------------------------ one round
+
+    def _observe(self, lease: Mapping[str, Any], at: float) -> Mapping[str, Any]:
+        spec = lease.get("spec")
+        spec = spec if isinstance(spec, Mapping) else {}
+        raw = json.dumps(spec, sort_keys=True)
+        if raw != self._observed_spec:
+            self._observed_spec, self._observed_at = raw, at
+        holder = spec.get("holderIdentity") or None
+        holder = str(holder) if holder is not None else None
+        if holder != self.leader:
+            if holder is not None:
+                metrics.LEADER_TRANSITIONS.inc()
+            log.info("leader_observed", lease=str(self), leader=holder, was=self.leader)
+            self.leader = holder
+            self.on_new_leader(holder)
+        return spec
+
+    def _record(self, transitions: int, acquired: str) -> dict[str, Any]:
+        return {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": max(1, round(self.settings.lease_duration)),
+            "acquireTime": acquired,
+            "renewTime": micro_time(),
+            "leaseTransitions": transitions,
+        }
+
+    async def _try(self, time_limit: float) -> bool:
+        """client-go's tryAcquireOrRenew: True when this replica holds the lease now."""
+        started = self._clock()
+        self._expires_at = float("inf")  # known again only if the lease is held
+        try:
+            current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
+        except KubeError as err:
+            if err.kind is not ErrorKind.GONE:
+                log.debug("lease_get_failed", lease=str(self), error=str(err))
+                return False
+            body = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": self._record(0, micro_time()),
+            }
+            try:
+                created = await self.kube.request(
+                    "create", "POST", self._collection, body=body, time_limit=time_limit
+                )
+            except KubeError as create_err:
+                # 409 AlreadyExists: another candidate created it first.
+                log.debug("lease_create_failed", lease=str(self), error=str(create_err))
+                return False
+            self._observe(created, started)
+            self._renewed_at = started
+            return True
+        spec = self._observe(current, started)
+        holder = spec.get("holderIdentity") or ""
+        duration = spec.get("leaseDurationSeconds")
+        if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
+            duration = self.settings.lease_duration
+        mine = holder == self.identity
+        if holder and not mine and self._observed_at + duration > started:
+            # Held, and not yet seen unchanged for its lease duration.
+            self._expires_at = self._observed_at + duration
+            return False
+        transitions = spec.get("leaseTransitions")
+        transitions = transitions if isinstance(transitions, int) else 0
+        if mine:
+            acquired = str(spec.get("acquireTime") or micro_time())
+        else:
+            transitions, acquired = transitions + 1, micro_time()
+        metadata = current.get("metadata")
+        metadata = dict(metadata) if isinstance(metadata, Mapping) else {}
+        update = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,  # its resourceVersion is the precondition
+            "spec": self._record(transitions, acquired),
+        }
+        try:
+            written = await self.kube.request(
+                "update", "PUT", self._path, body=update, time_limit=time_limit
+            )
+        except KubeError as err:
+            # 409: another replica wrote first; read again next round, never overwrite.
+            log.debug("lease_update_failed", lease=str(self), error=str(err))
+            return False
+        self._observe(written, started)
+        self._renewed_at = started
+        return True
+
+    async def _release(self) -> None:
+        """Clear the holder so that a follower takes over at its next look (client-go's
+        ReleaseOnCancel). Bounded by the request timeout; a failure is only logged."""
+        try:
+            current = await self.kube.request("get", "GET", self._path)
+            spec = current.get("spec")
+            spec = spec if isinstance(spec, Mapping) else {}
+            if spec.get("holderIdentity") != self.identity:
+                return
+            now = micro_time()
+            released = {
+                **current,
+                "spec": {
+                    "leaseDurationSeconds": 1,
+                    "acquireTime": now,
+                    "renewTime": now,
+                    "leaseTransitions": spec.get("leaseTransitions", 0),
+                },
+            }
+            await self.kube.request("update", "PUT", self._path, body=released)
+            log.info("lease_released", lease=str(self), identity=self.identity)
+        except KubeError as err:
+            log.warning("lease_release_failed", lease=str(self), error=str(err))

@@ -1,0 +1,356 @@
+"""--leader-elect: replicas behind a coordination.k8s.io/v1 Lease, with client-go's
+timings as shipped (lease 15 s, renew deadline 10 s, retry 2 s) and a short cycle.
+
+Several canaryd processes run against one fake API server, each as a user of its own
+(its bearer token), so the request log says who wrote what: exactly one writer per
+canary per cycle, and never two writers across a hand-over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from canaryd.config import Settings
+from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import LEASES, FakeKube, Fault
+from canaryd.testing.process import canaryd_argv, free_port
+from tests.harness import counter, create_canary, running_daemon
+
+pytestmark = pytest.mark.timeout(120)
+
+CYCLE = 0.5  # a cycle several processes can keep side by side; the lease timings are the defaults
+DEFAULTS = Settings()
+LEASE_DURATION, RENEW_DEADLINE, RETRY = (
+    DEFAULTS.lease_duration,
+    DEFAULTS.renew_deadline,
+    DEFAULTS.retry_period,
+)
+SLACK = 1.0
+"""Process and event-loop latency allowed on top of a protocol bound."""
+
+
+def user(identity: str) -> str:
+    return f"system:serviceaccount:canaryd:{identity}"
+
+
+@dataclass
+class Replica:
+    identity: str
+    proc: asyncio.subprocess.Process
+    url: str
+
+    async def health(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
+        try:
+            async with http.get(
+                f"{self.url}/healthz", headers={"Accept": "application/json"}
+            ) as response:
+                body: dict[str, Any] = await response.json()
+                body["status"] = response.status
+                return body
+        except (aiohttp.ClientError, ValueError):
+            return None
+
+
+class Cluster:
+    def __init__(self, kube: FakeKube, tmp: Path, http: aiohttp.ClientSession) -> None:
+        self.kube, self.tmp, self.http = kube, tmp, http
+        self.replicas: dict[str, Replica] = {}
+
+    async def start(self, identity: str) -> Replica:
+        kubeconfig = self.kube.client_kubeconfig(
+            self.tmp / f"{identity}.kubeconfig", user(identity)
+        )
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            *canaryd_argv(
+                kubeconfig,
+                port,
+                CYCLE,
+                "--leader-elect",
+                "--identity",
+                identity,
+                "--lease-namespace",
+                "default",
+                "--kind",
+                "flinkdeployments",
+            ),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        replica = Replica(identity, proc, f"http://127.0.0.1:{port}")
+        self.replicas[identity] = replica
+        return replica
+
+    def holder(self) -> str | None:
+        lease = self.kube.get(LEASES.plural, "default", "canaryd")
+        return (lease or {}).get("spec", {}).get("holderIdentity") or None
+
+    async def until(self, predicate: Any, what: str, within: float) -> float:
+        """Poll (the replicas are other processes: no event to await) until ``predicate``
+        holds; returns the loop time it did."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while True:
+            if await predicate():
+                return loop.time()
+            if loop.time() > end:
+                raise AssertionError(f"timed out after {within}s waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    async def leader(self, within: float) -> Replica:
+        async def one_leads() -> bool:
+            holder = self.holder()
+            if holder not in self.replicas:
+                return False
+            body = await self.replicas[holder].health(self.http)
+            return body is not None and body["role"] == "leader"
+
+        await self.until(one_leads, "a replica to lead", within)
+        holder = self.holder()
+        assert holder is not None
+        return self.replicas[holder]
+
+    def writers(self, since: float = 0.0) -> list[tuple[float, str]]:
+        """(time, user) of every bump the fake accepted."""
+        return [
+            (r.at, r.user)
+            for r in self.kube.requests
+            if r.verb == "patch" and r.status == 200 and r.at >= since
+        ]
+
+    async def stop(self) -> None:
+        for replica in self.replicas.values():
+            if replica.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    replica.proc.send_signal(signal.SIGTERM)
+        for replica in self.replicas.values():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await replica.proc.wait()
+            if replica.proc.returncode is None:
+                replica.proc.kill()
+                await replica.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def cluster(kube: FakeKube, tmp: Path, *identities: str) -> AsyncIterator[Cluster]:
+    for name in ("one", "two"):
+        create_canary(kube, name)
+    async with aiohttp.ClientSession() as http:
+        group = Cluster(kube, tmp, http)
+        try:
+            for identity in identities:
+                await group.start(identity)
+            yield group
+        finally:
+            await group.stop()
+
+
+def assert_one_writer_at_a_time(writes: list[tuple[float, str]]) -> None:
+    """Once another replica wrote, the one before never writes again."""
+    order = [who for _, who in writes]
+    runs = [who for i, who in enumerate(order) if i == 0 or order[i - 1] != who]
+    assert len(runs) == len(set(runs)), f"writers interleaved: {runs}"
+
+
+async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube, tmp_path):
+    async with cluster(kube, tmp_path, "a", "b", "c") as group:
+        leader = await group.leader(within=10)
+        start = asyncio.get_running_loop().time()
+
+        async def cycles_pass() -> bool:
+            return len(group.writers(start)) >= 2 * 6  # two canaries, six cycles
+
+        await group.until(cycles_pass, "six cycles of bumps", within=20 * CYCLE + 5)
+        writers = {who for _, who in group.writers(start)}
+        assert writers == {user(leader.identity)}, writers
+        # One writer per canary per cycle: about one bump per canary per cycle.
+        per_canary = [
+            r for r in kube.requests_for("patch", name="one") if r.status == 200 and r.at >= start
+        ]
+        gaps = [b.at - a.at for a, b in itertools.pairwise(per_canary)]
+        assert min(gaps) > CYCLE / 2, gaps
+        body = await leader.health(group.http)
+        assert body is not None and body["role"] == "leader" and body["leader"] == leader.identity
+        for identity, replica in group.replicas.items():
+            if identity == leader.identity:
+                continue
+            answer = await replica.health(group.http)
+            assert answer is not None and answer["status"] == 200, answer
+            assert answer["role"] == "follower" and answer["leader"] == leader.identity
+            assert {c["state"] for c in answer["canaries"]} == {"pending"}
+            assert all("standby" in c["reason"] for c in answer["canaries"])
+            assert {c["name"] for c in answer["canaries"]} == {"one", "two"}  # warm
+
+
+async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube, tmp_path):
+    async with cluster(kube, tmp_path, "a", "b") as group:
+        old = await group.leader(within=10)
+        loop = asyncio.get_running_loop()
+        old.proc.send_signal(signal.SIGKILL)
+        await old.proc.wait()
+        killed = loop.time()
+        new = await group.leader(within=LEASE_DURATION + RETRY + 10)
+        took = loop.time() - killed
+        assert new.identity != old.identity
+        print(f"SIGKILL hand-over: {took:.2f}s")
+        assert took <= LEASE_DURATION + RETRY + SLACK, took
+        led = loop.time()
+
+        async def judged_healthy() -> bool:
+            body = await new.health(group.http)
+            return body is not None and all(c["state"] == "healthy" for c in body["canaries"])
+
+        # It judges from its first cycle: its first bumps within a cycle, judged a cycle on.
+        judged = await group.until(judged_healthy, "the new leader's verdicts", 2 * CYCLE + SLACK)
+        print(f"first verdicts {judged - led:.2f}s after it led")
+        assert {who for _, who in group.writers(led)} == {user(new.identity)}
+
+
+async def test_a_leader_cut_off_from_the_lease_stops_bumping_before_it_can_expire(kube, tmp_path):
+    """Its lease requests fail (its bumps would still reach the server): it must stop
+    writing at its renew deadline, before the follower may take over (lease duration
+    after it last saw the lease change) — never two writers across the hand-over."""
+    async with cluster(kube, tmp_path, "a", "b") as group:
+        old = await group.leader(within=10)
+        follower = next(r for r in group.replicas.values() if r is not old)
+        loop = asyncio.get_running_loop()
+        kube.inject(Fault(user=user(old.identity), resource="leases", drop=True, times=-1))
+        cut = loop.time()
+
+        async def stepped_down() -> bool:
+            body = await old.health(group.http)
+            return body is not None and body["role"] == "follower"
+
+        down = await group.until(stepped_down, "the cut-off leader to step down", 20)
+        new = await group.leader(within=LEASE_DURATION + RETRY + 10)
+        assert new is follower
+        taken = loop.time()
+        writes = group.writers(cut - 5)
+        last_old = max(at for at, who in writes if who == user(old.identity))
+        first_new = min(at for at, who in writes if who == user(new.identity))
+        print(
+            f"partition: stepped down {down - cut:.2f}s after the cut, last bump "
+            f"{last_old - cut:.2f}s, new leader's first bump {first_new - cut:.2f}s "
+            f"(lease taken {taken - cut:.2f}s)"
+        )
+        assert last_old - cut <= RENEW_DEADLINE + SLACK
+        assert last_old < first_new
+        assert first_new - last_old >= LEASE_DURATION - RENEW_DEADLINE - SLACK
+        assert_one_writer_at_a_time(writes)
+
+
+async def test_sigterm_releases_the_lease_and_a_follower_takes_it_within_a_retry_period(
+    kube, tmp_path
+):
+    async with cluster(kube, tmp_path, "a", "b") as group:
+        old = await group.leader(within=10)
+        old.proc.send_signal(signal.SIGTERM)
+        assert await old.proc.wait() == 0
+        new = await group.leader(within=RETRY + 5)
+        assert new is not old
+        puts = [
+            r
+            for r in kube.requests
+            if r.resource == "leases" and r.verb == "update" and r.status == 200
+        ]
+        released = next(
+            r
+            for r in puts
+            if r.user == user(old.identity) and not r.body["spec"].get("holderIdentity")
+        )
+        taken = next(r for r in puts if r.at > released.at and r.user == user(new.identity))
+        print(f"SIGTERM hand-over: {taken.at - released.at:.2f}s after the release")
+        assert taken.body["spec"]["holderIdentity"] == new.identity
+        assert taken.at - released.at < RETRY
+        assert_one_writer_at_a_time(group.writers())
+
+
+# ------------------------------------------------- one replica, in-process
+
+
+def lease(holder: str, *, renewed: str = "2026-01-01T00:00:00.000000Z") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "canaryd"},
+        "spec": {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": 15,
+            "acquireTime": renewed,
+            "renewTime": renewed,
+            "leaseTransitions": 3,
+        },
+    }
+
+
+async def test_a_lone_replica_creates_the_lease_leads_and_releases_it_on_stop(kube, kubeconfig):
+    from canaryd import metrics
+
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        held = kube.get(LEASES.plural, "default", "canaryd")
+        assert held is not None and held["spec"]["holderIdentity"] == "solo"
+        assert held["spec"]["leaseDurationSeconds"] == 15
+        status, text = await run.get("/healthz", Accept="application/json")
+        body = json.loads(text)
+        assert status == 200 and body["role"] == "leader" and body["leader"] == "solo"
+        assert counter(metrics.LEADER) == 1
+    released = kube.get(LEASES.plural, "default", "canaryd")
+    assert released is not None and not released["spec"].get("holderIdentity")
+    assert released["spec"]["leaseDurationSeconds"] == 1
+    assert counter(metrics.LEADER) == 0
+
+
+async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(
+    kube, kubeconfig
+):
+    """The lease is free (released); as the candidate writes, another replica takes it
+    first: the candidate's update carries the old resourceVersion and gets a real 409.
+    It must not retry blind: it reads the new holder and waits a whole lease duration."""
+    create_canary(kube)
+    kube.create(LEASES, "default", lease(""))
+
+    def other_takes_it() -> None:
+        kube.update(LEASES, "default", "canaryd", lambda old: {**old, **lease("other")})
+
+    race = kube.inject(Fault(verb="update", resource="leases", code=0, action=other_takes_it))
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="me", lease_namespace="default"
+    ) as run:
+        await run.until(lambda: race.hits == 1, "the candidate's update")
+        updates = [r for r in kube.requests if r.resource == "leases" and r.verb == "update"]
+        await run.until(
+            lambda: (
+                len([r for r in kube.requests if r.resource == "leases" and r.verb == "get"]) >= 3
+            ),
+            "the candidate to read the lease again",
+            within=4 * RETRY,
+        )
+        assert updates[0].status == 409
+        held = kube.get(LEASES.plural, "default", "canaryd")
+        assert held is not None and held["spec"]["holderIdentity"] == "other"
+        later = [r for r in kube.requests if r.resource == "leases" and r.verb == "update"]
+        assert len(later) == 1, "it tried to take a lease that is held"
+        status, text = await run.get("/healthz", Accept="application/json")
+        assert status == 200
+        body = json.loads(text)
+        assert body["role"] == "follower" and body["leader"] == "other"
+        assert not kube.requests_for("patch")  # a follower never bumps
+        canary = run.canary()
+        assert canary is not None and canary.state is CanaryState.PENDING
+        assert "standby: other holds the lease" in canary.reason
