@@ -20,6 +20,12 @@ from canaryd import __version__
 DEFAULT_LABEL = "flink.apache.org/canary"
 DEFAULT_KINDS = ("flinkdeployments", "flinksessionjobs")
 KNOWN_KINDS = frozenset(DEFAULT_KINDS)
+# PLURAL.GROUP/VERSION: a DNS label, a DNS subdomain with a dot, a version.
+CUSTOM_KIND = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\.[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
+    r"/v[0-9]+((alpha|beta)[0-9]+)?"
+)
+RECONCILED_BY = ("watch", "observed-generation")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIN_TIMEOUT = 0.1
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
@@ -68,7 +74,11 @@ class Settings:
     label: str = DEFAULT_LABEL
     """Label whose value ``true`` (any case) marks a canary."""
     kinds: tuple[str, ...] = DEFAULT_KINDS
-    """Plurals of the canary kinds in flink.apache.org/v1beta1."""
+    """Canary kinds: plurals in flink.apache.org/v1beta1, or PLURAL.GROUP/VERSION."""
+    reconciled_by: str = "watch"
+    """When a bump counts as reconciled: ``watch`` (its generation seen through the
+    watch) or ``observed-generation`` (the canary's status.observedGeneration reaches
+    it)."""
     timeout: float = 60.0
     """Canary cycle: bump every ``timeout``, judge the bump one ``timeout`` later."""
     host: str = "0.0.0.0"
@@ -378,8 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind",
         metavar="PLURAL",
         action="append",
-        help="canary kinds, repeatable or comma-separated [env CANARYD_KINDS] "
+        help="canary kinds, repeatable or comma-separated: Flink's plurals, or any "
+        "namespaced custom resource as PLURAL.GROUP/VERSION [env CANARYD_KINDS] "
         f"(default: {','.join(DEFAULT_KINDS)})",
+    )
+    add(
+        "--reconciled-by",
+        metavar="watch|observed-generation",
+        help="a bump is reconciled when its generation is seen through the watch, or when "
+        "the canary's status.observedGeneration reaches it [env CANARYD_RECONCILED_BY] "
+        "(default: watch)",
     )
     add(
         "--timeout",
@@ -530,14 +548,24 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
     kinds = args.kind or ([environ["CANARYD_KINDS"]] if environ.get("CANARYD_KINDS") else None)
     if kinds is not None:
-        parsed = tuple(dict.fromkeys(k.lower() for k in _split_list(kinds)))
-        unknown = sorted(set(parsed) - KNOWN_KINDS)
+        flink = {f"{k}.flink.apache.org/v1beta1": k for k in DEFAULT_KINDS}
+        parsed = tuple(dict.fromkeys(flink.get(k.lower(), k.lower()) for k in _split_list(kinds)))
+        unknown = sorted(k for k in parsed if k not in KNOWN_KINDS and not CUSTOM_KIND.fullmatch(k))
         if unknown or not parsed:
             raise ConfigError(
                 f"invalid kind {', '.join(unknown) or '(empty)'}: expected "
-                f"{' and/or '.join(DEFAULT_KINDS)}"
+                f"{' and/or '.join(DEFAULT_KINDS)}, or any namespaced custom resource as "
+                "PLURAL.GROUP/VERSION (e.g. widgets.example.com/v1)"
             )
         changes["kinds"] = parsed
+
+    reconciled_by = pick(args.reconciled_by, "CANARYD_RECONCILED_BY")
+    if reconciled_by is not None:
+        if reconciled_by.strip().lower() not in RECONCILED_BY:
+            raise ConfigError(
+                f"invalid reconciled-by {reconciled_by!r}: expected {' or '.join(RECONCILED_BY)}"
+            )
+        changes["reconciled_by"] = reconciled_by.strip().lower()
 
     timeout = resolve(args.timeout, "CANARYD_TIMEOUT", KEY_TIMEOUT)
     if timeout is not None:

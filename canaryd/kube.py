@@ -48,12 +48,21 @@ PROXY_VARIABLES = (
 
 @dataclass(frozen=True)
 class Kind:
-    """A namespaced Flink custom resource type that can be a canary."""
+    """A namespaced custom resource type that can be a canary: a Flink one, or any
+    other named ``PLURAL.GROUP/VERSION``."""
 
     plural: str
     kind: str
     group: str = FLINK_GROUP
     version: str = FLINK_VERSION
+
+    @property
+    def key(self) -> str:
+        """How settings, the registry and logs name it: the bare plural for Flink's
+        kinds, ``PLURAL.GROUP/VERSION`` for any other."""
+        if (self.group, self.version) == (FLINK_GROUP, FLINK_VERSION):
+            return self.plural
+        return f"{self.plural}.{self.group}/{self.version}"
 
     def collection_path(self, namespace: str | None) -> str:
         if namespace is None:
@@ -88,6 +97,18 @@ KINDS = {
     "flinksessionjobs": Kind("flinksessionjobs", "FlinkSessionJob"),
 }
 NAMESPACES_PATH = "/api/v1/namespaces"
+_KIND_NAMES: dict[str, str] = {}
+"""The Kind names discovery found for kinds given as PLURAL.GROUP/VERSION."""
+
+
+def kind_of(key: str) -> Kind:
+    """The Kind a registry key names (see ``Kind.key``)."""
+    known = KINDS.get(key)
+    if known is not None:
+        return known
+    resource, _, version = key.partition("/")
+    plural, _, group = resource.partition(".")
+    return Kind(plural, _KIND_NAMES.get(key, plural), group, version)
 
 
 class ErrorKind(enum.Enum):
@@ -521,22 +542,36 @@ async def discover_kinds(
 ) -> list[Kind]:
     """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
     (at debug level when ``quiet``, for the periodic re-discovery)."""
-    try:
-        found = await kube.request("get", "GET", f"/apis/{FLINK_GROUP}/{FLINK_VERSION}")
-        served = {r.get("name") for r in found.get("resources") or [] if isinstance(r, dict)}
-    except KubeError as err:
-        if err.kind is not ErrorKind.GONE:
-            raise
-        served = set()
+    served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
+    for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
+        group, version = group_version
+        try:
+            found = await kube.request("get", "GET", f"/apis/{group}/{version}")
+            served[group_version] = {
+                str(r.get("name")): r for r in found.get("resources") or [] if isinstance(r, dict)
+            }
+        except KubeError as err:
+            if err.kind is not ErrorKind.GONE:
+                raise
+            served[group_version] = {}
     kinds = []
-    for plural in wanted:
-        if plural in served:
-            kinds.append(KINDS[plural])
-        else:
-            (log.debug if quiet else log.warning)(
-                "crd_missing",
-                kind=plural,
-                group=f"{FLINK_GROUP}/{FLINK_VERSION}",
-                detail=f"{plural}.{FLINK_GROUP} is not served; its canaries are not checked",
-            )
+    for key in wanted:
+        kind = kind_of(key)
+        resource = served[(kind.group, kind.version)].get(kind.plural)
+        if resource is not None and resource.get("namespaced") is True:
+            name = resource.get("kind")
+            if key not in KINDS and isinstance(name, str) and name:
+                _KIND_NAMES[key] = name
+                kind = kind_of(key)
+            kinds.append(kind)
+            continue
+        detail = (
+            f"{kind.plural}.{kind.group} is cluster-scoped; only namespaced kinds can be canaries"
+            if resource is not None
+            else f"{kind.plural}.{kind.group} is not served in {kind.group}/{kind.version}; "
+            "its canaries are not checked"
+        )
+        (log.debug if quiet else log.warning)(
+            "crd_missing", kind=key, group=f"{kind.group}/{kind.version}", detail=detail
+        )
     return kinds

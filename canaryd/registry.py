@@ -84,6 +84,9 @@ class Canary:
     the monotonic time by which it is judged whatever the watch does."""
     late_recheck: bool = False
     """An unhealthy verdict found by a late judge waits for one re-check."""
+    status_observed: int | None = None
+    """status.observedGeneration as the watch last delivered it (--reconciled-by
+    observed-generation)."""
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
 
@@ -107,6 +110,13 @@ def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
     if not -INT64_MAX - 1 <= value < INT64_MAX:
         return 0, f"spec.restartNonce {value} does not fit in a 64-bit integer"
     return value, None
+
+
+def status_observed_generation(obj: Mapping[str, Any]) -> int | None:
+    """``status.observedGeneration``, when the object reports one."""
+    status = obj.get("status")
+    value = status.get("observedGeneration") if isinstance(status, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _generation(metadata: Mapping[str, Any]) -> int:
@@ -272,6 +282,7 @@ class Registry:
                 nonce,
                 problem,
             )
+            canary.status_observed = status_observed_generation(obj)
             self._canaries[key] = canary
             self._counts[canary.state] += 1
             log.info("canary_tracked", canary=str(key), generation=canary.generation)
@@ -280,6 +291,7 @@ class Registry:
             return
         existing.resource_version = str(metadata.get("resourceVersion") or "")
         existing.generation = _generation(metadata)
+        existing.status_observed = status_observed_generation(obj)
         existing.nonce, existing.nonce_problem = nonce, problem
         self._changed()
 

@@ -31,7 +31,7 @@ from canaryd import logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
-from canaryd.kube import KINDS, MERGE_PATCH, ErrorKind, KubeClient, KubeError
+from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of
 from canaryd.registry import Canary, CanaryState, Registry, ScopeKey
 
 log = structlog.get_logger("canaryd.scheduler")
@@ -237,11 +237,17 @@ class Scheduler:
         if bumped is None:
             return True  # the last cycle wrote nothing: nothing to judge
         now = self._clock()
-        if canary.generation >= bumped:
+        by_status = self.settings.reconciled_by == "observed-generation"
+        reached = (canary.status_observed or 0) if by_status else canary.generation
+        if reached >= bumped:
             self._judged(canary)
             HEALTHY_VERDICTS.inc()
             self.registry.set_state(
-                canary, CanaryState.HEALTHY, f"generation {bumped} observed in time"
+                canary,
+                CanaryState.HEALTHY,
+                f"status.observedGeneration {reached} reached generation {bumped} in time"
+                if by_status
+                else f"generation {bumped} observed in time",
             )
             return True
         since = self.registry.unsynced_since(canary.key)
@@ -285,7 +291,10 @@ class Scheduler:
                 self._push(now + self.settings.judge_slack, canary)
                 return False
             reason = (
-                f"generation {bumped} not observed within "
+                f"status.observedGeneration did not reach generation {bumped} within "
+                f"{self.settings.timeout:g}s (it is {canary.status_observed})"
+                if by_status
+                else f"generation {bumped} not observed within "
                 f"{self.settings.timeout:g}s (latest observed {canary.generation})"
             )
         self._judged(canary)
@@ -354,7 +363,7 @@ class Scheduler:
             )
             return self._after_failure(due)
         backoff: Backoff | None = None  # made on the first transient failure only
-        path = KINDS[canary.key.kind].object_path(canary.key.namespace, canary.key.name)
+        path = kind_of(canary.key.kind).object_path(canary.key.namespace, canary.key.name)
         conflicts, reread = 0, False
         while True:
             try:

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from canaryd import metrics
 from canaryd.config import Settings
-from canaryd.kube import KINDS
+from canaryd.kube import kind_of
 from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
@@ -42,13 +42,14 @@ def _iso(timestamp: float | None) -> str | None:
 
 def canary_json(canary: Canary) -> dict[str, object]:
     return {
-        "kind": KINDS[canary.key.kind].kind,
+        "kind": kind_of(canary.key.kind).kind,
         "namespace": canary.key.namespace,
         "name": canary.key.name,
         "state": canary.state.value,
         "reason": canary.reason,
         "bumpedGeneration": canary.last_bumped_generation,
         "observedGeneration": canary.generation,
+        "statusObservedGeneration": canary.status_observed,
         "lastBumpAt": _iso(canary.last_bump_at),
         # bumpedGeneration is the last bump written, judged or not; these two say
         # which one the reason is about and which one still waits for its deadline.
@@ -75,7 +76,7 @@ async def health(request: web.Request) -> web.Response:
         lines = [text]
         for canary in registry.canaries():
             lines.append(
-                f"{canary.state.value} {KINDS[canary.key.kind].kind} "
+                f"{canary.state.value} {kind_of(canary.key.kind).kind} "
                 f"{canary.key.namespace}/{canary.key.name}: {canary.reason}"
             )
         text = "\n".join(lines) + "\n"

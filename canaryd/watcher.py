@@ -350,7 +350,7 @@ class Watcher:
                 log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
-            log.info("discovered", kinds=[k.plural for k in kinds])
+            log.info("discovered", kinds=[k.key for k in kinds])
             return kinds
 
     async def _rediscover(self) -> None:
@@ -364,16 +364,16 @@ class Watcher:
                     self._follow_kinds(kinds)
             except KubeError as err:
                 log.warning(
-                    "rediscovery_failed", error=str(err), keeping=[k.plural for k in self.kinds]
+                    "rediscovery_failed", error=str(err), keeping=[k.key for k in self.kinds]
                 )
             except Exception:
                 metrics.ERRORS.labels("discovery").inc()
-                keeping = [k.plural for k in self.kinds]
+                keeping = [k.key for k in self.kinds]
                 log.exception("rediscovery_failed_unexpectedly", keeping=keeping)
 
     def _follow_kinds(self, kinds: list[Kind]) -> None:
-        log.info("kinds_changed", was=[k.plural for k in self.kinds], now=[k.plural for k in kinds])
-        removed = {k.plural for k in self.kinds} - {k.plural for k in kinds}
+        log.info("kinds_changed", was=[k.key for k in self.kinds], now=[k.key for k in kinds])
+        removed = {k.key for k in self.kinds} - {k.key for k in kinds}
         self.registry.forget_where(
             lambda key: key.kind in removed, "gone", "its CRD is no longer served"
         )
@@ -414,7 +414,7 @@ class Watcher:
             _, task = self._watches.pop(scope)
             task.cancel()
             assert scope.kind is not None
-            self.registry.scope_removed((scope.kind.plural, scope.namespace))
+            self.registry.scope_removed((scope.kind.key, scope.namespace))
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
@@ -442,15 +442,13 @@ class Watcher:
             )
         else:
             kind = scope.kind
-            key = (kind.plural, scope.namespace)
+            key = (kind.key, scope.namespace)
             lw = ListWatch(
                 self.kube,
                 self.settings,
                 scope,
                 selector=self.settings.label,
-                on_list=lambda items: self.registry.replace_scope(
-                    kind.plural, scope.namespace, items
-                ),
+                on_list=lambda items: self.registry.replace_scope(kind.key, scope.namespace, items),
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
                 on_down=lambda since: self.registry.scope_down(key, since),
@@ -462,12 +460,12 @@ class Watcher:
 
     def _canary_event(self, kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
         if event != "DELETED":
-            self.registry.observe(kind.plural, obj)
+            self.registry.observe(kind.key, obj)
             return
         metadata = obj.get("metadata")
         if not isinstance(metadata, Mapping):
             return
-        key = CanaryKey(kind.plural, str(metadata.get("namespace")), str(metadata.get("name")))
+        key = CanaryKey(kind.key, str(metadata.get("namespace")), str(metadata.get("name")))
         tracked = self.registry.get(key)
         if tracked is not None and tracked.uid == str(metadata.get("uid") or ""):
             # A label-selector watch also sends DELETED when the label stops matching.
@@ -478,7 +476,7 @@ class Watcher:
 
     def _scope_denied(self, scope: Scope, err: KubeError) -> None:
         assert scope.kind is not None
-        kind = scope.kind.plural
+        kind = scope.kind.key
         cause = "forbidden" if err.kind is ErrorKind.FORBIDDEN else "gone"
         self.registry.forget_where(
             lambda key: key.kind == kind and scope.namespace in (None, key.namespace),

@@ -81,6 +81,8 @@ class SoakReport:
     labels_missing: int = 0
     traced_kib_mid: float = 0.0
     traced_kib_end: float = 0.0
+    traced_top: list[str] = field(default_factory=list)
+    """The largest live allocations at the end, by line (to read when the check fails)."""
     rss_mib_start: float = 0.0
     rss_mib_end: float = 0.0
 
@@ -316,6 +318,7 @@ class Soak:
             self.kube.hooks.remove(self.chaos)
             await asyncio.sleep(3 * cfg.cycle)  # let the last verdicts land
             self.report.traced_kib_end = _traced_kib()
+            self.report.traced_top = _traced_top()
             tracemalloc.stop()
             stop.set()
             await poller
@@ -380,12 +383,20 @@ class Soak:
                     self.report.labels_missing += have.get(k) != v
 
 
-def _traced_kib() -> float:
-    """Live memory allocated by canaryd's own code (not the fake's, not the tests')."""
-    snapshot = tracemalloc.take_snapshot().filter_traces(
+def _canaryd_snapshot() -> tracemalloc.Snapshot:
+    return tracemalloc.take_snapshot().filter_traces(
         [
             tracemalloc.Filter(True, "*/canaryd/*"),
             tracemalloc.Filter(False, "*/canaryd/testing/*"),
         ]
     )
+
+
+def _traced_top(count: int = 8) -> list[str]:
+    return [str(stat) for stat in _canaryd_snapshot().statistics("lineno")[:count]]
+
+
+def _traced_kib() -> float:
+    """Live memory allocated by canaryd's own code (not the fake's, not the tests')."""
+    snapshot = _canaryd_snapshot()
     return sum(stat.size for stat in snapshot.statistics("filename")) / 1024

@@ -317,6 +317,7 @@ async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
             "lastBumpAt",
             "judgedGeneration",
             "pendingGeneration",
+            "statusObservedGeneration",
         }
         assert first["kind"] == "FlinkDeployment" and first["state"] == "healthy"
         assert first["observedGeneration"] >= first["bumpedGeneration"] - 1

@@ -35,4 +35,4 @@ async def test_soak_survives_faults_and_detects_every_stuck_period(kube, kubecon
     assert report.min_bumps >= CYCLES // 2  # every canary kept being bumped
     assert report.labels_expected > 0 and report.labels_missing == 0
     # A leak of one small object per canary-cycle would be ~50 KiB per 10 cycles here.
-    assert report.traced_kib_end - report.traced_kib_mid < 32
+    assert report.traced_kib_end - report.traced_kib_mid < 32, report.traced_top
