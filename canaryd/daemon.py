@@ -133,6 +133,8 @@ class Daemon:
                 )
                 scheduler.may_write = self.elector.holds_lease
                 scheduler.standby(None)  # until this replica holds the lease
+            else:
+                metrics.LEADER.set(1)  # the only replica: it writes
             self.server = HealthServer(settings, self.registry, self._not_ready, self._role)
             try:
                 await self.server.start()

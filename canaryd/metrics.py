@@ -88,7 +88,8 @@ BAD_HTTP_REQUESTS = Counter(
 )
 LEADER = Gauge(
     "canaryd_leader",
-    "1 while this replica holds the Lease (with --leader-elect), else 0.",
+    "1 while this replica writes bumps: always without --leader-elect; with it, while "
+    "it holds the Lease.",
     registry=REGISTRY,
 )
 LEADER_TRANSITIONS = Counter(

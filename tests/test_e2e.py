@@ -523,3 +523,92 @@ async def test_the_demo_plays_on_the_real_control_plane(cluster):
     assert "<- kept" in text and "<- not re-added" in text
     assert "steps 1-3 done: /healthz stayed 200 throughout" in text
     assert "steps 4 and 5 need the fake API server" in text
+
+
+# ------------------------------------------------------------ leader election
+
+
+async def test_leader_election_on_a_real_lease(api, cluster, namespace):
+    """Two replicas as config/rbac's ServiceAccount with config/standalone-ha's Lease
+    Role: one writes; SIGTERM hands over within a retry period, SIGKILL within lease
+    duration + retry period (the shipped timings: 15 s, 10 s, 2 s)."""
+    plane = cluster.needs_plane()
+    import yaml
+
+    for name in ("lease-role.yaml", "lease-rolebinding.yaml"):
+        doc = yaml.safe_load((ROOT / "config" / "standalone-ha" / name).read_text())
+        plane.apply(doc, "canaryd")
+    await create_canary(api, namespace)
+    lease_path = "/apis/coordination.k8s.io/v1/namespaces/canaryd/leases/canaryd"
+    loop = asyncio.get_running_loop()
+    processes: dict[str, tuple[asyncio.subprocess.Process, str]] = {}
+
+    async def start(identity: str) -> None:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            *canaryd_argv(
+                cluster.canaryd,
+                port,
+                CYCLE,
+                "--namespace",
+                namespace,
+                "--leader-elect",
+                "--identity",
+                identity,
+                "--lease-namespace",
+                "canaryd",
+                "--log-level",
+                "warning",
+            ),
+            stderr=sys.stderr,
+        )
+        processes[identity] = (proc, f"http://127.0.0.1:{port}")
+
+    def holder() -> str | None:
+        status, body = plane.request("GET", lease_path)
+        return (body or {}).get("spec", {}).get("holderIdentity") if status == 200 else None
+
+    async def leads(identity: str) -> bool:
+        if holder() != identity:
+            return False
+        status, body = await health(processes[identity][1])
+        return status == 200 and body["role"] == "leader"
+
+    try:
+        await start("replica-a")
+        await eventually(lambda: leads("replica-a"), "replica-a to lead", within=20)
+        await start("replica-b")
+        b_url = processes["replica-b"][1]
+
+        async def b_follows() -> bool:
+            status, body = await health(b_url)
+            return status == 200 and body["role"] == "follower" and body["leader"] == "replica-a"
+
+        await eventually(b_follows, "replica-b to follow replica-a", within=20)
+        await until_healthy(processes["replica-a"][1], namespace)
+        assert await metric(b_url, 'canaryd_bumps_total{result="written"}') == 0
+
+        processes["replica-a"][0].send_signal(signal.SIGTERM)
+        stopped = loop.time()
+        assert await processes["replica-a"][0].wait() == 0
+        await eventually(lambda: leads("replica-b"), "replica-b to take over", within=10)
+        sigterm = loop.time() - stopped
+        await until_healthy(b_url, namespace)
+
+        await start("replica-a")
+        await eventually(lambda: health(processes["replica-a"][1]), "replica-a back", within=20)
+        processes["replica-b"][0].send_signal(signal.SIGKILL)
+        await processes["replica-b"][0].wait()
+        killed = loop.time()
+        await eventually(lambda: leads("replica-a"), "replica-a to take over", within=30)
+        sigkill = loop.time() - killed
+        await until_healthy(processes["replica-a"][1], namespace)
+        print(f"real Lease: SIGTERM hand-over {sigterm:.2f}s, SIGKILL hand-over {sigkill:.2f}s")
+        assert sigterm < 2.0 + 1.0  # a retry period, and the process's own stop
+        assert sigkill <= 15.0 + 2.0 + 1.0
+    finally:
+        for proc, _ in processes.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(15):
+                    await proc.wait()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from canaryd.config import Settings, build_parser
+from canaryd.config import Settings, build_parser, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config"
@@ -272,3 +272,60 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         [str(env_dir / "bin" / "canaryd"), "--version"], capture_output=True, text=True, timeout=60
     )
     assert version.stdout.strip() == "canaryd 0.1.0"
+
+
+# ------------------------------------------------------------------- HA variant
+
+
+def test_the_ha_variant_runs_two_replicas_behind_the_lease_with_exactly_its_rbac():
+    ha = CONFIG / "standalone-ha"
+    patch = docs(ha / "deployment-patch.yaml")[0]
+    assert patch["spec"]["replicas"] == 2
+    assert patch["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    spec = patch["spec"]["template"]["spec"]
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    canaryd = container(patch, "canaryd")
+    env = {e["name"]: e for e in canaryd["env"]}
+    assert env["CANARYD_IDENTITY"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["CANARYD_LEASE_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    # What canaryd makes of those args and that environment in a pod.
+    settings = load_settings(
+        canaryd["args"],
+        {"CANARYD_IDENTITY": "canaryd-7d9f-x2", "CANARYD_LEASE_NAMESPACE": "canaryd"},
+    )
+    assert settings.leader_elect and settings.identity == "canaryd-7d9f-x2"
+    assert settings.lease_namespace == "canaryd" and settings.timeout == 60.0
+
+    pdb = docs(ha / "poddisruptionbudget.yaml")[0]
+    assert pdb["spec"]["minAvailable"] == 1
+    pod_labels = docs(CONFIG / "standalone" / "deployment.yaml")[0]["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    role = docs(ha / "lease-role.yaml")[0]
+    assert role["kind"] == "Role"  # the lease namespace only, never cluster-wide
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    binding = docs(ha / "lease-rolebinding.yaml")[0]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "canaryd", "namespace": "canaryd"}
+    ]
+    kustomization = yaml.safe_load((ha / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == "canaryd" and "../standalone" in kustomization["resources"]
+
+
+def test_the_rbac_example_for_another_kind_grants_what_a_flink_kind_gets():
+    role, binding = docs(CONFIG / "rbac" / "examples" / "another-kind.yaml")
+    flink = docs(CONFIG / "rbac" / "clusterrole.yaml")[0]["rules"][0]
+    assert set(role["rules"][0]["verbs"]) == set(flink["verbs"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
