@@ -186,17 +186,8 @@ class LeaderElector:
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": self._record(0, micro_time()),
             }
-            try:
-                created = await self.kube.request(
-                    "create", "POST", self._collection, body=body, time_limit=time_limit
-                )
-            except KubeError as create_err:
-                # 409 AlreadyExists: another candidate created it first.
-                log.debug("lease_create_failed", lease=str(self), error=str(create_err))
-                return False
-            self._observe(created, started)
-            self._renewed_at = started
-            return True
+            # 409 AlreadyExists: another candidate created it first.
+            return await self._write("create", "POST", self._collection, body, time_limit, started)
         spec = self._observe(current, started)
         holder = spec.get("holderIdentity") or ""
         duration = spec.get("leaseDurationSeconds")
@@ -221,13 +212,23 @@ class LeaderElector:
             "metadata": metadata,  # its resourceVersion is the precondition
             "spec": self._record(transitions, acquired),
         }
+        # 409: another replica wrote first; read again next round, never overwrite.
+        return await self._write("update", "PUT", self._path, update, time_limit, started)
+
+    async def _write(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        body: Mapping[str, Any],
+        time_limit: float,
+        started: float,
+    ) -> bool:
+        """Create or update the Lease; True when it is ours as of ``started``."""
         try:
-            written = await self.kube.request(
-                "update", "PUT", self._path, body=update, time_limit=time_limit
-            )
+            written = await self.kube.request(verb, method, path, body=body, time_limit=time_limit)
         except KubeError as err:
-            # 409: another replica wrote first; read again next round, never overwrite.
-            log.debug("lease_update_failed", lease=str(self), error=str(err))
+            log.debug(f"lease_{verb}_failed", lease=str(self), error=str(err))
             return False
         self._observe(written, started)
         self._renewed_at = started

@@ -220,15 +220,22 @@ async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube
         assert {who for _, who in group.writers(led)} == {user(new.identity)}
 
 
-async def test_a_leader_cut_off_from_the_lease_stops_bumping_before_it_can_expire(kube, tmp_path):
-    """Its lease requests fail (its bumps would still reach the server): it must stop
-    writing at its renew deadline, before the follower may take over (lease duration
-    after it last saw the lease change) — never two writers across the hand-over."""
+@pytest.mark.parametrize("cut_off", ["leases", None], ids=["from-the-lease", "from-everything"])
+async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, tmp_path, cut_off):
+    """The fake drops the leader's requests: its Lease requests only (its bumps still
+    reach the server, the hard case), or all of them. It must stop writing at its renew
+    deadline, before the follower may take over (a lease duration after it last saw
+    the lease change) — never two writers across the hand-over."""
     async with cluster(kube, tmp_path, "a", "b") as group:
         old = await group.leader(within=10)
         follower = next(r for r in group.replicas.values() if r is not old)
         loop = asyncio.get_running_loop()
-        kube.inject(Fault(user=user(old.identity), resource="leases", drop=True, times=-1))
+
+        async def it_bumps() -> bool:
+            return any(who == user(old.identity) for _, who in group.writers())
+
+        await group.until(it_bumps, "the leader's first bumps", within=4 * CYCLE)
+        kube.inject(Fault(user=user(old.identity), resource=cut_off, drop=True, times=-1))
         cut = loop.time()
 
         async def stepped_down() -> bool:
@@ -239,12 +246,12 @@ async def test_a_leader_cut_off_from_the_lease_stops_bumping_before_it_can_expir
         new = await group.leader(within=LEASE_DURATION + RETRY + 10)
         assert new is follower
         taken = loop.time()
-        writes = group.writers(cut - 5)
+        writes = group.writers()
         last_old = max(at for at, who in writes if who == user(old.identity))
         first_new = min(at for at, who in writes if who == user(new.identity))
         print(
-            f"partition: stepped down {down - cut:.2f}s after the cut, last bump "
-            f"{last_old - cut:.2f}s, new leader's first bump {first_new - cut:.2f}s "
+            f"partition ({cut_off or 'all'}): stepped down {down - cut:.2f}s after the cut, "
+            f"last bump {last_old - cut:.2f}s, new leader's first bump {first_new - cut:.2f}s "
             f"(lease taken {taken - cut:.2f}s)"
         )
         assert last_old - cut <= RENEW_DEADLINE + SLACK
