@@ -202,7 +202,9 @@ def promtool() -> str | None:
         debs = list(Path(tmp).glob("prometheus_*.deb"))
         if got.returncode != 0 or not debs:
             return None
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(cached.parents[2])], check=True)
+        target = cached.parents[2]
+        target.mkdir(parents=True, exist_ok=True)  # dpkg-deb -x makes only the last level
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(target)], check=True)
     return str(cached) if cached.exists() else None
 
 
