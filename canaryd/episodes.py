@@ -55,7 +55,9 @@ class Episodes:
         self._example = ""
         self._by_cause: Counter[str] = Counter()
         self._announced: set[str] = set()
-        self._affected: set[Hashable] = set()
+        self._affected = 0
+        """Subjects that started failing in this episode (counted, not kept: an episode
+        one subject keeps open must not hold every other that came and went)."""
         self._started_at: float | None = None
         self._summarised_at = 0.0
 
@@ -79,10 +81,11 @@ class Episodes:
         previous = self._failing.get(subject)
         if previous is not None:
             self._by_cause[previous] -= 1
+        else:
+            self._affected += 1
         self._failing[subject] = cause
         self._example = error
         self._by_cause[cause] += 1
-        self._affected.add(subject)
         if cause not in self._announced:
             self._announced.add(cause)
             self._log.warning(
@@ -104,13 +107,13 @@ class Episodes:
         self._log.info(
             f"{self.name}_ended",
             lasted=round(self._clock() - self._started_at, 3),
-            affected=len(self._affected),
+            affected=self._affected,
             causes=sorted(self._announced),
         )
         self._by_cause.clear()
         self._example = ""
         self._announced.clear()
-        self._affected.clear()
+        self._affected = 0
         self._started_at = None
 
     def _summarise(self, now: float) -> None:

@@ -331,6 +331,8 @@ class Watcher:
             raise
         finally:
             self._group = None
+            for scope in self._watches:
+                self.failures.recovered(scope)  # not watched until a restart starts it
             self._watches.clear()
 
     async def _discover(self) -> list[Kind]:
