@@ -210,7 +210,10 @@ class Daemon:
         """Why /readyz fails: the scopes not listed or not connected; None when ready."""
         if self.watcher is None or not self.watcher.discovered.is_set():
             return ["discovery"]
-        return self.watcher.not_ready() or None
+        waiting = self.watcher.not_ready()
+        if self.elector is not None and self.elector.problem is not None:
+            waiting.append(f"lease {self.elector}: {self.elector.problem}")
+        return waiting or None
 
     def stuck(self) -> str | None:
         """Why the daemon is not making progress, or None when it is (the watchdog)."""

@@ -30,6 +30,7 @@ import structlog
 
 from canaryd import metrics
 from canaryd.config import Settings, lease_namespace
+from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 
 log = structlog.get_logger("canaryd.leader")
@@ -72,6 +73,19 @@ class LeaderElector:
         """When the other holder's lease runs out, as this replica last saw it."""
         self._renewed_at = float("-inf")
         """When the last successful acquire or renew started (our clock)."""
+        self.problem: str | None = None
+        """Why the last round could not read or write the lease (not a lost race): a
+        warning episode, and /readyz names it."""
+        self._round_problem: tuple[str, str] | None = None
+        self.failures = Episodes(
+            "lease_failures",
+            subject="lease",
+            subjects="leases",
+            detail_event="lease_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.leader",
+            clock=clock,
+        )
         metrics.LEADER.set(0)
 
     def __str__(self) -> str:
@@ -108,7 +122,7 @@ class LeaderElector:
 
     async def _acquire(self) -> None:
         while True:  # polling the Lease on the API server: there is no event to await
-            if await self._try(self.settings.request_timeout):
+            if await self._attempt(self.settings.request_timeout):
                 return
             # Look again at the next retry, or the moment the holder's lease runs out
             # (as this replica measures it), whichever comes first.
@@ -125,7 +139,7 @@ class LeaderElector:
                     return
                 try:
                     async with asyncio.timeout(left):
-                        if await self._try(min(left, self.settings.request_timeout)):
+                        if await self._attempt(min(left, self.settings.request_timeout)):
                             break
                 except TimeoutError:
                     return
@@ -170,15 +184,33 @@ class LeaderElector:
             "leaseTransitions": transitions,
         }
 
+    async def _attempt(self, time_limit: float) -> bool:
+        """One round, and what it says about canaryd's access to the lease."""
+        ok = await self._try(time_limit)
+        if self._round_problem is None:
+            self.problem = None
+            self.failures.recovered(str(self))
+        else:
+            cause, error = self._round_problem
+            self.problem = error
+            self.failures.failed(str(self), cause, error)
+        return ok
+
+    def _failed(self, err: KubeError) -> None:
+        """A failure that is not a lost race (a 409 is another replica writing first)."""
+        if err.kind is not ErrorKind.CONFLICT:
+            self._round_problem = (err.kind.value, str(err))
+
     async def _try(self, time_limit: float) -> bool:
         """client-go's tryAcquireOrRenew: True when this replica holds the lease now."""
         started = self._clock()
         self._expires_at = float("inf")  # known again only if the lease is held
+        self._round_problem = None
         try:
             current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
-                log.debug("lease_get_failed", lease=str(self), error=str(err))
+                self._failed(err)
                 return False
             body = {
                 "apiVersion": "coordination.k8s.io/v1",
@@ -229,6 +261,7 @@ class LeaderElector:
             written = await self.kube.request(verb, method, path, body=body, time_limit=time_limit)
         except KubeError as err:
             log.debug(f"lease_{verb}_failed", lease=str(self), error=str(err))
+            self._failed(err)
             return False
         self._observe(written, started)
         self._renewed_at = started

@@ -361,3 +361,30 @@ async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not
         canary = run.canary()
         assert canary is not None and canary.state is CanaryState.PENDING
         assert "standby: other holds the lease" in canary.reason
+
+
+async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, kubeconfig, capsys):
+    """Leader election on without the Lease Role: no replica can lead, so nothing is
+    checked and no follower alert would fire. It must be loud: a warning naming the
+    403, and /readyz 503 naming the lease (CanarydNotReady)."""
+    create_canary(kube)
+    kube.deny(verb="get", resource="leases")
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="me", lease_namespace="default"
+    ) as run:
+        await run.until(
+            lambda: len([r for r in kube.requests if r.resource == "leases"]) >= 2,
+            "two looks at the lease",
+            within=3 * RETRY,
+        )
+        status, text = await run.get("/readyz")
+        assert status == 503 and "lease default/canaryd" in text and "403" in text, text
+        assert not kube.requests_for("patch")
+        kube.rbac_denies.clear()
+        await run.until_state(CanaryState.HEALTHY, within=2 * RETRY + 4 * CYCLE)
+        status, text = await run.get("/readyz")
+        assert status == 200, text
+    err = capsys.readouterr().err
+    started = [line for line in err.splitlines() if "lease_failures_started" in line]
+    assert len(started) == 1 and "Forbidden" in started[0], started
+    assert any("lease_failures_ended" in line for line in err.splitlines())
