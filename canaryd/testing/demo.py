@@ -53,6 +53,14 @@ class Demo:
         """/healthz answers other than 200 where none was expected."""
         self.expecting_failure = False
         self.expected_failures = 0
+        self.failure_seen = asyncio.Event()
+        """Set when /healthz failed while a failure was expected."""
+        self.poll_interval = min(0.5, timeout / 5)
+        """Poll /healthz several times a cycle, so a verdict that lasts a cycle is seen."""
+        self.polls_started = 0
+        self.last_health_poll = 0
+        self.marked = 0
+        """Which poll `last_health` is the answer to (polls are numbered as they start)."""
 
     def say(self, text: str) -> None:
         elapsed = asyncio.get_running_loop().time() - self.started
@@ -95,6 +103,8 @@ class Demo:
     async def show_health(self, http: aiohttp.ClientSession, url: str) -> None:
         """Print /healthz?verbose each time it changes."""
         while True:
+            self.polls_started += 1
+            poll = self.polls_started
             try:
                 async with http.get(url) as response:
                     text = f"{response.status} " + (await response.text()).strip()
@@ -103,6 +113,7 @@ class Demo:
             if not text.startswith("200") and "not answering" not in text:
                 if self.expecting_failure:
                     self.expected_failures += 1
+                    self.failure_seen.set()
                 else:
                     self.failures += 1
             # Print when states change, not when only generation numbers move.
@@ -110,7 +121,12 @@ class Demo:
                 body = "\n".join(f"           {line}" for line in text.splitlines())
                 self.say(f"GET /healthz?verbose ->\n{body}")
             self.last_health = text
-            await asyncio.sleep(0.5)
+            self.last_health_poll = poll
+            await asyncio.sleep(self.poll_interval)
+
+    def mark(self) -> None:
+        """From now on, only answers to polls that start later count as current."""
+        self.marked = self.polls_started
 
     async def until(self, check: Callable[[], Awaitable[bool]], within: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -118,7 +134,7 @@ class Demo:
         while loop.time() < end:
             if await check():
                 return True
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(self.poll_interval)
         return False
 
     async def scenario(self, http: aiohttp.ClientSession) -> None:
@@ -131,12 +147,25 @@ class Demo:
                 return result
 
         async def healthy_everywhere() -> bool:
+            """/healthz says every canary is healthy, in an answer to a poll that started
+            after the last call to `self.mark()` (so no answer from before a change counts)."""
+            if self.last_health_poll <= self.marked:
+                return False
             status, *canaries = self.last_health.splitlines() or [""]
             return status.startswith("200") and all(
                 line.startswith("healthy ") for line in canaries
             )
 
-        await self.until(healthy_everywhere, 4 * cycle)
+        async def answering() -> bool:
+            return self.last_health_poll > 0 and "not answering" not in self.last_health
+
+        # Starting takes a few seconds on a loaded machine; judging then takes two cycles.
+        if not (
+            await self.until(answering, 60) and await self.until(healthy_everywhere, 6 * cycle)
+        ):
+            self.failures += 1
+            self.say("  canaryd did not judge every canary healthy  <- NOT EXPECTED")
+            return
         self.say(
             "step 1: a user adds a label and an annotation to default/canary "
             "(kubectl label/annotate)"
@@ -154,10 +183,12 @@ class Demo:
             nonce = (await get("default")).get("spec", {}).get("restartNonce", 0)
             return isinstance(nonce, int) and nonce >= before + 2
 
-        await self.until(two_more_bumps, 4 * cycle)
+        if not await self.until(two_more_bumps, 4 * cycle):
+            self.failures += 1
+            self.say("  canaryd did not bump default/canary twice in four cycles  <- NOT EXPECTED")
         obj = await get("default")
         self.say(
-            f"  after two more bumps: restartNonce={obj['spec']['restartNonce']}, "
+            f"  after two more bumps: restartNonce={obj.get('spec', {}).get('restartNonce')}, "
             f"labels={obj['metadata']['labels']}, "
             f"annotations={obj['metadata'].get('annotations')}  <- kept"
         )
@@ -172,7 +203,7 @@ class Demo:
         await asyncio.sleep(2 * cycle)
         obj = await get("team-a")
         self.say(
-            f"  two cycles later: restartNonce still {obj['spec'].get('restartNonce')} "
+            f"  two cycles later: restartNonce still {obj.get('spec', {}).get('restartNonce')} "
             f"(was {nonce}), labels={obj['metadata'].get('labels')}  <- not re-added"
         )
 
@@ -199,10 +230,19 @@ class Demo:
             "(bumps are written, but the watch no longer delivers them)"
         )
         self.expecting_failure = True
+        self.failure_seen.clear()
         self.kube.hold_watch_events()
+        # Two cycles at least, and on until /healthz has failed: the verdict on a bump the
+        # watch never delivered comes one cycle after the bump, wherever the cycle stood
+        # when the hold began, and the poller needs to see it once (bounded: six cycles).
         await asyncio.sleep(2 * cycle)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.failure_seen.wait(), 4 * cycle)
         self.kube.release_watch_events()
+        self.mark()
         self.say("  the fake delivers watch events again")
+        # A verdict from the stuck cycle may still be shown until the next one replaces it,
+        # so failures stay expected until /healthz is healthy again.
         recovered = await self.until(healthy_everywhere, 4 * cycle)
         self.expecting_failure = False
         if self.expected_failures:
@@ -226,6 +266,7 @@ class Demo:
         outage = self.kube.inject(Fault(verb="patch", code=503, times=-1))
         await asyncio.sleep(2 * cycle)
         self.kube.faults.remove(outage)
+        self.mark()
         self.say("  the fake accepts writes again")
         if self.failures == before:
             self.say("  /healthz stayed 200 during the write outage: a failed write is no verdict")
@@ -271,6 +312,10 @@ class Demo:
                 await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
                 for task in (watcher, scenario, stopper):
                     task.cancel()
+                if scenario.done() and not scenario.cancelled() and scenario.exception():
+                    self.failures += 1
+                    error = scenario.exception()
+                    self.say(f"  the scenario stopped: {error!r}  <- NOT EXPECTED")
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
                 code = await proc.wait()
