@@ -81,8 +81,9 @@ class SoakReport:
     labels_missing: int = 0
     traced_kib_mid: float = 0.0
     traced_kib_end: float = 0.0
-    traced_top: list[str] = field(default_factory=list)
-    """The largest live allocations at the end, by line (to read when the check fails)."""
+    traced_growth: list[str] = field(default_factory=list)
+    """The lines whose live allocations grew most from mid-run to the end (to read when
+    the memory check fails)."""
     rss_mib_start: float = 0.0
     rss_mib_end: float = 0.0
 
@@ -109,6 +110,7 @@ class SoakReport:
             f" of {self.labels_expected}",
             f"canaryd's live memory traced from mid-run: {self.traced_kib_mid:.0f} KiB five "
             f"cycles in, {self.traced_kib_end:.0f} KiB at the end",
+            *(f"  grew: {line}" for line in self.traced_growth),
             f"process RSS: {self.rss_mib_start:.0f} MiB at start, {self.rss_mib_end:.0f} MiB "
             "at the end (fake API server and test included)",
         ]
@@ -263,11 +265,13 @@ class Soak:
                 """No stuck window now or soon: canaryd's own faults are judged apart."""
                 return held_until is None and not any(cycle <= at <= cycle + 6 for at in stuck_at)
 
+            mid: tracemalloc.Snapshot | None = None
             for cycle in range(cfg.cycles):
                 if cycle == half:
                     tracemalloc.start()
                 elif cycle == half + 5:  # what the first traced cycles allocated is steady state
-                    self.report.traced_kib_mid = _traced_kib()
+                    mid = _canaryd_snapshot()
+                    self.report.traced_kib_mid = _kib(mid)
                 if held_until is None and cycle in stuck_at:
                     length = self.rng.uniform(2.5, 4.0)
                     self.kube.hold_watch_events()
@@ -317,8 +321,13 @@ class Soak:
                 await self.kube.accept_connections()
             self.kube.hooks.remove(self.chaos)
             await asyncio.sleep(3 * cfg.cycle)  # let the last verdicts land
-            self.report.traced_kib_end = _traced_kib()
-            self.report.traced_top = _traced_top()
+            end = _canaryd_snapshot()
+            self.report.traced_kib_end = _kib(end)
+            self.report.traced_growth = [
+                str(stat)
+                for stat in (end.compare_to(mid, "lineno")[:8] if mid else [])
+                if stat.size_diff > 0
+            ]
             tracemalloc.stop()
             stop.set()
             await poller
@@ -392,11 +401,6 @@ def _canaryd_snapshot() -> tracemalloc.Snapshot:
     )
 
 
-def _traced_top(count: int = 8) -> list[str]:
-    return [str(stat) for stat in _canaryd_snapshot().statistics("lineno")[:count]]
-
-
-def _traced_kib() -> float:
+def _kib(snapshot: tracemalloc.Snapshot) -> float:
     """Live memory allocated by canaryd's own code (not the fake's, not the tests')."""
-    snapshot = _canaryd_snapshot()
     return sum(stat.size for stat in snapshot.statistics("filename")) / 1024
