@@ -160,6 +160,7 @@ class LeaderElector:
     # ------------------------------------------------------------ one round
 
     def _observe(self, lease: Mapping[str, Any], at: float) -> Mapping[str, Any]:
+        """Note the record read or written; ``at`` is when its answer arrived."""
         spec = lease.get("spec")
         spec = spec if isinstance(spec, Mapping) else {}
         raw = json.dumps(spec, sort_keys=True)
@@ -220,7 +221,9 @@ class LeaderElector:
             }
             # 409 AlreadyExists: another candidate created it first.
             return await self._write("create", "POST", self._collection, body, time_limit, started)
-        spec = self._observe(current, started)
+        # Seen when the answer came back, not when the read was sent: a renew the holder
+        # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
+        spec = self._observe(current, self._clock())
         holder = spec.get("holderIdentity") or ""
         duration = spec.get("leaseDurationSeconds")
         if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
@@ -263,8 +266,8 @@ class LeaderElector:
             log.debug(f"lease_{verb}_failed", lease=str(self), error=str(err))
             self._failed(err)
             return False
-        self._observe(written, started)
-        self._renewed_at = started
+        self._observe(written, self._clock())
+        self._renewed_at = started  # the deadline runs from the write's start: early, safe
         return True
 
     async def _release(self) -> None:

@@ -388,3 +388,46 @@ async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, ku
     started = [line for line in err.splitlines() if "lease_failures_started" in line]
     assert len(started) == 1 and "Forbidden" in started[0], started
     assert any("lease_failures_ended" in line for line in err.splitlines())
+
+
+async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_back(kube, kubeconfig):
+    """The holder renews while the candidate's read of the Lease is on its way (a slow
+    answer: 4 s). The candidate saw that renew only when the answer came back, so that is
+    where its lease duration starts (client-go: observedTime is set after the Get). Before,
+    it counted from when it sent the read: 2 s early, so it took the lease 13 s after the
+    holder's last renew, while the holder may write until 10 s (its renew deadline) after
+    sending that renew, plus a request's time: two writers."""
+    create_canary(kube)
+    kube.create(LEASES, "default", lease("other"))
+    loop = asyncio.get_running_loop()
+    renewed_at: list[float] = []
+
+    def renew() -> None:
+        stamp = "2026-01-01T00:00:01.000000Z"
+        kube.update(
+            LEASES, "default", "canaryd", lambda old: {**old, **lease("other", renewed=stamp)}
+        )
+        renewed_at.append(loop.time())
+
+    def slow_first_read(req: Any) -> Fault | None:
+        if req.verb == "get" and req.rtype is LEASES and not renewed_at and not slow:
+            slow.append(loop.call_later(2.0, renew))
+            return Fault(code=0, latency=4.0)  # answered, late
+        return None
+
+    slow: list[asyncio.TimerHandle] = []
+    kube.hooks.append(slow_first_read)
+    # A 10 s cycle: requests may take 5 s (half a cycle), so the slow read is answered.
+    async with running_daemon(
+        kube, kubeconfig, timeout=10.0, leader_elect=True, identity="me", lease_namespace="default"
+    ) as run:
+        assert run.daemon.settings.request_timeout > 4.0
+
+        def mine() -> bool:
+            held = kube.get(LEASES.plural, "default", "canaryd")
+            return held is not None and held["spec"].get("holderIdentity") == "me"
+
+        await run.until(mine, "the candidate to take the lease", within=4 + 15 + 2 * RETRY + 2)
+        took = loop.time() - renewed_at[0]
+        print(f"taken {took:.2f}s after the holder's last renew")
+        assert took >= DEFAULTS.lease_duration, took
