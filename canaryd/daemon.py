@@ -27,6 +27,7 @@ from canaryd.config import (
 )
 from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
 from canaryd.leader import LeaderElector
+from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
@@ -113,6 +114,14 @@ class Daemon:
         if problem is not None:
             raise ConfigError(f"kubeconfig {where}: {problem}")
         logs.register_secret(configuration.api_key.get("BearerToken"))
+        open_files = raise_open_files_limit()
+        log.info(
+            "open_files_limit",
+            soft=open_files.soft if open_files.soft is not None else "unlimited",
+            hard=open_files.hard if open_files.hard is not None else "unlimited",
+            raised_from=open_files.raised_from,
+            problem=open_files.problem,
+        )
         kube = KubeClient(
             configuration,
             request_timeout=settings.request_timeout,
@@ -120,7 +129,7 @@ class Daemon:
             reload=reload,
         )
         try:
-            self.watcher = Watcher(settings, self.registry, kube)
+            self.watcher = Watcher(settings, self.registry, kube, open_files)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
             if settings.leader_elect:
                 self.elector = LeaderElector(
@@ -207,7 +216,8 @@ class Daemon:
         return self.watcher is not None and self.watcher.ready
 
     def _not_ready(self) -> list[str] | None:
-        """Why /readyz fails: the scopes not listed or not connected; None when ready."""
+        """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
+        limit too low, the Lease); None when ready."""
         if self.watcher is None or not self.watcher.discovered.is_set():
             return ["discovery"]
         waiting = self.watcher.not_ready()

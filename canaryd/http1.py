@@ -42,6 +42,10 @@ class _Connection:
         self.writer.close()
 
 
+class ConnectTimeout(TimeoutError):
+    """No connection within the connect timeout."""
+
+
 class Http1Client:
     def __init__(
         self,
@@ -50,6 +54,7 @@ class Http1Client:
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
         max_idle: int = 16,
+        connect_timeout: float | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -66,11 +71,24 @@ class Http1Client:
         self._host_header = host_header.encode("ascii")
         self._idle: deque[_Connection] = deque()
         self._max_idle = max_idle
+        self._connect_timeout = connect_timeout
 
     async def _connect(self) -> _Connection:
-        reader, writer = await asyncio.open_connection(
-            self.host, self.port, ssl=self.ssl, server_hostname=self.server_hostname, limit=2**21
-        )
+        """A new connection (TLS included) within the connect timeout: a black-holed
+        address fails here, not at the end of a list's minute."""
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                reader, writer = await asyncio.open_connection(
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.server_hostname,
+                    limit=2**21,
+                )
+        except TimeoutError:
+            raise ConnectTimeout(
+                f"no connection to {self.host}:{self.port} within {self._connect_timeout:g}s"
+            ) from None
         return _Connection(reader, writer)
 
     @staticmethod

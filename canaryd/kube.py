@@ -157,6 +157,30 @@ def classify_status(status: int) -> ErrorKind:
     return ErrorKind.INVALID
 
 
+def too_large_resource_version(status: int, decoded: Mapping[str, Any]) -> bool:
+    """kube-apiserver's "Too large resource version" (a 504 Timeout with the cause
+    ResourceVersionTooLarge): the API server this request reached is behind the
+    resourceVersion canaryd resumes from (another replica served it). Retrying with the
+    same resourceVersion waits for that replica; client-go relists (reflector.go,
+    isTooLargeResourceVersionError, which also accepts the message of older servers)."""
+    if status != 504:
+        return False
+    details = decoded.get("details")
+    causes = details.get("causes") if isinstance(details, Mapping) else None
+    if isinstance(causes, list) and any(
+        isinstance(c, Mapping) and c.get("reason") == "ResourceVersionTooLarge" for c in causes
+    ):
+        return True
+    return "too large resource version" in str(decoded.get("message") or "").lower()
+
+
+def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
+    """classify_status, reading the Status object where the code alone does not tell."""
+    if too_large_resource_version(status, decoded):
+        return ErrorKind.EXPIRED
+    return classify_status(status)
+
+
 def _retry_after(value: str | None) -> float | None:
     if not value:
         return None
@@ -174,11 +198,13 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> Ku
         decoded = json.loads(body)
     except ValueError:
         decoded = None
+    kind = classify_status(status)
     if isinstance(decoded, dict):
         reason = str(decoded.get("reason") or "")
         message = str(decoded.get("message") or message)
+        kind = classify_answer(status, decoded)
     return KubeError(
-        classify_status(status),
+        kind,
         message or "(no message)",
         status=status,
         reason=reason,
@@ -241,6 +267,7 @@ class KubeClient:
                 ssl_context=ssl_context if isinstance(ssl_context, ssl.SSLContext) else None,
                 server_hostname=configuration.tls_server_name or None,
                 max_idle=32,
+                connect_timeout=self._connect_timeout,
             )
         self._base_headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         self._header_blocks: dict[tuple[str | None, str | None], bytes] = {}
@@ -489,6 +516,14 @@ class KubeClient:
                     else:
                         metrics.ERRORS.labels("watch_decode").inc()
                         log.warning("watch_line_not_an_object", path=path)
+        except aiohttp.ConnectionTimeoutError as err:
+            # A subclass of ServerTimeoutError: a black-holed address, not an idle stream.
+            count_request("watch", "error")
+            raise KubeError(
+                ErrorKind.TRANSIENT,
+                f"no connection within {self._connect_timeout:g}s",
+                reason="ConnectTimeout",
+            ) from err
         except aiohttp.ServerTimeoutError as err:
             raise KubeError(
                 ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"

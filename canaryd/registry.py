@@ -8,6 +8,7 @@ as states change, so ``healthy`` is O(1) however many canaries there are.
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
+from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.registry")
 
@@ -131,9 +133,8 @@ class Registry:
         self._counts: Counter[CanaryState] = Counter()
         self.closed_namespaces: set[str] = set()
         """Namespaces being deleted: their canaries are not tracked."""
-        self._unsynced: dict[ScopeKey, float] = {}
-        """Watch scopes not resumed since they dropped (monotonic time of the drop):
-        the registry may be behind the cluster there through no fault of the cluster."""
+        self._scopes: dict[ScopeKey, ScopeSync] = {}
+        """The sync model of every canary watch scope (canaryd.sync)."""
         self.on_resumed: Callable[[ScopeKey], None] = lambda scope: None
         """The scheduler's hook: a scope's watch resumed; judge what waited for it."""
         self.on_added: Callable[[Canary], None] = lambda canary: None
@@ -175,29 +176,50 @@ class Registry:
 
     # ------------------------------------------------------------ watch scopes
 
+    def scope(self, scope: ScopeKey, now: float | None = None) -> ScopeSync:
+        """The sync model of one canary watch scope, made (out of sync since ``now``)
+        when first asked for."""
+        found = self._scopes.get(scope)
+        if found is None:
+            found = self._scopes[scope] = ScopeSync(time.monotonic() if now is None else now)
+        return found
+
+    def add_scope(self, scope: ScopeKey, now: float) -> ScopeSync:
+        """A new watch of this scope starts: out of sync until its first list."""
+        sync = self._scopes[scope] = ScopeSync(now)
+        return sync
+
     def scope_down(self, scope: ScopeKey, since: float) -> None:
         """The scope's stream dropped: until it resumes, what it did not deliver is
         canaryd's own delay, not the cluster's."""
-        self._unsynced.setdefault(scope, since)
+        self.scope(scope, since).dropped(since)
 
-    def scope_resumed(self, scope: ScopeKey) -> None:
-        """The resumed stream's first event or bookmark arrived, or a relist finished."""
-        if self._unsynced.pop(scope, None) is not None:
+    def scope_delivered(self, scope: ScopeKey, now: float) -> None:
+        """A list finished, or an event or a bookmark arrived, on the scope."""
+        if self.scope(scope, now).delivered(now):
             self.on_resumed(scope)
 
     def scope_removed(self, scope: ScopeKey) -> None:
         """The scope is no longer watched: nothing of it waits any more."""
-        self._unsynced.pop(scope, None)
+        self._scopes.pop(scope, None)
+
+    def covering(self, key: CanaryKey) -> ScopeSync | None:
+        """The sync model of the watch that covers this canary (its namespace's, or the
+        cluster-wide one), if any."""
+        found = self._scopes.get((key.kind, key.namespace))
+        return found if found is not None else self._scopes.get((key.kind, None))
 
     def unsynced_since(self, key: CanaryKey) -> float | None:
-        """When the watch that covers this canary dropped, if it has not resumed."""
-        if not self._unsynced:
-            return None
-        since = self._unsynced.get((key.kind, key.namespace))
-        return since if since is not None else self._unsynced.get((key.kind, None))
+        """When the watch that covers this canary fell out of sync, if it is out of sync."""
+        scope = self.covering(key)
+        return scope.unsynced_since if scope is not None else None
 
     def unsynced_scopes(self) -> dict[ScopeKey, float]:
-        return dict(self._unsynced)
+        return {
+            key: scope.unsynced_since
+            for key, scope in self._scopes.items()
+            if scope.unsynced_since is not None
+        }
 
     def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
         if not self.owns(canary):
@@ -338,11 +360,15 @@ class Registry:
         canary.nonce, canary.nonce_problem = read_nonce(obj)
 
     def record_bump(
-        self, canary: Canary, generation: int, deadline: float, wall_time: float
+        self, canary: Canary, generation: int, answered_at: float, deadline: float, wall_time: float
     ) -> None:
-        """Our bump was written and produced ``generation``; judge it at ``deadline``."""
+        """Our bump was answered at ``answered_at`` and produced ``generation``; judge it
+        at ``deadline``. Its scope's stream owes the change (canaryd.sync)."""
         if not self.owns(canary):
             return
+        sync = self.covering(canary.key)
+        if sync is not None:
+            sync.written(answered_at)
         canary.deferred_until = None
         canary.bumped_generation = generation
         canary.last_bumped_generation = generation

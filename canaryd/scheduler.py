@@ -229,10 +229,11 @@ class Scheduler:
     def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
         """Healthy if the watch has seen the bumped generation by the deadline, else
         unhealthy — unless canaryd's own delay may be why it has not: the watch covering
-        the canary is not connected (the verdict waits for it to resume, one more cycle
-        at most), or this judge itself runs ``late`` because canaryd stalled (events may
-        sit unread in its sockets: re-checked once, ``judge_slack`` later). Returns
-        False when it was deferred."""
+        the canary is not in sync (canaryd.sync: not listed yet, dropped, or suspected
+        because it delivered nothing at all since the bump was sent; the verdict waits
+        for it to resume, one more cycle at most), or this judge itself runs ``late``
+        because canaryd stalled (events may sit unread in its sockets: re-checked once,
+        ``judge_slack`` later). Returns False when it was deferred."""
         bumped = canary.bumped_generation
         if bumped is None:
             return True  # the last cycle wrote nothing: nothing to judge
@@ -250,9 +251,26 @@ class Scheduler:
                 else f"generation {bumped} observed in time",
             )
             return True
-        since = self.registry.unsynced_since(canary.key)
         scope = _scope_name((canary.key.kind, canary.key.namespace))
-        if since is not None:
+        sync = self.registry.covering(canary.key)
+        if canary.deferred_until is None and (sync is None or sync.in_sync):
+            if late and not canary.late_recheck:
+                canary.late_recheck = True
+                metrics.VERDICTS.labels("rechecked").inc()
+                log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
+                self._push(now + self.settings.judge_slack, canary)
+                return False
+            grace = self.settings.judge_slack
+            if sync is not None and sync.silent_after_write(now, grace):
+                # Not one event or bookmark on the scope since a bump there was answered,
+                # though every bump is a change it must deliver: canaryd's own connection
+                # is the suspect (half-open). A fresh stream tells; it resumes from the
+                # last resourceVersion, and the verdict waits for it as for any resume.
+                metrics.VERDICTS.labels("suspected").inc()
+                silent = now - (sync.silent_since_write or now)
+                sync.suspect(now, f"nothing delivered {silent:.1f}s after a bump was answered")
+        if sync is not None and sync.unsynced_since is not None:
+            since = sync.unsynced_since
             if canary.deferred_until is None:
                 deadline = canary.bump_deadline if canary.bump_deadline is not None else now
                 canary.deferred_until = deadline + self.settings.timeout
@@ -262,7 +280,7 @@ class Scheduler:
                     "verdict_deferred",
                     canary=str(canary.key),
                     generation=bumped,
-                    why=f"the watch of {scope} is not connected",
+                    why=f"the watch of {scope} is not in sync: {sync.behind_because}",
                 )
             if now < canary.deferred_until:
                 self._push(canary.deferred_until, canary)
@@ -276,20 +294,14 @@ class Scheduler:
                 self.registry.write_failed(
                     canary,
                     f"no verdict on generation {bumped}: the API server has not answered "
-                    f"since the watch of {scope} dropped {now - since:.1f}s ago",
+                    f"since the watch of {scope} fell out of sync {now - since:.1f}s ago",
                 )
                 return True
             reason = (
                 f"generation {bumped} not observed: the watch of {scope} has not resumed "
-                f"{now - since:.1f}s after it dropped (one cycle past the deadline)"
+                f"{now - since:.1f}s after {sync.behind_because} (one cycle past the deadline)"
             )
         else:
-            if late and not canary.late_recheck:
-                canary.late_recheck = True
-                metrics.VERDICTS.labels("rechecked").inc()
-                log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
-                self._push(now + self.settings.judge_slack, canary)
-                return False
             reason = (
                 f"status.observedGeneration did not reach generation {bumped} within "
                 f"{self.settings.timeout:g}s (it is {canary.status_observed})"
@@ -443,18 +455,24 @@ class Scheduler:
     async def _answered_gone(
         self, canary: Canary, path: str, err: KubeError, due: float
     ) -> float | None:
-        """A 404 on a bump may be transient (a CRD being re-registered, API servers
-        briefly disagreeing): re-read to tell. Gone: drop it (the watch's DELETED
-        follows). Still there, same uid: no bump this cycle, retried next."""
+        """A 404 on a bump may be transient (a CRD being re-registered, an API server
+        replica briefly not serving it): re-read to tell. Still there, same uid: no
+        bump this cycle, retried next. Gone too: paused for a cycle, and only the watch
+        drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
+        never confirmation enough, since no DELETED may ever follow a transient one."""
         try:
             fresh = await self.kube.request("get", "GET", path)
         except KubeError as reread_err:
             if not self.registry.owns(canary):
                 return None
             if reread_err.kind is ErrorKind.GONE:
-                metrics.BUMPS.labels("gone").inc()
-                self.registry.forget(canary.key, "gone", f"bump and re-read answered {err}")
-                return None
+                self._write_failed(
+                    canary,
+                    "gone",
+                    f"bump and re-read answered {err}: paused until the watch confirms "
+                    "(bumped again next cycle while the watch still shows it)",
+                )
+                return self._after_failure(due)
             self._write_failed(
                 canary, "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
             )
@@ -502,7 +520,7 @@ class Scheduler:
             return self._after_failure(due)
         WRITTEN.inc()
         deadline = now + self.settings.timeout
-        self.registry.record_bump(canary, generation, deadline, time.time())
+        self.registry.record_bump(canary, generation, now, deadline, time.time())
         self.failures.recovered(canary.key)
         if logs.debug_enabled():
             log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)

@@ -87,9 +87,7 @@ async def ready(request: web.Request) -> web.Response:
     waiting = request.app[NOT_READY]()
     if not waiting:
         return web.Response(text="OK")
-    more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
-    shown = ", ".join(waiting[:20]) + more
-    return web.Response(status=503, text=f"NOT READY: not listed or not connected: {shown}")
+    return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}")
 
 
 async def metrics_page(request: web.Request) -> web.Response:

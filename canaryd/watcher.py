@@ -29,10 +29,12 @@ from canaryd.kube import (
     Kind,
     KubeClient,
     KubeError,
-    classify_status,
+    classify_answer,
     discover_kinds,
 )
+from canaryd.limits import OpenFiles
 from canaryd.registry import CanaryKey, Registry, is_canary
+from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.watcher")
 
@@ -69,6 +71,10 @@ class Scope:
         return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
 
 
+LIST_PAGE = 500
+"""Objects per list page (client-go's pager default)."""
+
+
 class Phase(enum.Enum):
     LIST = "list"  # no usable resourceVersion: list everything, replace the scope's state
     WATCH = "watch"  # stream changes from a known resourceVersion
@@ -99,7 +105,7 @@ class ListWatch:
         on_list: Callable[[list[Mapping[str, Any]]], None],
         on_event: Callable[[str, Mapping[str, Any]], None],
         on_denied: Callable[[KubeError], None],
-        on_down: Callable[[float], None] = lambda since: None,
+        sync: ScopeSync | None = None,
         on_resumed: Callable[[], None] = lambda: None,
         failures: Episodes | None = None,
     ) -> None:
@@ -108,15 +114,18 @@ class ListWatch:
         """Where failures are told: an outage is an episode, not a line per retry."""
         self.params = {"labelSelector": selector} if selector else {}
         self.on_list, self.on_event, self.on_denied = on_list, on_event, on_denied
-        self.on_down, self.on_resumed = on_down, on_resumed
-        self.synced = asyncio.Event()
-        """Set once the first list is done (or answered 403: nothing there is ours)."""
-        self.connected = False
-        """A list finished or a stream is open (the server answered 200)."""
-        self.denied = False
-        """The last answer was 403/404: nothing in this scope is ours for now."""
+        self.on_resumed = on_resumed
+        """Called when the scope is in sync again (a list, or a resumed stream delivers)."""
+        self.sync = sync if sync is not None else ScopeSync(time.monotonic())
+        """Where this scope stands; this loop is its only writer (canaryd.sync)."""
+        self.sync.replace = self._replace
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()
+        self._stream: asyncio.Timeout | None = None
+        """The open stream's cancel scope: rescheduled to now, it replaces the stream."""
+        self._opened_at: float | None = None
+        """Loop time the open stream was answered 200; None before (a connect counts
+        as nothing: a connect timeout is a failure, not an established stream)."""
 
     async def run(self) -> None:
         phase, rv = Phase.LIST, ""
@@ -139,43 +148,73 @@ class ListWatch:
             raise
 
     def _down(self) -> None:
-        if self.connected:
-            self.connected = False
-            self.on_down(time.monotonic())  # the scheduler's clock
+        self.sync.dropped(time.monotonic())  # the scheduler's clock
+
+    def _delivered(self) -> None:
+        if self.sync.delivered(time.monotonic()):
+            self.on_resumed()
+
+    def _replace(self, why: str) -> None:
+        """The judge suspects this stream (half-open): end it now and resume at once."""
+        if self._stream is not None and not self._stream.expired():
+            log.info("watch_replaced", scope=str(self.scope), why=why)
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "suspected").inc()
+            self._stream.reschedule(self._loop.time())
 
     async def _list(self) -> str:
         """List until it succeeds; returns the list's resourceVersion."""
+        while True:
+            try:
+                items, rv = await self._list_pages()
+            except KubeError as err:
+                self._down()
+                await asyncio.sleep(self._failed(err, "list"))
+                continue
+            metrics.RELISTS.labels(self.scope.resource).inc()
+            self.on_list(items)
+            self.failures.recovered(self.scope)
+            if self.sync.listed_at(time.monotonic()):
+                self.on_resumed()
+            self._backoff.reset()
+            return rv
+
+    async def _list_pages(self) -> tuple[list[Mapping[str, Any]], str]:
+        """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
+        grows with the number of canaries past a few hundred objects. A continue token
+        that expired (410: the snapshot was compacted) falls back to one whole list, as
+        client-go's pager does (FullListIfExpired)."""
+        items: list[Mapping[str, Any]] = []
+        params, rv, paged = {**self.params, "limit": str(LIST_PAGE)}, "", True
         while True:
             try:
                 listed = await self.kube.request(
                     "list",
                     "GET",
                     self.scope.path,
-                    params=self.params,
+                    params=params,
                     time_limit=self.settings.list_timeout,
                 )
-                items = listed.get("items")
-                if items is None:
-                    items = []
-                if not isinstance(items, list):
-                    raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
             except KubeError as err:
-                self._down()
-                await asyncio.sleep(self._failed(err, "list"))
+                if err.kind is not ErrorKind.EXPIRED or "continue" not in params or not paged:
+                    raise
+                items, params, rv, paged = [], dict(self.params), "", False
                 continue
-            metrics.RELISTS.labels(self.scope.resource).inc()
-            self.on_list([item for item in items if isinstance(item, Mapping)])
-            self.failures.recovered(self.scope)
-            self.synced.set()
-            self.denied = False
-            self.connected = True
-            self.on_resumed()
-            self._backoff.reset()
-            return _rv(listed)
+            page = listed.get("items")
+            if page is None:
+                page = []
+            if not isinstance(page, list):
+                raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
+            items.extend(item for item in page if isinstance(item, Mapping))
+            rv = rv or _rv(listed)  # every page is of the first page's snapshot
+            metadata = listed.get("metadata")
+            token = metadata.get("continue") if isinstance(metadata, Mapping) else None
+            if not paged or not isinstance(token, str) or not token:
+                return items, rv
+            params = {**self.params, "limit": str(LIST_PAGE), "continue": token}
 
     def _opened(self) -> None:
-        self.connected = True
-        self.denied = False
+        self._opened_at = self._loop.time()
+        self.sync.opened()
         if self.failures.cause(self.scope) != "ended_at_once":
             # Answered 200: what failed (no connection, an error status) works again. A
             # watch that ended at once with no event recovers only when one arrives.
@@ -191,32 +230,44 @@ class ListWatch:
             "timeoutSeconds": str(timeout),
         }
         opened, events = self._loop.time(), 0
+        self._opened_at = None
         try:
-            async for event in self.kube.watch(
-                self.scope.path,
-                params,
-                idle_timeout=self.settings.watch_idle_timeout,
-                on_connected=self._opened,
-            ):
-                kind, obj = event.get("type"), event.get("object")
-                if not isinstance(obj, Mapping):
-                    metrics.ERRORS.labels("watch_decode").inc()
-                    log.warning("watch_event_without_object", scope=str(self.scope), type=str(kind))
-                    continue
-                if kind == "ERROR":
-                    raise self._error_event(obj)
-                rv = _rv(obj) or rv
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    self.on_event(kind, obj)
-                elif kind != "BOOKMARK":
-                    metrics.ERRORS.labels("watch_decode").inc()
-                    log.warning("watch_event_unknown_type", scope=str(self.scope), type=str(kind))
-                events += 1
-                if events == 1:
-                    # The stream delivers: the scope is in sync again from here on.
-                    self._backoff.reset()
-                    self.failures.recovered(self.scope)
-                    self.on_resumed()
+            async with asyncio.timeout(None) as self._stream:
+                async for event in self.kube.watch(
+                    self.scope.path,
+                    params,
+                    idle_timeout=self.settings.watch_idle_timeout,
+                    on_connected=self._opened,
+                ):
+                    kind, obj = event.get("type"), event.get("object")
+                    if not isinstance(obj, Mapping):
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning(
+                            "watch_event_without_object", scope=str(self.scope), type=str(kind)
+                        )
+                        continue
+                    if kind == "ERROR":
+                        raise self._error_event(obj)
+                    rv = _rv(obj) or rv
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        self.on_event(kind, obj)
+                    elif kind != "BOOKMARK":
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning(
+                            "watch_event_unknown_type", scope=str(self.scope), type=str(kind)
+                        )
+                    events += 1
+                    if events == 1:
+                        # The stream delivers: failures in a row are over.
+                        self._backoff.reset()
+                        self.failures.recovered(self.scope)
+                    self._delivered()
+        except TimeoutError:
+            if self._stream is None or not self._stream.expired():
+                raise
+            # Replaced (_replace): the scope is out of sync until the new stream delivers.
+            self._down()
+            return Phase.WATCH, rv
         except KubeError as err:
             self._down()
             if err.kind is ErrorKind.EXPIRED:
@@ -224,7 +275,7 @@ class ListWatch:
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
                 log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
                 return Phase.LIST, ""
-            if self._established(opened, events) and err.kind is ErrorKind.TRANSIENT:
+            if self._established(events) and err.kind is ErrorKind.TRANSIENT:
                 # It worked, then dropped (a reset, an idle stream): resume at once.
                 why = "idle" if err.reason == "Idle" else "dropped"
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
@@ -235,8 +286,10 @@ class ListWatch:
             if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
                 return Phase.LIST, ""
             return Phase.WATCH, rv
+        finally:
+            self._stream = None
         self._down()
-        if not self._established(opened, events):
+        if not self._established(events):
             # client-go: a watch that ends within a second with no event failed (a proxy
             # or load balancer that answers and closes); reopening at once is a busy loop.
             metrics.WATCH_RESTARTS.labels(self.scope.resource, "short").inc()
@@ -253,15 +306,21 @@ class ListWatch:
         log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
         return Phase.WATCH, rv
 
-    def _established(self, opened: float, events: int) -> bool:
-        return events > 0 or self._loop.time() - opened >= self.settings.short_watch
+    def _established(self, events: int) -> bool:
+        """The stream worked: it delivered, or it stayed open ``short_watch`` after the
+        server answered (time spent connecting does not count)."""
+        if events > 0:
+            return True
+        return self._opened_at is not None and (
+            self._loop.time() - self._opened_at >= self.settings.short_watch
+        )
 
     @staticmethod
     def _error_event(status: Mapping[str, Any]) -> KubeError:
         code = status.get("code")
         code = code if isinstance(code, int) else 500
         return KubeError(
-            classify_status(code),
+            classify_answer(code, status),
             str(status.get("message") or "watch error"),
             status=code,
             reason=str(status.get("reason") or ""),
@@ -276,9 +335,8 @@ class ListWatch:
                 f"{during}_{err.kind.value}",
                 f"{err} (retry in {self.settings.forbidden_retry:g}s)",
             )
-            self.denied = True
+            self.sync.refused(f"{during} answered {err.status}")
             self.on_denied(err)
-            self.synced.set()  # answered: nothing in this scope is ours
             return self.settings.forbidden_retry
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
@@ -293,8 +351,17 @@ class ListWatch:
 class Watcher:
     """Owns every list/watch task and keeps them matched to the watched namespaces."""
 
-    def __init__(self, settings: Settings, registry: Registry, kube: KubeClient) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        kube: KubeClient,
+        open_files: OpenFiles | None = None,
+    ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
+        self.open_files = open_files or OpenFiles(None, None)
+        """The open-files limit in force: every watch holds a socket."""
+        self._files_problem: str | None = None
         self.namespaces = settings.namespaces
         self.kinds: list[Kind] = []
         self.discovered = asyncio.Event()
@@ -309,13 +376,17 @@ class Watcher:
         return self.discovered.is_set() and not self.not_ready()
 
     def not_ready(self) -> list[str]:
-        """The scopes whose initial list is not done, or whose watch is not connected
-        (a scope answered 403/404 counts as done: nothing there is ours)."""
-        return sorted(
-            str(scope)
-            for scope, (lw, _) in self._watches.items()
-            if not lw.synced.is_set() or not (lw.connected or lw.denied)
+        """Why the watches are not ready, each a phrase: an open-files limit too low for
+        them, and the scopes whose initial list is not done or whose watch is not
+        connected (a scope answered 403/404 counts as done: nothing there is ours)."""
+        waiting = sorted(
+            str(scope) for scope, (lw, _) in self._watches.items() if not lw.sync.ready
         )
+        problems = [self._files_problem] if self._files_problem is not None else []
+        if waiting:
+            more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
+            problems.append(f"not listed or not connected: {', '.join(waiting[:20])}{more}")
+        return problems
 
     async def run(self) -> None:
         try:
@@ -421,6 +492,17 @@ class Watcher:
         for scope in desired - set(self._watches):
             self._start(scope)
         self._count_namespaces()
+        self._check_open_files()
+
+    def _check_open_files(self) -> None:
+        """Say once (per change) when the open-files limit is too low for the watches."""
+        problem = self.open_files.shortfall(len(self._watches))
+        if problem != self._files_problem:
+            if problem is not None:
+                log.warning("open_files_limit_too_low", problem=problem)
+            else:
+                log.info("open_files_limit_enough", watches=len(self._watches))
+            self._files_problem = problem
 
     def _count_namespaces(self) -> None:
         if self.namespaces is None:
@@ -445,6 +527,7 @@ class Watcher:
         else:
             kind = scope.kind
             key = (kind.key, scope.namespace)
+            sync = self.registry.add_scope(key, time.monotonic())
             lw = ListWatch(
                 self.kube,
                 self.settings,
@@ -453,8 +536,8 @@ class Watcher:
                 on_list=lambda items: self.registry.replace_scope(kind.key, scope.namespace, items),
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
-                on_down=lambda since: self.registry.scope_down(key, since),
-                on_resumed=lambda: self.registry.scope_resumed(key),
+                sync=sync,
+                on_resumed=lambda: self.registry.on_resumed(key),
                 failures=self.failures,
             )
         task = self._group.create_task(lw.run(), name=f"watch {scope}")

@@ -207,3 +207,29 @@ def json_lines(text: str) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError):
                 records.append(json.loads(line))
     return records
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """An address on 127.0.0.1 that never completes a TCP handshake: a listening socket
+    that accepts nothing, with its accept queue full, so further SYNs are dropped (a
+    black-holed API server address, for real)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        server.close()

@@ -14,10 +14,13 @@ Faults of canaryd's own connection, none of which may cost a verdict: every 7 cy
 the watch connections are reset mid-stream; every 50 the history is compacted with
 the reset (the resumed watch meets 410 and relists); every 120 the API server
 refuses connections for 3 cycles and comes back; every 90 it answers watches 200
-and closes them at once for 0.8 of a cycle. In the first half, at seeded points,
-watch delivery is withheld for 2.5 to 4 cycles: each stuck period must be detected
-within 2.5 cycles and healed within 2.5 cycles of its release. canaryd's own live
-memory is traced over the second half.
+and closes them at once for 0.8 of a cycle; every 11 the open watch connections go
+half-open (they stay open and never send another byte, as behind a load balancer
+whose API server replica crashed: canaryd must notice and replace them itself). In
+the first half, at seeded points, watch delivery is withheld for 2.5 to 4 cycles
+(bookmarks still come, as from a stuck watch cache): each stuck period must be
+detected within 2.5 cycles and healed within 2.5 cycles of its release. canaryd's own
+live memory is traced over the second half.
 
 Every daemon setting but the cycle is its shipped default.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
 import resource
 import time
@@ -37,6 +41,7 @@ from typing import Any
 
 import structlog
 
+import canaryd
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, ApiError, FakeKube, Fault, Request
 from tests.harness import Running, create_canary, running_daemon
@@ -61,6 +66,7 @@ class SoakConfig:
     outage_cycles: int = 3
     empty_watch_every: int = 90
     empty_watch_share: float = 0.8
+    half_open_every: int = 11
     stuck_every: int = 25
 
 
@@ -305,6 +311,10 @@ class Soak:
                     self.kube.abort_watches()
                     self.faults["compaction with a reset (410)"] += 1
                     self.note("compaction with a reset")
+                elif cycle and cycle % cfg.half_open_every == 0 and quiet(cycle):
+                    self.kube.silence_watches()
+                    self.faults["watch connections half-open"] += 1
+                    self.note("half-open")
                 elif cycle and cycle % cfg.drop_every == 0:
                     self.kube.abort_watches()
                     self.faults["watch connections reset mid-stream"] += 1
@@ -392,11 +402,16 @@ class Soak:
                     self.report.labels_missing += have.get(k) != v
 
 
+PACKAGE_DIR = Path(canaryd.__file__).resolve().parent
+"""canaryd's own source files. A glob such as ``*/canaryd/*`` would also match every
+file of a clone in a folder named ``canaryd`` (aiohttp in its .venv, these tests)."""
+
+
 def _canaryd_snapshot() -> tracemalloc.Snapshot:
     return tracemalloc.take_snapshot().filter_traces(
         [
-            tracemalloc.Filter(True, "*/canaryd/*"),
-            tracemalloc.Filter(False, "*/canaryd/testing/*"),
+            tracemalloc.Filter(True, f"{PACKAGE_DIR}{os.sep}*"),
+            tracemalloc.Filter(False, f"{PACKAGE_DIR / 'testing'}{os.sep}*"),
         ]
     )
 

@@ -4,6 +4,7 @@ the HTTP interface, request economy, and the process itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -579,3 +580,45 @@ async def test_a_released_watch_backlog_does_not_make_bumps_conflict(kube, kubec
         after = kube.requests[released_at:]
         assert [r.name for r in after if r.verb == "patch" and r.status == 409] == []
         assert [r.name for r in after if r.verb == "get"] == []
+
+
+async def test_a_scope_not_listed_yet_after_a_namespace_switch_defers_the_verdict(
+    kube, kubeconfig, tmp_path
+):
+    """All namespaces -> one, with dynamic namespaces: the canary stays tracked while the
+    replacement scope's first list fails. That scope is not in sync (canaryd.sync), so
+    the bump it could not deliver waits for it instead of turning unhealthy."""
+    create_canary(kube)
+    conf = tmp_path / "flink-conf.yaml"
+    write_dynamic_config(conf, "JOSDK_ALL_NAMESPACES")
+    settings = {**following(conf), "namespaces": None}
+    async with running_daemon(kube, kubeconfig, **settings) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def poll() -> None:
+            while not stop.is_set():
+                statuses.append((await run.get("/healthz"))[0])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.02)
+
+        poller = asyncio.create_task(poll())
+        failing = kube.inject(
+            Fault(verb="list", resource="flinkdeployments", namespace="default", times=-1)
+        )
+        write_dynamic_config(conf, "default")
+        run.daemon.reload()
+        await run.until(
+            lambda: canary.deferred_until is not None, "the verdict to wait for the new scope"
+        )
+        assert run.canary() is canary and canary.state is not CanaryState.UNHEALTHY
+        assert "flinkdeployments@default" in (await run.get("/readyz"))[1]
+        kube.faults.remove(failing)
+        await run.until(
+            lambda: canary.state is CanaryState.HEALTHY and canary.deferred_until is None,
+            "a verdict once the new scope listed",
+        )
+        stop.set()
+        await poller
+        assert set(statuses) == {200}, statuses

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import resource
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -116,12 +118,42 @@ PIDS: dict[str, int] = {}
 
 
 @contextlib.asynccontextmanager
-async def canaryd(kubeconfig: Path, *args: str) -> AsyncIterator[str]:
+async def canaryd(
+    kubeconfig: Path,
+    *args: str,
+    logs: list[dict[str, Any]] | None = None,
+    cycle: float = CYCLE,
+    open_files: int | None = None,
+    ready_within: float = 30,
+) -> AsyncIterator[str]:
+    """canaryd as a process; with ``logs``, its JSON log records are collected there
+    (and echoed); ``open_files`` starts it with that soft RLIMIT_NOFILE."""
     port = free_port()
+    fmt = ("--log-format", "json") if logs is not None else ("--log-format", "console")
+
+    def limit() -> None:
+        if open_files is not None:
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, hard))
+
     process = await asyncio.create_subprocess_exec(
-        *canaryd_argv(kubeconfig, port, CYCLE, "--log-format", "console", *args),
-        stderr=sys.stderr,
+        *canaryd_argv(kubeconfig, port, cycle, *fmt, *args),
+        stderr=asyncio.subprocess.PIPE if logs is not None else sys.stderr,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=limit,
     )
+    reader = None
+    if logs is not None:
+
+        async def read() -> None:
+            assert process.stderr is not None
+            async for raw in process.stderr:
+                line = raw.decode(errors="replace")
+                sys.stderr.write(line)
+                with contextlib.suppress(ValueError):
+                    logs.append(json.loads(line))
+
+        reader = asyncio.create_task(read())
     try:
         url = f"http://127.0.0.1:{port}"
         PIDS[url] = process.pid
@@ -130,12 +162,14 @@ async def canaryd(kubeconfig: Path, *args: str) -> AsyncIterator[str]:
             async with aiohttp.ClientSession() as http, http.get(url + "/readyz") as response:
                 return response.status == 200
 
-        await eventually(listening, "canaryd to be ready", within=30)
+        await eventually(listening, "canaryd to be ready", within=ready_within)
         yield url
     finally:
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
             assert await process.wait() == 0
+        if reader is not None:
+            await reader
 
 
 def crd(api: client.ApiClient) -> client.CustomObjectsApi:
@@ -612,3 +646,187 @@ async def test_leader_election_on_a_real_lease(api, cluster, namespace):
                 proc.send_signal(signal.SIGTERM)
                 async with asyncio.timeout(15):
                     await proc.wait()
+
+
+# ----------------------------------------------- the network misbehaving, for real
+
+
+@pytest.fixture
+def proxy(cluster: Cluster) -> Iterator[Any]:
+    """A fault proxy between canaryd and the real kube-apiserver."""
+    plane = cluster.needs_plane()
+    from tests.controlplane.faultproxy import fault_proxy
+
+    with fault_proxy(plane.url) as running:
+        yield running
+
+
+@pytest.fixture
+def proxied(cluster: Cluster, proxy: Any, tmp_path: Path) -> Path:
+    """canaryd's kubeconfig (config/rbac's ServiceAccount) through the fault proxy."""
+    return proxy.kubeconfig(cluster.canaryd, tmp_path / "proxied.kubeconfig")
+
+
+def events(logs: list[dict[str, Any]], name: str, **fields: Any) -> list[dict[str, Any]]:
+    return [
+        r for r in logs if r.get("event") == name and all(r.get(k) == v for k, v in fields.items())
+    ]
+
+
+async def test_a_black_holed_api_server_times_out_backs_off_and_is_one_episode(
+    api, proxy, proxied, namespace
+):
+    """Packets to the API server vanish (new connects time out, open connections go
+    silent): connect timeouts, a growing backoff, one failure episode in the log, the
+    canary unknown, never unhealthy; back to healthy once the route returns."""
+    await create_canary(api, namespace)
+    logs: list[dict[str, Any]] = []
+    async with canaryd(proxied, "--namespace", namespace, "--log-level", "debug", logs=logs) as url:
+        await until_healthy(url, namespace)
+        health_log = HealthLog(url)
+        idle = await metric(
+            url, 'canaryd_watch_restarts_total{resource="flinkdeployments",why="idle"}'
+        )
+        proxy.blackhole()
+
+        async def unknown() -> bool:
+            return states((await health(url))[1], namespace).get("canary") == "unknown"
+
+        await eventually(unknown, "the canary to be unknown", within=6 * CYCLE)
+        scope = f"flinkdeployments@{namespace}"
+        await eventually(
+            lambda: _async(len(events(logs, "watch_failed", scope=scope)) >= 3),
+            "three failed watch attempts",
+            within=10 * CYCLE,
+        )
+        proxy.heal()
+        await until_healthy(url, namespace)
+        assert await health_log.stop() == {200}
+        assert (
+            await metric(
+                url, 'canaryd_watch_restarts_total{resource="flinkdeployments",why="idle"}'
+            )
+            == idle
+        )
+    failed = events(logs, "watch_failed", scope=scope)
+    assert any("no connection within" in str(r.get("error")) for r in failed), failed[:3]
+    delays = [float(str(r["error"]).rsplit("retry in ", 1)[1].rstrip("s)")) for r in failed]
+    assert max(delays) > min(delays), delays  # it backs off, not at once forever
+    assert max(delays) <= CYCLE / 4 + 1e-6, delays  # and never past a quarter cycle
+    started = [r for r in events(logs, "watch_failures_started") if r.get("scope") == scope]
+    assert len(started) == 1, started  # one episode, not a line per retry
+    assert events(logs, "canary_unhealthy") == []
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+async def test_a_half_open_watch_is_replaced_and_never_fails_health(api, proxy, proxied, namespace):
+    """Established connections go silent with no FIN or RST (a crashed replica behind a
+    load balancer) while new connections work: canaryd replaces its watch at the first
+    deadline instead of calling the operator unhealthy."""
+    await create_canary(api, namespace)
+    async with canaryd(proxied, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
+        health_log = HealthLog(url)
+        suspected = 'canaryd_watch_restarts_total{resource="flinkdeployments",why="suspected"}'
+        before = await metric(url, suspected)
+        proxy.freeze()
+
+        async def replaced() -> bool:
+            return await metric(url, suspected) > before
+
+        await eventually(replaced, "the silent watch to be replaced", within=6 * CYCLE)
+        judged = await metric(url, 'canaryd_verdicts_total{verdict="healthy"}')
+
+        async def judged_again() -> bool:
+            return await metric(url, 'canaryd_verdicts_total{verdict="healthy"}') > judged
+
+        await eventually(judged_again, "a healthy verdict after the replacement")
+        await until_healthy(url, namespace)
+        assert await health_log.stop() == {200}
+        assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
+        proxy.heal()
+
+
+async def test_connections_reset_mid_stream_cost_no_verdict(api, proxy, proxied, namespace):
+    await create_canary(api, namespace)
+    async with canaryd(proxied, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
+        health_log = HealthLog(url)
+        for _ in range(5):
+            proxy.reset()
+            await asyncio.sleep(CYCLE)  # the fault's pace: one reset a cycle
+        await until_healthy(url, namespace)
+        assert await health_log.stop() == {200}
+        assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
+        assert (
+            await metric(
+                url, 'canaryd_watch_restarts_total{resource="flinkdeployments",why="dropped"}'
+            )
+            >= 1
+        )
+
+
+@pytest.mark.timeout(240)
+async def test_a_brownout_of_5s_on_every_answer_for_30s_restarts_nothing(
+    api, proxy, proxied, namespace
+):
+    """Every answer 5 s late for 30 s (an overloaded API server): with the shipped
+    request timeout (10 s, at most half the cycle) at a 12 s cycle, bumps are slow but
+    written, their events arrive late but in time: zero unhealthy, the same process."""
+    cycle = 12.0
+    await create_canary(api, namespace)
+    async with canaryd(proxied, "--namespace", namespace, cycle=cycle) as url:
+        pid = PIDS[url]
+        await eventually(lambda: _healthy(url, namespace), "healthy", within=4 * cycle)
+        health_log = HealthLog(url)
+        written = await metric(url, 'canaryd_bumps_total{result="written"}')
+        proxy.latency(5.0)
+        await asyncio.sleep(30)  # the brownout's length
+        proxy.latency(0)
+        await eventually(lambda: _healthy(url, namespace), "healthy after", within=3 * cycle)
+        assert await health_log.stop() == {200}
+        assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
+        assert await metric(url, 'canaryd_bumps_total{result="written"}') >= written + 2
+        assert PIDS[url] == pid and os.kill(pid, 0) is None  # never restarted
+
+
+async def _healthy(url: str, namespace: str) -> bool:
+    status, body = await health(url)
+    return status == 200 and states(body, namespace).get("canary") == "healthy"
+
+
+@pytest.mark.timeout(400)
+async def test_600_watched_namespaces_at_a_soft_limit_of_1024_open_files(api, cluster):
+    """A systemd service's default soft limit: canaryd raises it to the hard limit, and
+    all 1,200 watches (two kinds) of 600 namespaces get their connections."""
+    cluster.needs_plane()
+    core = client.CoreV1Api(api)
+    names = [f"fd-{os.getpid()}-{n:03}" for n in range(600)]
+    for batch in range(0, len(names), 50):
+        await asyncio.gather(
+            *(core.create_namespace({"metadata": {"name": n}}) for n in names[batch : batch + 50])
+        )
+    try:
+        await create_canary(api, names[-1])
+        logs: list[dict[str, Any]] = []
+        async with canaryd(
+            cluster.canaryd,
+            "--namespace",
+            ",".join(names),
+            logs=logs,
+            open_files=1024,
+            ready_within=180,
+        ) as url:
+            await until_healthy(url, names[-1])
+            (limit,) = events(logs, "open_files_limit")
+            assert limit["raised_from"] == 1024 and limit["soft"] > 2 * 600 + 256, limit
+            assert events(logs, "open_files_limit_too_low") == []
+    finally:
+        for batch in range(0, len(names), 50):
+            await asyncio.gather(
+                *(core.delete_namespace(n) for n in names[batch : batch + 50]),
+                return_exceptions=True,
+            )

@@ -161,6 +161,7 @@ class Run:
         uid = obj["metadata"]["uid"]
         self.cluster.delivered.setdefault(uid, []).append((self.now, obj["metadata"]["generation"]))
         self.watcher._canary_event(self.watcher_kind, event, obj)
+        self.registry.scope_delivered(SCOPE, self.now)
 
     @property
     def watcher_kind(self) -> Any:
@@ -294,7 +295,7 @@ async def play(steps: list[tuple[Any, ...]]) -> list[str]:
                 case ("watch_down",):
                     run.registry.scope_down(SCOPE, run.now)
                 case ("watch_resumed",):
-                    run.registry.scope_resumed(SCOPE)
+                    run.registry.scope_delivered(SCOPE, run.now)
             for _ in range(5):
                 await asyncio.sleep(0)  # let the workers take their answers
             run.check_tracked()

@@ -13,7 +13,7 @@ import pytest
 from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
-from tests.harness import CYCLE, LABEL, Running, create_canary, running_daemon
+from tests.harness import CYCLE, LABEL, Running, counter, create_canary, running_daemon
 
 MERGE = "application/merge-patch+json"
 
@@ -89,14 +89,17 @@ async def test_bump_reconciled_in_time_is_healthy(kube, kubeconfig):
 
 
 async def test_bump_written_but_not_reconciled_in_time_is_unhealthy(kube, kubeconfig):
-    """A stuck delivery path: unhealthy within two cycles, healthy again after."""
+    """A stuck delivery path on the server (bookmarks still come): unhealthy within two
+    cycles, healthy again after. canaryd's own connection is not suspected: it delivers."""
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
         await run.until_state(CanaryState.HEALTHY)
+        replaced = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
         kube.hold_watch_events()
         held_at = asyncio.get_running_loop().time()
         canary = await run.until_state(CanaryState.UNHEALTHY, within=2 * 0.3 + 1.0)
         assert "not observed within 0.3s" in canary.reason
+        assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") == replaced
         detected_in = asyncio.get_running_loop().time() - held_at
         assert detected_in <= 2 * 0.3 + 0.2, detected_in
         assert await run.get("/healthz") == (500, "ERROR")
@@ -105,6 +108,56 @@ async def test_bump_written_but_not_reconciled_in_time_is_unhealthy(kube, kubeco
         await run.until_state(CanaryState.HEALTHY, within=2 * 0.3 + 1.0)
         assert asyncio.get_running_loop().time() - released_at <= 2 * 0.3 + 0.2
         assert await run.get("/healthz") == (200, "OK")
+
+
+async def test_a_half_open_watch_is_replaced_and_costs_no_verdict(kube, kubeconfig):
+    """The watch connection goes silent without FIN or RST while bumps still succeed on
+    other connections: canaryd suspects its own connection at the deadline, replaces the
+    watch, and the replacement delivers the bump. Never unhealthy, never a 500."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        health = HealthWatch(run)
+        replaced = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
+        watches = len(kube.requests_for("watch", "flinkdeployments"))
+        kube.silence_watches()
+        await run.until(
+            lambda: counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") > replaced,
+            "the silent watch to be replaced",
+            within=3 * CYCLE + 1.0,
+        )
+        assert len(kube.requests_for("watch", "flinkdeployments")) > watches
+        judged = canary.judged_generation or 0
+        await run.until(
+            lambda: (
+                canary.state is CanaryState.HEALTHY and (canary.judged_generation or 0) > judged
+            ),
+            "a healthy verdict on a bump delivered by the replacement",
+            within=3 * CYCLE + 1.0,
+        )
+        assert set(await health.stop()) == {200}
+        assert canary.state is not CanaryState.UNHEALTHY
+
+
+async def test_a_fresh_watch_that_delivers_nothing_either_gives_the_verdict(kube, kubeconfig):
+    """Nothing at all arrives, not even bookmarks, on the old stream or the new one: the
+    replacement did not help, so the verdict stands (within two cycles of the bump)."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        replaced = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
+        kube.hold_watch_events()
+        kube.silence_watches()
+        # Every watch opened from now on is silenced as soon as it starts.
+        kube.listeners.append(kube.silence_watches)
+        try:
+            canary = await run.until_state(CanaryState.UNHEALTHY, within=3 * CYCLE + 1.0)
+        finally:
+            kube.listeners.remove(kube.silence_watches)
+        assert "canaryd replaced it" in canary.reason, canary.reason
+        assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") == replaced + 1
+        assert await run.get("/healthz") == (500, "ERROR")
+        kube.release_watch_events()
 
 
 async def test_409_conflict_rereads_and_retries_on_the_fresh_copy(kube, kubeconfig):
@@ -244,20 +297,40 @@ async def test_transient_failure_that_persists_is_unknown_not_unhealthy(kube, ku
         assert set(await health.stop()) == {200}
 
 
-async def test_404_on_a_bump_rereads_and_a_canary_that_is_gone_is_dropped(kube, kubeconfig):
+async def test_404_on_a_bump_and_its_reread_pauses_it_and_only_the_watch_drops_it(kube, kubeconfig):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
-        await run.until_bumps(1)
+        canary = await run.until_state(CanaryState.HEALTHY)
         # Gone behind the watch's back: the next bump is the first to hear of it.
         kube.hold_watch_events()
         kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
-        await run.until_gone()
+        await run.until(lambda: "paused until the watch confirms" in canary.reason, "a pause")
+        assert run.canary() is canary and canary.state is CanaryState.UNKNOWN
         last_patch = kube.requests_for("patch")[-1]
         assert last_patch.status == 404
         reread = kube.requests_for("get", name="canary")
         assert reread and reread[-1].at > last_patch.at and reread[-1].status == 404
         assert await run.get("/healthz") == (200, "OK")
-        kube.release_watch_events()
+        kube.release_watch_events()  # the DELETED arrives: now it is dropped
+        await run.until_gone()
+
+
+async def test_a_404_twice_on_a_canary_still_there_keeps_it_checked(kube, kubeconfig):
+    """One API server replica briefly not serving the CRD answers both the bump and its
+    re-read 404 (one keep-alive connection); no DELETED follows, because nothing was
+    deleted. Dropping on it stopped the checks until a restart."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        health = HealthWatch(run)
+        kube.inject(Fault(verb="patch", name="canary", code=404))
+        kube.inject(Fault(verb="get", name="canary", code=404))
+        await run.until(lambda: "paused until the watch confirms" in canary.reason, "a pause")
+        bumps = len(run.bumps())
+        await run.until_bumps(bumps + 2)
+        assert run.canary() is canary
+        await run.until_state(CanaryState.HEALTHY)
+        assert set(await health.stop()) == {200}
 
 
 async def test_404_on_a_bump_of_a_canary_still_there_is_unknown_and_retried_next_cycle(

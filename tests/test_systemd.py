@@ -171,3 +171,7 @@ def test_unit_file_has_what_the_daemon_relies_on():
     assert directives["DynamicUser"] == ["yes"] and directives["NoNewPrivileges"] == ["yes"]
     assert directives["ProtectSystem"] == ["strict"]
     assert "ExecReload" in directives  # SIGHUP re-reads the operator config
+    # ~500 watched namespaces exhaust a soft limit of 1024 (a socket per kind and
+    # namespace); setrlimit is in @resources, so a filtered call must fail, not kill.
+    assert int(directives["LimitNOFILE"][0].split(":")[0]) >= 65536
+    assert directives["SystemCallErrorNumber"] == ["EPERM"]

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import resource
+import signal
+from collections.abc import Callable
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from canaryd import metrics
+from canaryd.kube import KubeError
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FakeKube, Fault
-from tests.harness import CYCLE, counter, create_canary, running_daemon
+from canaryd.testing.process import canaryd_argv, free_port
+from tests.harness import (
+    CYCLE,
+    TEST_SETTINGS,
+    black_hole,
+    counter,
+    create_canary,
+    json_lines,
+    running_daemon,
+)
 
 NAMESPACES = 250
 
@@ -147,3 +163,214 @@ async def test_backoff_never_exceeds_a_quarter_of_the_cycle(kube, kubeconfig):
         assert max(gaps) <= CYCLE / 4 + 0.1, f"gaps {gaps}"
         kube.faults.remove(refused)
         await run.until_bumps(len(run.bumps()) + 2)
+
+
+async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
+    """aiohttp's ConnectionTimeoutError subclasses ServerTimeoutError: a black-holed
+    address was told as "no event for 180 s", and since the connect time counted as an
+    established stream, every reconnect retried at once, forever, with no episode."""
+    from kubernetes_asyncio import client as k8s_client
+
+    from canaryd.kube import KINDS, KubeClient
+    from canaryd.watcher import ListWatch, Scope
+
+    settings = TEST_SETTINGS
+    with black_hole() as url:
+        configuration = k8s_client.Configuration()
+        configuration.host = url
+        kube = KubeClient(
+            configuration,
+            request_timeout=settings.request_timeout,
+            connect_timeout=settings.connect_timeout,
+        )
+        try:
+            with pytest.raises(KubeError) as raised:
+                async for _ in kube.watch("/apis/x", {}, idle_timeout=180.0):
+                    pass
+            assert raised.value.reason == "ConnectTimeout", raised.value
+            with pytest.raises(KubeError) as raised:
+                await kube.request("list", "GET", "/apis/x", time_limit=settings.list_timeout)
+            assert "ConnectTimeout" in str(raised.value), raised.value
+            scope = Scope(KINDS["flinkdeployments"], "default")
+            lw = ListWatch(
+                kube,
+                settings,
+                scope,
+                selector=None,
+                on_list=lambda items: None,
+                on_event=lambda kind, obj: None,
+                on_denied=lambda err: None,
+            )
+            idle = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle")
+            errors = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for _ in range(3):
+                await lw._watch("5")
+            # Three connect timeouts, each followed by a backoff sleep: not at once.
+            assert loop.time() - started >= 3 * settings.connect_timeout
+            assert lw.failures.cause(scope) == "watch_error"
+            assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle") == idle
+            assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error") == errors + 3
+            assert not lw.sync.in_sync and not lw.sync.connected
+        finally:
+            await kube.close()
+
+
+def _nofile(soft: int, hard: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return apply
+
+
+async def _start_canaryd(
+    kubeconfig: Path, namespaces: list[str], soft: int, hard: int
+) -> tuple[asyncio.subprocess.Process, int]:
+    port = free_port()
+    argv = canaryd_argv(kubeconfig, port, 2.0, "--namespace", ",".join(namespaces))
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=_nofile(soft, hard),
+    )
+    return proc, port
+
+
+async def _read_until(proc: asyncio.subprocess.Process, text: str, lines: list[str]) -> None:
+    assert proc.stderr is not None
+    async with asyncio.timeout(60):
+        while True:
+            line = (await proc.stderr.readline()).decode()
+            assert line, f"canaryd ended before logging {text!r}: {''.join(lines)[-2000:]}"
+            lines.append(line)
+            if text in line:
+                return
+
+
+async def _until_readyz(
+    port: int, wanted: Callable[[int, str], bool], attempts: int = 100
+) -> tuple[int, str]:
+    """/readyz until it answers as wanted: a bounded poll (the last answer otherwise)."""
+    status, body = 0, ""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(attempts):
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                    status, body = response.status, await response.text()
+            except aiohttp.ClientConnectionError:
+                status, body = 0, "no answer"
+            if wanted(status, body):
+                break
+            await asyncio.sleep(0.1)  # a poll's pace; the answer decides, not the time
+    return status, body
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hard", [None, 1024], ids=["hard-unchanged", "hard-1024"])
+async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfig, hard):
+    """A systemd service's (and many runtimes') soft limit is 1024: canaryd raises it to
+    the hard limit at start, so 600 namespaces x 2 kinds all get their watches; where
+    the hard limit is 1024 too, /readyz and the log say so instead of going blind."""
+    own_soft, own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if own_hard != resource.RLIM_INFINITY and own_hard < 4096:
+        pytest.skip(f"this test's own server needs ~1300 sockets; hard limit {own_hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(own_soft, 4096), own_hard))
+    hard = own_hard if hard is None else hard
+    namespaces = [f"team-{n:03}" for n in range(600)]
+    for namespace in namespaces:
+        kube.create_namespace(namespace)
+    create_canary(kube, "canary", namespaces[-1])
+    proc, port = await _start_canaryd(kubeconfig, namespaces, 1024, hard)
+    seen: list[str] = []
+    try:
+        if hard > 1024:
+            await kube.wait_for(
+                lambda: open_watches(kube) >= 2 * 600 + 1, within=120, what="1,201 watches"
+            )
+            status, body = await _until_readyz(port, lambda status, body: status == 200)
+            assert status == 200, body
+        else:
+            await _read_until(proc, "open_files_limit_too_low", seen)
+            status, body = await _until_readyz(port, lambda status, body: status == 503)
+            assert status == 503 and "open files limit 1024 is below" in body, (status, body)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            _, rest = await proc.communicate()
+    rest = "".join(seen).encode() + rest
+    records = json_lines(rest.decode())
+    (limit,) = [r for r in records if r.get("event") == "open_files_limit"]
+    if hard > 1024:
+        assert limit["soft"] == hard and limit["raised_from"] == 1024, limit
+    else:
+        assert limit["soft"] == 1024, limit
+        assert any(r.get("event") == "open_files_limit_too_low" for r in records)
+
+
+async def test_a_504_too_large_resource_version_relists_at_once(kube, kubeconfig):
+    """One API server replica behind the resourceVersion canaryd resumes from answers
+    504 "Too large resource version": client-go relists; retrying the same
+    resourceVersion only waits for that replica."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        lists = len(kube.requests_for("list", "flinkdeployments"))
+        kube.inject(
+            Fault(
+                verb="watch",
+                resource="flinkdeployments",
+                code=504,
+                message="Too large resource version: 100000, current: 12",
+            )
+        )
+        kube.abort_watches()
+        await run.until(
+            lambda: len(kube.requests_for("list", "flinkdeployments")) > lists,
+            "a relist after the 504",
+        )
+        watches = kube.requests_for("watch", "flinkdeployments")
+        refused = next(i for i, r in enumerate(watches) if r.status == 504)
+        relist = kube.requests_for("list", "flinkdeployments")[-1]
+        # No second watch from the resourceVersion that was too large: a relist first.
+        assert all(w.at > relist.at for w in watches[refused + 1 :])
+        await run.until_state(CanaryState.HEALTHY)
+
+
+@pytest.mark.timeout(120)
+async def test_lists_come_in_pages_of_500_and_an_expired_continue_lists_whole(kube, kubeconfig):
+    """client-go's pager: no answer grows with the canary count past 500 objects; a
+    continue token whose snapshot was compacted (410) falls back to one whole list."""
+    names = [f"c-{n:04}" for n in range(1_100)]
+    for name in names:
+        create_canary(kube, name)
+    compacted: list[int] = []
+
+    def compact_between_pages(req):  # the second page of the second list finds it gone
+        pages = kube.requests_for("list", "flinkdeployments")  # logged on arrival
+        if req.verb == "list" and len(pages) == 5 and not compacted:
+            compacted.append(1)
+            return Fault(code=0, action=kube.compact)
+        return None
+
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until(lambda: len(run.registry) == len(names), "every canary tracked", 60)
+        first = kube.requests_for("list", "flinkdeployments")
+        assert len(first) == 3  # 500 + 500 + 100
+        assert [r.query.get("limit") for r in first] == ["500"] * 3
+        assert "continue" not in first[0].query and first[1].query.get("continue")
+        kube.hooks.append(compact_between_pages)
+        # The resumed watch meets 410: a relist, paged again, and compacted between pages.
+        kube.inject(Fault(verb="watch", resource="flinkdeployments", code=410))
+        kube.abort_watches()
+        await run.until(lambda: any(r.status == 410 for r in kube.requests_for("list")), "410")
+        await run.until(
+            lambda: (
+                kube.requests_for("list", "flinkdeployments")[-1].status == 200
+                and "limit" not in kube.requests_for("list", "flinkdeployments")[-1].query
+            ),
+            "a whole list after the expired continue",
+        )
+        kube.hooks.remove(compact_between_pages)
+        assert len(run.registry) == len(names)

@@ -42,7 +42,8 @@ from canaryd.testing.selectors import SelectorError, parse_field_selector, parse
 NOT_MODELLED = (
     "OpenAPI schema validation, defaulting and pruning of custom resources",
     "server-side apply and managedFields",
-    "list pagination (limit/continue) and resourceVersionMatch",
+    "resourceVersionMatch; list pagination is modelled as kube-apiserver's chunking "
+    "(limit/continue from one snapshot, 410 once compacted), not its token format",
     "the watch cache's sendInitialEvents / initial-events-end bookmark",
     "admission webhooks, quota, owner references and garbage collection",
     "client certificates and any authentication other than one bearer token",
@@ -285,6 +286,8 @@ class _Watcher:
     namespace: str | None
     transport: asyncio.BaseTransport | None = None
     queue: asyncio.Queue[Change | bytes | None] = field(default_factory=asyncio.Queue)
+    silent: bool = False
+    """Half-open: the stream stays open and sends nothing more (silence_watches)."""
 
 
 def _now() -> str:
@@ -347,8 +350,12 @@ class FakeKube:
         self.keep_requests: int | None = None
         """Bound the request log to about this many entries (the oldest half goes)."""
         self.watchers: set[_Watcher] = set()
-        self._delivery = asyncio.Event()
-        self._delivery.set()
+        self._held: list[Change] | None = None
+        """Changes not yet dispatched to watches while delivery is held."""
+        self._dispatched_rv = 0
+        """The resourceVersion up to which changes went to the watches."""
+        self._continues: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+        """Paginated lists in progress: continue token -> (snapshot rv, items left)."""
         self._watch_generation = 0
         self._background: set[asyncio.Task[None]] = set()
         self.url = ""
@@ -509,11 +516,24 @@ class FakeKube:
         self.objects.pop(plural, None)
 
     def hold_watch_events(self) -> None:
-        """Stop delivering watch events and bookmarks (a stuck delivery path)."""
-        self._delivery.clear()
+        """A stuck delivery path, as when kube-apiserver's watch cache is no longer fed by
+        etcd: changes reach no watch, open or new, until released; bookmarks keep coming
+        at the last dispatched resourceVersion, as the cacher's dispatch loop sends them
+        (staging/src/k8s.io/apiserver/pkg/storage/cacher/cacher.go, dispatchEvents)."""
+        if self._held is None:
+            self._held = []
 
     def release_watch_events(self) -> None:
-        self._delivery.set()
+        held, self._held = self._held or [], None
+        for change in held:
+            self._send_to_watches(change)
+
+    def silence_watches(self) -> None:
+        """Half-open connections: every open watch stream stays open and never sends
+        another byte (a crashed replica behind a load balancer, a lost conntrack entry);
+        watches opened after this work."""
+        for watcher in self.watchers:
+            watcher.silent = True
 
     def close_watches(self) -> None:
         """End every open watch stream, as an API server restart does."""
@@ -532,9 +552,11 @@ class FakeKube:
                 watcher.transport.close()
 
     def compact(self) -> None:
-        """Forget the history: a watch from an older resourceVersion gets 410 Expired."""
+        """Forget the history: a watch from an older resourceVersion gets 410 Expired, and
+        so does a list continued from an older snapshot."""
         self.compacted_rv = self.rv
         self.history.clear()
+        self._continues.clear()
 
     def requests_for(
         self, verb: str | None = None, resource: str | None = None, name: str | None = None
@@ -870,12 +892,19 @@ class FakeKube:
         self.history.append(change)
         while len(self.history) > self.history_limit:
             self.compacted_rv = self.history.popleft().rv
-        for watcher in self.watchers:
-            if watcher.rtype is rtype:
-                watcher.queue.put_nowait(change)
+        if self._held is not None:
+            self._held.append(change)
+        else:
+            self._send_to_watches(change)
         if event == "DELETED" and rtype.namespaced:
             self._maybe_finish_namespace(rtype, new)
         self._notify()
+
+    def _send_to_watches(self, change: Change) -> None:
+        self._dispatched_rv = change.rv
+        for watcher in self.watchers:
+            if watcher.rtype is change.rtype:
+                watcher.queue.put_nowait(change)
 
     # -------------------------------------------------------------------- HTTP
 
@@ -1237,15 +1266,41 @@ class FakeKube:
         rtype = req.rtype
         assert rtype is not None
         (matches,) = self._selectors(query)
-        items = [
-            copy.deepcopy(obj)
-            for (ns, _), obj in sorted(self.objects[rtype.plural].items())
-            if (req.namespace is None or ns == req.namespace) and matches(obj)
-        ]
+        try:
+            limit = int(query.get("limit") or 0)
+        except ValueError as err:
+            raise ApiError(400, "BadRequest", f"invalid limit: {query.get('limit')}") from err
+        token = query.get("continue")
+        if token:
+            # A continued list reads the first page's snapshot (etcd's revision); once
+            # compacted it is 410 Expired (storage/etcd3/store.go, GetList).
+            found = self._continues.pop(token, None)
+            if found is None:
+                raise ApiError(
+                    410,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent "
+                    "list result. You can start a new list without the continue parameter.",
+                )
+            rv, items = found
+        else:
+            rv = self.rv
+            items = [
+                copy.deepcopy(obj)
+                for (ns, _), obj in sorted(self.objects[rtype.plural].items())
+                if (req.namespace is None or ns == req.namespace) and matches(obj)
+            ]
+        metadata: dict[str, Any] = {"resourceVersion": str(rv)}
+        if limit > 0 and len(items) > limit:
+            items, rest = items[:limit], items[limit:]
+            token = f"{rv}-{len(self._continues)}-{id(rest):x}"
+            self._continues[token] = (rv, rest)
+            metadata["continue"] = token
+            metadata["remainingItemCount"] = len(rest)
         return {
             "apiVersion": rtype.api_version,
             "kind": f"{rtype.kind}List",
-            "metadata": {"resourceVersion": str(self.rv)},
+            "metadata": metadata,
             "items": items,
         }
 
@@ -1268,8 +1323,11 @@ class FakeKube:
         def in_scope(obj: dict[str, Any]) -> bool:
             return req.namespace is None or obj["metadata"].get("namespace") == req.namespace
 
+        watcher: _Watcher | None = None
+
         async def send(event: str, obj: dict[str, Any]) -> None:
-            await self._delivery.wait()
+            if watcher is not None and watcher.silent:
+                return
             line = json.dumps({"type": event, "object": obj}, separators=(",", ":"))
             await response.write(line.encode() + b"\n")
 
@@ -1303,7 +1361,9 @@ class FakeKube:
                 if in_scope(o) and matches(o)
             ]
         else:
-            backlog = [c for c in self.history if c.rtype is rtype and c.rv > since]
+            backlog = [
+                c for c in self.history if c.rtype is rtype and since < c.rv <= self._dispatched_rv
+            ]
         self.watchers.add(watcher)  # no await since the snapshot: nothing is missed
         self._notify()
         loop = asyncio.get_running_loop()
@@ -1334,7 +1394,9 @@ class FakeKube:
                             bookmark = {
                                 "kind": rtype.kind,
                                 "apiVersion": rtype.api_version,
-                                "metadata": {"resourceVersion": str(self.rv)},
+                                "metadata": {
+                                    "resourceVersion": str(max(since or 0, self._dispatched_rv))
+                                },
                             }
                             await send("BOOKMARK", bookmark)
                             next_bookmark = loop.time() + self.bookmark_interval
@@ -1342,9 +1404,11 @@ class FakeKube:
                 if item is None:
                     break
                 if isinstance(item, bytes):
-                    await self._delivery.wait()
-                    await response.write(item)
+                    if not watcher.silent:
+                        await response.write(item)
                     continue
+                if since is not None and item.rv <= since:
+                    continue  # released after a hold: this watch started past it
                 await self._send_change(send, item, in_scope, matches)
             await response.write_eof()
         except ConnectionResetError:

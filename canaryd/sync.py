@@ -1,0 +1,106 @@
+"""Where each watch scope stands: the one model that ``/readyz`` and the judge read.
+
+A scope is *in sync* when the registry holds everything the API server has sent for
+it, so that a bump not yet seen there was not delivered by the cluster. It is not in
+sync from the moment its watch starts until its first list is done, from a drop until
+the resumed stream's first event or bookmark (or the relist after a 410), and from
+the moment canaryd suspects its own connection (half-open: a bump answered 2xx while
+the stream delivered nothing at all) until the replacement delivers. While a scope is
+not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
+
+Only its ``ListWatch`` changes a scope's model (and the judge, through ``suspect``);
+the watcher, the registry and the server read it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class ScopeSync:
+    unsynced_since: float | None
+    """Monotonic time since which the registry may be behind this scope; None: in sync.
+    A new scope is not in sync from its start until its first list."""
+    behind_because: str = "its first list is not done"
+    """Why it is out of sync, for a verdict's reason."""
+    listed: bool = False
+    """The first list is done (or answered 403/404)."""
+    connected: bool = False
+    """A list finished or a stream is open: the server answered 200."""
+    denied: str | None = None
+    """Why nothing in this scope is ours for now (a 403 or 404 on its list or watch)."""
+    last_delivery: float = -math.inf
+    """Monotonic time of the last list, event or bookmark of this scope."""
+    silent_since_write: float | None = None
+    """When the first bump answered 2xx since the last delivery was answered: the
+    stream owes an event since then. None: it delivered after every answered bump."""
+    replace: Callable[[str], None] = field(default=lambda why: None)
+    """Set by the scope's ListWatch: drop the current stream and resume from the last
+    resourceVersion."""
+
+    @property
+    def ready(self) -> bool:
+        """/readyz: listed and connected, or answered with a denial (nothing is ours)."""
+        return self.denied is not None or (self.listed and self.connected)
+
+    @property
+    def in_sync(self) -> bool:
+        return self.unsynced_since is None
+
+    # -------------------------------------------------------------- transitions
+
+    def listed_at(self, now: float) -> bool:
+        """A full list is in the registry. True when that ends a time out of sync."""
+        self.listed = self.connected = True
+        self.denied = None
+        self.last_delivery = now
+        return self._resync()
+
+    def opened(self) -> None:
+        """A watch was answered 200."""
+        self.connected = True
+        self.denied = None
+
+    def delivered(self, now: float) -> bool:
+        """An event or a bookmark arrived. True when that ends a time out of sync."""
+        self.last_delivery = now
+        self.silent_since_write = None
+        return self._resync()
+
+    def written(self, now: float) -> None:
+        """A bump of a canary in this scope was answered 2xx: a change its stream must
+        deliver."""
+        if self.silent_since_write is None:
+            self.silent_since_write = now
+
+    def silent_after_write(self, now: float, grace: float) -> bool:
+        """Half-open, as far as canaryd can tell: not one event or bookmark since a bump
+        was answered ``grace`` or more ago. A live stream delivers that bump's event
+        (a stuck server still sends bookmarks); a dead connection sends nothing."""
+        since = self.silent_since_write
+        return since is not None and now - since >= grace
+
+    def dropped(self, now: float, why: str = "it dropped") -> None:
+        """The stream or the list failed: from now on the registry may be behind."""
+        self.connected = False
+        if self.unsynced_since is None:
+            self.unsynced_since, self.behind_because = now, why
+
+    def refused(self, why: str) -> None:
+        """403 or 404: nothing in this scope is ours, so no verdict waits for it."""
+        self.listed, self.connected, self.denied = True, False, why
+        self.unsynced_since = None
+
+    def suspect(self, now: float, why: str) -> None:
+        """canaryd suspects its own connection: out of sync until a new stream delivers."""
+        self.dropped(now, f"canaryd replaced it ({why})")
+        self.silent_since_write = None  # the new stream owes what the old one did
+        self.replace(why)
+
+    def _resync(self) -> bool:
+        was_behind = self.unsynced_since is not None
+        self.unsynced_since = None
+        return was_behind

@@ -1,0 +1,3 @@
+module canaryd.test/faultproxy
+
+go 1.22

@@ -1,0 +1,303 @@
+// faultproxy: a TCP proxy on 127.0.0.1 between canaryd and the real kube-apiserver of
+// `make e2e`, with the network faults the e2e tests switch on and off over a small
+// HTTP control API. Test infrastructure only, standard library only.
+//
+// It exists beside Toxiproxy because Toxiproxy cannot make two of the faults canaryd
+// must survive: its toxics apply to every link of a proxy, new links included, so it
+// cannot leave established connections half-open while new ones work; and its
+// listener always completes the TCP handshake, so it cannot black-hole an address
+// (a connect that times out).
+//
+//	POST /freeze      half-open: established connections stop forwarding in both
+//	                  directions, with no FIN or RST; new connections work
+//	POST /blackhole   the address stops answering: new connects time out (SYNs are
+//	                  dropped: a listener with a full accept queue) and established
+//	                  connections freeze
+//	POST /latency?ms=N  N ms added to everything the server sends (a brownout)
+//	POST /reset       every established connection is reset (RST)
+//	POST /heal        no fault any more; frozen connections are closed, as a client
+//	                  finally gives a half-open connection up
+//	GET  /links       how many connections are open
+//
+// Usage: faultproxy -upstream HOST:PORT; it prints "proxy ADDR control ADDR".
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+type link struct {
+	client, server net.Conn
+	frozen         atomic.Bool
+	once           sync.Once
+}
+
+func (l *link) close(reset bool) {
+	l.once.Do(func() {
+		if reset {
+			if tc, ok := l.client.(*net.TCPConn); ok {
+				_ = tc.SetLinger(0) // close sends RST
+			}
+		}
+		_ = l.client.Close()
+		_ = l.server.Close()
+	})
+}
+
+type proxy struct {
+	upstream string
+	addr     *net.TCPAddr
+	latency  atomic.Int64 // nanoseconds, server to client
+
+	mu        sync.Mutex
+	links     map[*link]struct{}
+	listener  net.Listener
+	blackhole *blackhole
+}
+
+// blackhole is a listening socket with a backlog of 0 whose accept queue is full and
+// never drained: the kernel drops further SYNs, so a connect times out.
+type blackhole struct {
+	fd      int
+	fillers []net.Conn
+}
+
+func openBlackhole(addr *net.TCPAddr) (*blackhole, error) {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		return nil, err
+	}
+	_ = syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1)
+	sa := &syscall.SockaddrInet4{Port: addr.Port}
+	copy(sa.Addr[:], addr.IP.To4())
+	if err := syscall.Bind(fd, sa); err != nil {
+		syscall.Close(fd)
+		return nil, err
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		syscall.Close(fd)
+		return nil, err
+	}
+	b := &blackhole{fd: fd}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i := 0; i < 3; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if c, err := net.DialTimeout("tcp", addr.String(), 300*time.Millisecond); err == nil {
+				mu.Lock()
+				b.fillers = append(b.fillers, c)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return b, nil
+}
+
+func (b *blackhole) close() {
+	for _, c := range b.fillers {
+		_ = c.Close()
+	}
+	_ = syscall.Close(b.fd)
+}
+
+func (p *proxy) serve(l net.Listener) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return // closed: black-holed, or shutting down
+		}
+		go p.handle(c)
+	}
+}
+
+func (p *proxy) handle(client net.Conn) {
+	server, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
+	if err != nil {
+		_ = client.Close()
+		return
+	}
+	l := &link{client: client, server: server}
+	p.mu.Lock()
+	if p.blackhole != nil {
+		l.frozen.Store(true) // accepted just before the black hole
+	}
+	p.links[l] = struct{}{}
+	p.mu.Unlock()
+	done := make(chan struct{}, 2)
+	go func() { p.pipe(l, server, client, false); done <- struct{}{} }()
+	go func() { p.pipe(l, client, server, true); done <- struct{}{} }()
+	<-done
+	<-done
+	l.close(false)
+	p.mu.Lock()
+	delete(p.links, l)
+	p.mu.Unlock()
+}
+
+type chunk struct {
+	data []byte
+	at   time.Time
+}
+
+// pipe copies src to dst in order. Each chunk is stamped when read, and written
+// `latency` after that (downstream only); while the link is frozen nothing is
+// written and nothing is closed.
+func (p *proxy) pipe(l *link, dst, src net.Conn, downstream bool) {
+	chunks := make(chan chunk, 256)
+	go func() {
+		defer close(chunks)
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := src.Read(buf)
+			if n > 0 {
+				chunks <- chunk{buf[:n], time.Now()}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	for c := range chunks {
+		if downstream {
+			if d := time.Duration(p.latency.Load()); d > 0 {
+				time.Sleep(time.Until(c.at.Add(d)))
+			}
+		}
+		for l.frozen.Load() {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if _, err := dst.Write(c.data); err != nil {
+			break
+		}
+	}
+	for l.frozen.Load() {
+		time.Sleep(10 * time.Millisecond) // a frozen link tells nothing, not even EOF
+	}
+	if tc, ok := dst.(*net.TCPConn); ok {
+		_ = tc.CloseWrite()
+	} else {
+		_ = dst.Close()
+	}
+	_, _ = io.Copy(io.Discard, src)
+}
+
+func (p *proxy) freezeAll() int {
+	n := 0
+	for l := range p.links {
+		l.frozen.Store(true)
+		n++
+	}
+	return n
+}
+
+func (p *proxy) control() http.Handler {
+	mux := http.NewServeMux()
+	reply := func(w http.ResponseWriter, format string, args ...any) {
+		fmt.Fprintf(w, format+"\n", args...)
+	}
+	mux.HandleFunc("POST /freeze", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		reply(w, "froze %d", p.freezeAll())
+	})
+	mux.HandleFunc("POST /blackhole", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.blackhole == nil {
+			_ = p.listener.Close()
+			b, err := openBlackhole(p.addr)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			p.blackhole = b
+		}
+		reply(w, "black hole; froze %d", p.freezeAll())
+	})
+	mux.HandleFunc("POST /latency", func(w http.ResponseWriter, r *http.Request) {
+		ms, err := strconv.Atoi(r.URL.Query().Get("ms"))
+		if err != nil || ms < 0 {
+			http.Error(w, "ms: a number of milliseconds", http.StatusBadRequest)
+			return
+		}
+		p.latency.Store(int64(time.Duration(ms) * time.Millisecond))
+		reply(w, "latency %d ms", ms)
+	})
+	mux.HandleFunc("POST /reset", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		n := 0
+		for l := range p.links {
+			l.close(true)
+			n++
+		}
+		reply(w, "reset %d", n)
+	})
+	mux.HandleFunc("POST /heal", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.latency.Store(0)
+		closed := 0
+		for l := range p.links {
+			if l.frozen.Load() {
+				l.close(false)
+				closed++
+			}
+		}
+		if p.blackhole != nil {
+			p.blackhole.close()
+			p.blackhole = nil
+			l, err := net.ListenTCP("tcp", p.addr)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			p.listener = l
+			go p.serve(l)
+		}
+		reply(w, "healed; closed %d frozen", closed)
+	})
+	mux.HandleFunc("GET /links", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		reply(w, "%d", len(p.links))
+	})
+	return mux
+}
+
+func main() {
+	upstream := flag.String("upstream", "", "HOST:PORT of the server behind the proxy")
+	listen := flag.String("listen", "127.0.0.1:0", "the proxy's address")
+	controlAddr := flag.String("control", "127.0.0.1:0", "the control API's address")
+	flag.Parse()
+	if *upstream == "" {
+		fmt.Fprintln(os.Stderr, "faultproxy: -upstream HOST:PORT is required")
+		os.Exit(2)
+	}
+	l, err := net.Listen("tcp", *listen)
+	if err != nil {
+		log.Fatal(err)
+	}
+	p := &proxy{upstream: *upstream, addr: l.Addr().(*net.TCPAddr), links: map[*link]struct{}{}, listener: l}
+	c, err := net.Listen("tcp", *controlAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("proxy %s control %s\n", l.Addr(), c.Addr())
+	go p.serve(l)
+	log.Fatal(http.Serve(c, p.control()))
+}
