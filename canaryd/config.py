@@ -104,7 +104,9 @@ class Settings:
     max_conflict_retries: int = 3
     """How many times a bump is retried on a fresh copy after 409 Conflict."""
     max_concurrent_bumps: int = 16
-    """Bumps in flight at once."""
+    """Bumps in flight at once, at least: the scheduler adds workers (up to
+    ``MAX_BUMP_WORKERS``) when the canary count and the observed write latency need
+    more (Little's law: bumps per second times seconds per bump, twice over)."""
     leader_elect: bool = False
     """Run replicated: only the holder of the Lease bumps (client-go's leader election)."""
     lease_name: str = "canaryd"

@@ -106,7 +106,9 @@ class Daemon:
         if not in_cluster:
             check_kubeconfig_file(where)
         try:
-            configuration, reload = await load_configuration(settings.kubeconfig, settings.context)
+            configuration, reload, loader = await load_configuration(
+                settings.kubeconfig, settings.context
+            )
         except Exception as err:  # any loader failure is a configuration problem
             detail = logs.scrub(str(err)) or type(err).__name__
             raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
@@ -128,6 +130,7 @@ class Daemon:
             connect_timeout=settings.connect_timeout,
             reload=reload,
         )
+        kube.note_credentials(loader)
         try:
             self.watcher = Watcher(settings, self.registry, kube, open_files)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
@@ -144,7 +147,9 @@ class Daemon:
                 scheduler.standby(None)  # until this replica holds the lease
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes
-            self.server = HealthServer(settings, self.registry, self._not_ready, self._role)
+            self.server = HealthServer(
+                settings, self.registry, self._not_ready, self._role, self.stuck
+            )
             try:
                 await self.server.start()
             except OSError as err:
@@ -169,6 +174,7 @@ class Daemon:
                         group.create_task(self.server.run(), name="health-server"),
                     ]
                     group.create_task(self._supervise("config", self._follow_operator_config))
+                    group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
                     if self.elector is not None:
                         group.create_task(self._supervise("leader", self.elector.run))
                     group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
@@ -208,7 +214,9 @@ class Daemon:
         return ("leader" if self.elector.leading else "follower"), self.elector.leader
 
     def _new_leader(self, leader: str | None) -> None:
-        """A follower's canaries say who leads."""
+        """A follower's canaries say who leads (this replica itself: it is about to)."""
+        if self.elector is not None and leader == self.elector.identity:
+            return
         if self.scheduler is not None and not self.scheduler.active:
             self.scheduler.standby(leader)
 

@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -254,10 +255,18 @@ class KubeClient:
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
         self._last_authorization: str | None = None
+        self._reload_lock = asyncio.Lock()
+        self._credentials_version = 0
+        """Bumped by every reload: a 401 on credentials older than the current ones is
+        answered by the reload that already happened (one reload per expiry)."""
+        self.credentials_expiry: float | None = None
+        """time.time() at which the loaded credentials expire (an exec plugin's
+        expirationTimestamp), when known."""
+        self._cert_stamp = self._cert_files_stamp()
         self.last_answer = -math.inf
         """time.monotonic() of the last HTTP answer of any status, a watch's included:
         whether the API server was reachable at all since some moment."""
-        ssl_context = self._ssl_context()
+        ssl_context = self._tls = self._ssl_context()
         # The lean client for request/response calls, unless a proxy is in play (then
         # aiohttp, which speaks to proxies).
         self._http1: Http1Client | None = None
@@ -404,6 +413,7 @@ class KubeClient:
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         for attempt in (1, 2):
+            version = self._credentials_version
             headers = await self._headers()
             if data is not None:
                 headers["Content-Type"] = content_type
@@ -428,7 +438,7 @@ class KubeClient:
                 raise error_from_exception(err, "ClientError") from err
             self.last_answer = time.monotonic()
             count_request(verb, status)
-            if status == 401 and attempt == 1 and await self._reload_credentials():
+            if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 continue
             if status >= 300:
                 raise error_from_response(status, payload, retry_after)
@@ -449,17 +459,84 @@ class KubeClient:
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reload_credentials(self) -> bool:
-        """On 401 re-read the kubeconfig once (an exec plugin's token may have expired)."""
+    async def _reload_credentials(self, version: int | None = None) -> bool:
+        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
+        rotated). ``version``: the credentials a refused request was sent with; when a
+        reload has happened since, that one answers it (100 requests refused at once
+        make one reload, not 100 runs of an exec plugin)."""
         if self._reload is None:
             return False
+        async with self._reload_lock:
+            if version is not None and version != self._credentials_version:
+                return True
+            try:
+                loaded = await self._reload(self._config)
+            except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
+                metrics.ERRORS.labels("credentials").inc()
+                log.warning("credentials_reload_failed", error=type(err).__name__)
+                return False
+            self._credentials_version += 1
+            self.note_credentials(loaded)
+            self._reload_client_certificate()
+            return True
+
+    def note_credentials(self, loader: Any) -> None:
+        """What the kubeconfig loader tells of the credentials' lifetime."""
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        self.credentials_expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
+
+    def _cert_files_stamp(self) -> tuple[object, ...] | None:
+        cert, key = self._config.cert_file, self._config.key_file
+        if not cert:
+            return None
         try:
-            await self._reload(self._config)
-        except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
+            return tuple(
+                (os.stat(p).st_mtime_ns, os.stat(p).st_size) if p else None for p in (cert, key)
+            )
+        except OSError:
+            return None
+
+    def _reload_client_certificate(self) -> None:
+        """A client certificate rotated on disk (or re-issued by an exec plugin) goes into
+        the TLS context every connection shares: new connections present it."""
+        stamp, cert = self._cert_files_stamp(), self._config.cert_file
+        if stamp == self._cert_stamp or not cert or not isinstance(self._tls, ssl.SSLContext):
+            return
+        self._cert_stamp = stamp
+        try:
+            self._tls.load_cert_chain(cert, keyfile=self._config.key_file)
+        except (OSError, ssl.SSLError) as err:
             metrics.ERRORS.labels("credentials").inc()
-            log.warning("credentials_reload_failed", error=type(err).__name__)
-            return False
-        return True
+            log.warning("client_certificate_reload_failed", error=type(err).__name__)
+            return
+        log.info("client_certificate_reloaded")
+
+    def next_refresh_in(self, now: float) -> float | None:
+        """Seconds until the credentials should be renewed: at 80 % of an exec token's
+        remaining lifetime (at least 1 s), every minute for client certificate files
+        (a rotation on disk), None when nothing expires."""
+        if self._reload is None:
+            return None
+        if self.credentials_expiry is not None:
+            return max(1.0, 0.8 * (self.credentials_expiry - now))
+        if self._config.cert_file:
+            return 60.0
+        return None
+
+    async def keep_credentials_fresh(self) -> None:
+        """Long-lived: renew credentials before they expire, not only after a 401."""
+        try:
+            while True:
+                delay = self.next_refresh_in(time.time())
+                if delay is None:
+                    await asyncio.Event().wait()  # nothing expires: until cancelled
+                    continue
+                await asyncio.sleep(delay)
+                if self._cert_files_stamp() != self._cert_stamp or self.credentials_expiry:
+                    await self._reload_credentials()
+        except asyncio.CancelledError:
+            log.info("credential_refresher_stopped", why="cancelled")
+            raise
 
     async def watch(
         self,
@@ -477,6 +554,7 @@ class KubeClient:
         anything else that goes wrong.
         """
         query = {**params, "watch": "true"}
+        version = self._credentials_version
         headers = await self._headers()
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -495,7 +573,7 @@ class KubeClient:
                 self.last_answer = time.monotonic()
                 count_request("watch", response.status)
                 if response.status == 401:
-                    await self._reload_credentials()  # the retry then uses fresh ones
+                    await self._reload_credentials(version)  # the retry uses fresh ones
                 if response.status >= 300:
                     raise error_from_response(
                         response.status, await response.read(), response.headers.get("Retry-After")
@@ -551,8 +629,9 @@ def kubeconfig_path(kubeconfig: str | None) -> str:
 
 async def load_configuration(
     kubeconfig: str | None, context: str | None
-) -> tuple[k8s_client.Configuration, Any]:
-    """Credentials as kubectl finds them; returns the configuration and a reload function.
+) -> tuple[k8s_client.Configuration, Any, Any]:
+    """Credentials as kubectl finds them; returns the configuration, a reload function
+    and the loader (what it knows of the credentials' lifetime).
 
     In-cluster when no kubeconfig is given and KUBERNETES_SERVICE_HOST is set (its token
     is re-read by kubernetes-asyncio's refresh hook), else the kubeconfig.
@@ -560,16 +639,16 @@ async def load_configuration(
     configuration = k8s_client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return configuration, None
+        return configuration, None, None
     path = kubeconfig_path(kubeconfig)
 
-    async def reload(target: k8s_client.Configuration) -> None:
-        await k8s_config.load_kube_config(
+    async def reload(target: k8s_client.Configuration) -> Any:
+        return await k8s_config.load_kube_config(
             config_file=path, context=context, client_configuration=target, persist_config=False
         )
 
-    await reload(configuration)
-    return configuration, reload
+    loader = await reload(configuration)
+    return configuration, reload, loader
 
 
 async def discover_kinds(

@@ -28,6 +28,12 @@ BUMPS = Counter(
     ["result"],
     registry=REGISTRY,
 )
+BUMP_WORKERS = Gauge(
+    "canaryd_bump_workers",
+    "Bump workers: at least 16, more when slow writes need them (bumps per second "
+    "times seconds per bump, twice over; at most 256).",
+    registry=REGISTRY,
+)
 CONFLICTS = Counter(
     "canaryd_conflicts_total",
     "409 Conflicts on bumps (each one re-reads the object).",
@@ -35,7 +41,9 @@ CONFLICTS = Counter(
 )
 VERDICTS = Counter(
     "canaryd_verdicts_total",
-    "Bumps judged at their deadline: healthy or unhealthy.",
+    "Bumps judged at their deadline: healthy or unhealthy; or why not yet: deferred (the "
+    "watch not in sync), suspected (canaryd's own watch replaced), rechecked (a late "
+    "judge), unreachable (no verdict: the API server away).",
     ["verdict"],
     registry=REGISTRY,
 )
@@ -53,7 +61,9 @@ DROPPED = Counter(
 )
 WATCH_RESTARTS = Counter(
     "canaryd_watch_restarts_total",
-    "Watch streams re-opened, by resource and why (ended, idle, error, forbidden).",
+    "Watch streams re-opened, by resource and why: ended (server timeout), dropped, idle, "
+    "short (ended at once), expired (410), suspected (half-open, replaced), error, "
+    "forbidden, gone.",
     ["resource", "why"],
     registry=REGISTRY,
 )
@@ -97,6 +107,78 @@ LEADER_TRANSITIONS = Counter(
     "Times this replica saw the Lease pass to a new holder (itself included).",
     registry=REGISTRY,
 )
+
+
+# Every label value the code uses, so that each labelled counter is exported at 0 from
+# the start: an alert on increase() cannot see a series' first step from absent to 1.
+BUMP_RESULTS = (
+    "written",
+    "failed",
+    "skipped",
+    "conflict_exhausted",
+    "forbidden",
+    "invalid",
+    "gone",
+    "gone_unconfirmed",
+    "gone_but_present",
+    "not_canary",
+    "no_change",
+    "no_generation",
+)
+VERDICT_KINDS = ("healthy", "unhealthy", "deferred", "rechecked", "suspected", "unreachable")
+DROP_REASONS = (
+    "deleted",
+    "not_canary",
+    "being_deleted",
+    "namespace_closed",
+    "namespace_unwatched",
+    "relisted",
+    "replaced",
+    "gone",
+    "forbidden",
+)
+ERROR_PLACES = (
+    "credentials",
+    "discovery",
+    "malformed_object",
+    "request",
+    "scheduler",
+    "sd_notify",
+    "stale_copy",
+    "watch",
+    "watch_decode",
+    "watch_request",
+    "watchdog_withheld",
+    *(f"task_{task}" for task in ("watcher", "scheduler", "config", "credentials", "leader")),
+)
+WATCH_RESTART_WHYS = (
+    "ended",
+    "dropped",
+    "idle",
+    "short",
+    "expired",
+    "suspected",
+    "error",
+    "forbidden",
+    "gone",
+)
+CONFIG_RELOAD_RESULTS = ("changed", "unchanged", "failed")
+
+for _values, _counter in (
+    (BUMP_RESULTS, BUMPS),
+    (VERDICT_KINDS, VERDICTS),
+    (DROP_REASONS, DROPPED),
+    (ERROR_PLACES, ERRORS),
+    (CONFIG_RELOAD_RESULTS, CONFIG_RELOADS),
+):
+    for _value in _values:
+        _counter.labels(_value)
+
+
+def watching(resource: str) -> None:
+    """A watch of ``resource`` starts: its restart counters are exported at 0."""
+    for why in WATCH_RESTART_WHYS:
+        WATCH_RESTARTS.labels(resource, why)
 
 
 class HasCounts(Protocol):

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -56,6 +57,15 @@ class CanaryKey:
         return f"{self.kind}/{self.namespace}/{self.name}"
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The last unhealthy verdict: when (monotonic and wall clock) and why."""
+
+    at: float
+    wall_time: float
+    reason: str
+
+
 @dataclass(slots=True, eq=False)
 class Canary:
     """One tracked canary: identity, the latest copy's few fields, and its health."""
@@ -91,6 +101,8 @@ class Canary:
     observed-generation)."""
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
+    verdict: Verdict | None = None
+    """The last unhealthy verdict, while it may stand (see Registry.write_failed)."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -241,19 +253,36 @@ class Registry:
         canary.state, canary.reason = state, reason
         self._changed()
 
-    def write_failed(self, canary: Canary, reason: str) -> None:
+    def judged_unhealthy(self, canary: Canary, reason: str, now: float) -> None:
+        """A written bump was not reconciled in time: the one way to become unhealthy."""
+        if not self.owns(canary):
+            return
+        canary.verdict = Verdict(now, time.time(), one_line(reason))
+        self.set_state(canary, CanaryState.UNHEALTHY, reason)
+
+    def write_failed(self, canary: Canary, reason: str, now: float, verdict_ttl: float) -> None:
         """No bump to judge this cycle. A failed write is no verdict either way: it
         neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
-        replaces only ``pending`` or ``healthy``."""
+        replaces only ``pending`` or ``healthy``. But an ``unhealthy`` verdict that no
+        bump has re-tested for ``verdict_ttl`` (bumps failing for good: the patch
+        permission revoked, a webhook rejecting) turns ``unknown``: a verdict nobody
+        can re-test must not restart the operator forever."""
         if not self.owns(canary):
             return
         canary.bumped_generation = None
         canary.deferred_until = None
-        if canary.state is CanaryState.UNHEALTHY:
-            verdict = canary.reason.split("; since then: ", 1)[0]
-            self.set_state(canary, CanaryState.UNHEALTHY, f"{verdict}; since then: {reason}")
-        else:
+        verdict = canary.verdict
+        if canary.state is not CanaryState.UNHEALTHY or verdict is None:
             self.set_state(canary, CanaryState.UNKNOWN, reason)
+        elif now - verdict.at < verdict_ttl:
+            self.set_state(canary, CanaryState.UNHEALTHY, f"{verdict.reason}; since then: {reason}")
+        else:
+            at = datetime.fromtimestamp(verdict.wall_time, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            self.set_state(
+                canary,
+                CanaryState.UNKNOWN,
+                f"unhealthy at {at} ({verdict.reason}); no bump written since: {reason}",
+            )
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
         """A copy from a list or an ADDED/MODIFIED event."""

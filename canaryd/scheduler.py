@@ -2,10 +2,11 @@
 
 One task walks a deadline heap (not a task per canary). At a canary's deadline it
 judges the previous bump there and then, synchronously — judging never queues
-behind writes — and hands the next bump to a small pool of bump workers
-(``max_concurrent_bumps``). A canary's first bump is placed at a stable offset
-within the cycle (a hash of its identity), so N canaries spread over the cycle
-instead of firing N writes at once.
+behind writes — and hands the next bump to a pool of bump workers: at least
+``max_concurrent_bumps``, more when slow writes (an admission webhook in the path)
+need them, so that no fixed share of canaries is skipped every cycle. A canary's
+first bump is placed at a stable offset within the cycle (a hash of its identity),
+so N canaries spread over the cycle instead of firing N writes at once.
 
 Every write to the registry after an ``await`` first checks that the record is still
 the one tracked (``Registry.owns``): an answer that arrives after the canary was
@@ -18,6 +19,7 @@ import asyncio
 import heapq
 import itertools
 import json
+import math
 import random
 import time
 import zlib
@@ -36,6 +38,10 @@ from canaryd.registry import Canary, CanaryState, Registry, ScopeKey
 
 log = structlog.get_logger("canaryd.scheduler")
 WRITTEN = metrics.BUMPS.labels("written")
+MAX_BUMP_WORKERS = 256
+"""The most bumps in flight at once, however slow writes are (each holds a socket)."""
+LATENCY_WEIGHT = 0.2
+"""Weight of the latest write in the moving average of write latency."""
 HEALTHY_VERDICTS = metrics.VERDICTS.labels("healthy")
 UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
 
@@ -77,6 +83,11 @@ class Scheduler:
         self._deferred: set[Canary] = set()
         """Canaries whose verdict waits for their watch to resume."""
         self._rng = random.Random()
+        self._group: asyncio.TaskGroup | None = None
+        self._workers = 0
+        self._idle_workers = 0
+        self.write_latency = 0.0
+        """Moving average of one bump's PATCH, answered or failed (seconds)."""
         self.failures = Episodes(
             "bump_failures",
             subject="canary",
@@ -87,6 +98,8 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
+        self._verdicts_kept = False
+        """A replica that stepped down without seeing another holder keeps its verdicts."""
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self.may_write: Callable[[], bool] = lambda: True
@@ -102,9 +115,18 @@ class Scheduler:
         return self.standby_reason is None
 
     def standby(self, leader: str | None) -> None:
-        """Not the leader: no bumps and no verdicts from here on; every canary is
-        ``pending`` with a standby reason. The registry stays warm (the watches run), so
-        this replica judges from its first cycle once it leads."""
+        """Not the leader: no bumps and no new verdicts from here on. The registry stays
+        warm (the watches run), so this replica judges from its first cycle once it
+        leads.
+
+        ``leader`` is another holder of the lease, or None when none is known. A leader
+        that stepped down without seeing another holder (a lease hiccup) keeps its
+        verdicts and its /healthz: nobody else has checked since, so what it found
+        still stands, and if it retakes the lease it goes on with them. Once another
+        holder is seen, that holder's verdicts are the ones that count: every canary
+        here is ``pending`` with a standby reason, and this replica starts fresh."""
+        keep = leader is None and (self._verdicts_kept or self.standby_reason is None)
+        self._verdicts_kept = keep
         self.standby_reason = (
             f"standby: {leader} holds the lease" if leader else "standby: waiting for the lease"
         )
@@ -116,15 +138,19 @@ class Scheduler:
             canary.deferred_until = None
             canary.late_recheck = False
             self.failures.recovered(canary.key)
-            self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
+            if not keep:
+                self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
 
     def activate(self) -> None:
-        """This replica leads: every canary gets its first bump within a cycle."""
+        """This replica leads: every canary gets its first bump within a cycle, and
+        starts fresh unless this replica kept its own verdicts (see ``standby``)."""
+        kept, self._verdicts_kept = self._verdicts_kept, False
         self.standby_reason = None
         for canary in self.registry.canaries():
-            self.registry.set_state(
-                canary, CanaryState.PENDING, "waiting for the first bump to be judged"
-            )
+            if not kept or canary.state is CanaryState.PENDING:
+                self.registry.set_state(
+                    canary, CanaryState.PENDING, "waiting for the first bump to be judged"
+                )
             self.schedule_first(canary)
 
     # ------------------------------------------------------------ the heap
@@ -179,8 +205,9 @@ class Scheduler:
     async def run(self) -> None:
         try:
             async with asyncio.TaskGroup() as group:
-                for number in range(self.settings.max_concurrent_bumps):
-                    group.create_task(self._bump_worker(), name=f"bump worker {number}")
+                self._group = group
+                for _ in range(self.settings.max_concurrent_bumps):
+                    self._add_worker()
                 while True:
                     due, canary = await self._next_due()
                     try:
@@ -194,6 +221,21 @@ class Scheduler:
         except asyncio.CancelledError:
             log.info("scheduler_stopped", why="cancelled")
             raise
+        finally:
+            self._group, self._workers, self._idle_workers = None, 0, 0
+
+    def _add_worker(self) -> None:
+        assert self._group is not None
+        self._workers += 1
+        metrics.BUMP_WORKERS.set(self._workers)
+        self._group.create_task(self._bump_worker(), name=f"bump worker {self._workers}")
+
+    def workers_wanted(self) -> int:
+        """Little's law: bumps per second times seconds per bump, twice over, within
+        [max_concurrent_bumps, MAX_BUMP_WORKERS]."""
+        rate = len(self.registry) / self.settings.timeout
+        wanted = math.ceil(2 * rate * self.write_latency)
+        return max(self.settings.max_concurrent_bumps, min(MAX_BUMP_WORKERS, wanted))
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
@@ -205,12 +247,22 @@ class Scheduler:
             return  # the verdict waits for the watch; it was rescheduled
         self._ready.append((due, canary))
         self._ready_event.set()
+        if (
+            self._group is not None
+            and self._idle_workers < len(self._ready)
+            and self._workers < self.workers_wanted()
+        ):
+            self._add_worker()
 
     async def _bump_worker(self) -> None:
         while True:
             while not self._ready:
                 self._ready_event.clear()
-                await self._ready_event.wait()
+                self._idle_workers += 1
+                try:
+                    await self._ready_event.wait()
+                finally:
+                    self._idle_workers -= 1
             due, canary = self._ready.popleft()
             next_due: float | None
             try:
@@ -219,7 +271,7 @@ class Scheduler:
                 # A bug must not stop the scheduler: say so, count it, try next cycle.
                 metrics.ERRORS.labels("scheduler").inc()
                 log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-                self.registry.write_failed(canary, "internal error; see logs")
+                self._no_bump(canary, "internal error; see logs")
                 next_due = self._after_failure(due)
             if next_due is not None and self.registry.owns(canary):
                 self._push(next_due, canary)
@@ -291,7 +343,7 @@ class Scheduler:
                 # That is no verdict on the canary.
                 self._judged(canary)
                 metrics.VERDICTS.labels("unreachable").inc()
-                self.registry.write_failed(
+                self._no_bump(
                     canary,
                     f"no verdict on generation {bumped}: the API server has not answered "
                     f"since the watch of {scope} fell out of sync {now - since:.1f}s ago",
@@ -316,7 +368,7 @@ class Scheduler:
         (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
             "canary_unhealthy", canary=str(canary.key), reason=reason
         )
-        self.registry.set_state(canary, CanaryState.UNHEALTHY, reason)
+        self.registry.judged_unhealthy(canary, reason, now)
         return True
 
     def _judged(self, canary: Canary) -> None:
@@ -353,7 +405,11 @@ class Scheduler:
             return
         metrics.BUMPS.labels(cause).inc()
         self.failures.failed(canary.key, cause, reason)
-        self.registry.write_failed(canary, reason)
+        self._no_bump(canary, reason)
+
+    def _no_bump(self, canary: Canary, reason: str) -> None:
+        """Nothing to judge this cycle; an unhealthy verdict stands for two cycles."""
+        self.registry.write_failed(canary, reason, self._clock(), 2 * self.settings.timeout)
 
     async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.
@@ -392,13 +448,18 @@ class Scheduler:
                 # What the generation was before this write: the watch may deliver the
                 # write's own event before its answer arrives.
                 before = max(canary.generation, canary.last_bumped_generation or 0)
-                written = await self.kube.request(
-                    "patch",
-                    "PATCH",
-                    path,
-                    data=bump_body(canary.resource_version, nonce),
-                    content_type=MERGE_PATCH,
-                )
+                sent = self._clock()
+                try:
+                    written = await self.kube.request(
+                        "patch",
+                        "PATCH",
+                        path,
+                        data=bump_body(canary.resource_version, nonce),
+                        content_type=MERGE_PATCH,
+                    )
+                finally:
+                    took = self._clock() - sent
+                    self.write_latency += LATENCY_WEIGHT * (took - self.write_latency)
             except KubeError as err:
                 if not self.registry.owns(canary):
                     return None  # a late answer about a record no longer tracked

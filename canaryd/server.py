@@ -1,4 +1,5 @@
-"""The health server: /healthz, /livez, / (upstream-compatible), /readyz, /metrics.
+"""The health server: /healthz and / (the verdict, upstream-compatible), /livez
+(canaryd's own process), /readyz, /metrics.
 
 ``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
 """
@@ -28,10 +29,15 @@ log = structlog.get_logger("canaryd.server")
 REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
 ROLE: web.AppKey[Callable[[], tuple[str, str | None]]] = web.AppKey("role")
+STUCK: web.AppKey[Callable[[], str | None]] = web.AppKey("stuck")
 
 
 def single() -> tuple[str, str | None]:
     return "single", None
+
+
+def never_stuck() -> str | None:
+    return None
 
 
 def _iso(timestamp: float | None) -> str | None:
@@ -83,6 +89,17 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=status, text=text)
 
 
+async def live(request: web.Request) -> web.Response:
+    """/livez: canaryd's own process, never the verdict. The loop answers (this reply),
+    and its tasks run and keep up with their deadlines (the systemd watchdog's test).
+    What a liveness probe of canaryd's own container reads: restarting canaryd repairs
+    canaryd, not what it monitors."""
+    why = request.app[STUCK]()
+    if why is None:
+        return web.Response(text="OK")
+    return web.Response(status=500, text=f"STUCK: {why}")
+
+
 async def ready(request: web.Request) -> web.Response:
     waiting = request.app[NOT_READY]()
     if not waiting:
@@ -100,13 +117,16 @@ def build_app(
     registry: Registry,
     not_ready: Callable[[], list[str] | None],
     role: Callable[[], tuple[str, str | None]] = single,
+    stuck: Callable[[], str | None] = never_stuck,
 ) -> web.Application:
     app = web.Application(client_max_size=1024)
     app[REGISTRY] = registry
     app[NOT_READY] = not_ready
     app[ROLE] = role
-    for path in ("/healthz", "/livez", "/"):
+    app[STUCK] = stuck
+    for path in ("/healthz", "/"):
         app.router.add_get(path, health)
+    app.router.add_get("/livez", live)
     app.router.add_get("/readyz", ready)
     app.router.add_get("/metrics", metrics_page)
     return app
@@ -164,9 +184,10 @@ class HealthServer:
         registry: Registry,
         not_ready: Callable[[], list[str] | None],
         role: Callable[[], tuple[str, str | None]] = single,
+        stuck: Callable[[], str | None] = never_stuck,
     ) -> None:
         self.settings = settings
-        self.app = build_app(registry, not_ready, role)
+        self.app = build_app(registry, not_ready, role, stuck)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 

@@ -119,6 +119,7 @@ class ListWatch:
         self.sync = sync if sync is not None else ScopeSync(time.monotonic())
         """Where this scope stands; this loop is its only writer (canaryd.sync)."""
         self.sync.replace = self._replace
+        metrics.watching(scope.resource)
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()
         self._stream: asyncio.Timeout | None = None

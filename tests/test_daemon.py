@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from canaryd import metrics
 from canaryd.registry import CanaryState
@@ -327,8 +328,26 @@ async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
         await run.until_state(CanaryState.UNHEALTHY, "a")
         status, body = await run.get("/", Accept="application/json")
         assert status == 500 and json.loads(body)["healthy"] is False
-        assert await run.get("/livez") == (500, "ERROR")
+        # /livez is canaryd's own process: a stuck watch path is no reason to restart it.
+        assert await run.get("/livez") == (200, "OK")
         kube.release_watch_events()
+
+
+async def test_livez_fails_only_when_canaryd_itself_is_stuck(kube, kubeconfig, monkeypatch):
+    """A liveness probe on /livez restarts canaryd for canaryd's own faults (a task that
+    ended, a scheduler a cycle behind its deadlines: what the systemd watchdog reads),
+    never for a verdict."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        assert await run.get("/livez") == (200, "OK")
+        scheduler = run.daemon.scheduler
+        monkeypatch.setattr(scheduler, "lag", lambda: 2 * run.daemon.settings.timeout)
+        status, text = await run.get("/livez")
+        assert status == 500 and "behind its deadlines" in text, (status, text)
+        assert await run.get("/healthz") == (200, "OK")  # the verdict is another matter
+        monkeypatch.undo()
+        assert await run.get("/livez") == (200, "OK")
 
 
 async def test_readyz_waits_for_every_initial_list(kube, kubeconfig):
@@ -622,3 +641,82 @@ async def test_a_scope_not_listed_yet_after_a_namespace_switch_defers_the_verdic
         stop.set()
         await poller
         assert set(statuses) == {200}, statuses
+
+
+EXEC_PLUGIN = """\
+import datetime, json, pathlib, sys
+here = pathlib.Path(sys.argv[1])
+runs = here / "runs"
+runs.write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else "1")
+lifetime = float((here / "lifetime").read_text())
+expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
+print(json.dumps({
+    "apiVersion": "client.authentication.k8s.io/v1",
+    "kind": "ExecCredential",
+    "status": {
+        "token": (here / "token").read_text().strip(),
+        "expirationTimestamp": expiry.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    },
+}))
+"""
+
+
+def exec_kubeconfig(kube: FakeKube, tmp_path: Path, token: str, lifetime: float) -> Path:
+    """A kubeconfig whose credentials come from an exec plugin (EKS, GKE, OIDC helpers)
+    that counts its runs."""
+    (tmp_path / "plugin.py").write_text(EXEC_PLUGIN)
+    (tmp_path / "token").write_text(token)
+    (tmp_path / "lifetime").write_text(str(lifetime))
+    config = kube.kubeconfig()
+    config["users"][0]["user"] = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": sys.executable,
+            "args": [str(tmp_path / "plugin.py"), str(tmp_path)],
+            "interactiveMode": "Never",
+        }
+    }
+    path = tmp_path / "exec.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def plugin_runs(tmp_path: Path) -> int:
+    return int((tmp_path / "runs").read_text())
+
+
+async def test_exec_credentials_are_renewed_before_they_expire(kube, tmp_path):
+    """An exec plugin's token says when it expires: canaryd runs the plugin again at 80 %
+    of its lifetime, so no request is ever refused for an expired token."""
+    create_canary(kube)
+    kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=2.0)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        assert plugin_runs(tmp_path) == 1
+        await run.until(lambda: plugin_runs(tmp_path) >= 3, "two renewals", within=10)
+        assert not [r for r in kube.requests if r.status == 401]
+
+
+async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
+    """A revoked token refuses every bump in flight at once: one run of the plugin
+    answers them all (before: one reload per refused request)."""
+    names = [f"c-{n:02}" for n in range(30)]
+    for name in names:
+        create_canary(kube, name)
+    kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
+        runs = plugin_runs(tmp_path)
+        kube.token = "rotated-token-5566778899"
+        (tmp_path / "token").write_text(kube.token)
+        written = len([r for r in kube.requests_for("patch") if r.status == 200])
+        await run.until(
+            lambda: (
+                len([r for r in kube.requests_for("patch") if r.status == 200])
+                >= written + len(names)
+            ),
+            "a cycle of bumps with the new token",
+        )
+        refused = len([r for r in kube.requests if r.status == 401])
+        assert refused >= 2, refused
+        assert plugin_runs(tmp_path) - runs <= 2, (plugin_runs(tmp_path) - runs, refused)

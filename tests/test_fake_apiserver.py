@@ -769,3 +769,56 @@ async def test_standalone_process_writes_kubeconfig_and_stops_on_sigterm(tmp_pat
         async with asyncio.timeout(10):
             code = await proc.wait()
     assert code == 0
+
+
+async def test_a_bookmark_never_passes_a_change_not_yet_sent(kube, monkeypatch):
+    """A change queued in the very turn the bookmark wait times out (asyncio.wait_for's
+    race on 3.11) must go out before any bookmark: a bookmark at the resourceVersion
+    past it would make a client that resumes from it (after a reset, a half-open
+    connection) miss the change for good. A real cacher bookmarks only what it sent.
+    This race cost the soak its false verdicts."""
+    import types
+
+    from canaryd.testing import apiserver
+    from canaryd.testing.apiserver import FLINK_DEPLOYMENTS
+
+    kube.bookmark_interval = 0.0  # a bookmark is always due
+    created = kube.create(
+        FLINK_DEPLOYMENTS,
+        "default",
+        {"metadata": {"name": "c", "labels": {"flink.apache.org/canary": "true"}}},
+    )
+    armed = [True]
+    real_wait_for = asyncio.wait_for
+
+    async def racing_wait_for(aw: Any, delay: float | None) -> Any:
+        if armed[0]:
+            armed[0] = False
+            aw.close()  # the queue.get() coroutine: never started, nothing consumed
+
+            def bump(obj: dict[str, Any]) -> dict[str, Any]:
+                obj["spec"] = {"restartNonce": 7}
+                return obj
+
+            kube.update(FLINK_DEPLOYMENTS, "default", "c", bump)  # queued just now
+            raise TimeoutError
+        return await real_wait_for(aw, delay)
+
+    shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if k[0] != "_"})
+    shim.wait_for = racing_wait_for
+    monkeypatch.setattr(apiserver, "asyncio", shim)
+    rv = created["metadata"]["resourceVersion"]
+    url = f"{kube.url}/apis/flink.apache.org/v1beta1/namespaces/default/flinkdeployments"
+    query = {"watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true"}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    seen: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as http, http.get(url, params=query, headers=headers) as r:
+        async with asyncio.timeout(5):
+            async for line in r.content:
+                event = json.loads(line)
+                seen.append((event["type"], int(event["object"]["metadata"]["resourceVersion"])))
+                if event["type"] == "MODIFIED":
+                    break
+    modified_rv = seen[-1][1]
+    ahead = [(t, v) for t, v in seen[:-1] if t == "BOOKMARK" and v >= modified_rv]
+    assert not ahead, f"a bookmark passed the unsent change: {seen}"

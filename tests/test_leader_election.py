@@ -431,3 +431,62 @@ async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_bac
         took = loop.time() - renewed_at[0]
         print(f"taken {took:.2f}s after the holder's last renew")
         assert took >= DEFAULTS.lease_duration, took
+
+
+async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_with_them(
+    kube, kubeconfig
+):
+    """Lease requests fail past the renew deadline: the leader stops bumping at once, but
+    it has seen no other holder, so its unhealthy verdict (a stuck watch) stands, and
+    /healthz stays 500: a liveness probe's failure count does not start over. Retaking
+    its own lease, it goes on with that verdict until a bump is judged healthy."""
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        elector = run.daemon.elector
+        kube.hold_watch_events()
+        canary = await run.until_state(CanaryState.UNHEALTHY)
+        failing = kube.inject(Fault(resource=LEASES.plural, code=500, times=-1))
+        await run.until(lambda: not elector.leading, "the leader to step down", RENEW_DEADLINE + 5)
+        assert canary.state is CanaryState.UNHEALTHY, canary.reason
+        assert await run.get("/healthz") == (500, "ERROR")
+        writes = len(kube.requests_for("patch"))
+        kube.faults.remove(failing)
+        await run.until(lambda: elector.leading, "the lease retaken", LEASE_DURATION + 5)
+        assert canary.state is CanaryState.UNHEALTHY, canary.reason  # went on with it
+        kube.release_watch_events()
+        await run.until_state(CanaryState.HEALTHY)
+        assert len(kube.requests_for("patch")) > writes
+
+
+async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubeconfig):
+    """Another holder's verdicts are the ones that count once it is seen: this replica's
+    canaries are pending standby, and leading later it judges from scratch."""
+    from canaryd.registry import Registry
+    from canaryd.scheduler import Scheduler
+
+    registry = Registry("flink.apache.org/canary")
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None)  # type: ignore[arg-type]
+    registry.observe(
+        "flinkdeployments",
+        {
+            "metadata": {
+                "name": "c",
+                "namespace": "ns",
+                "uid": "u",
+                "generation": 1,
+                "resourceVersion": "1",
+                "labels": {"flink.apache.org/canary": "true"},
+            }
+        },
+    )
+    (canary,) = registry.canaries()
+    registry.judged_unhealthy(canary, "generation 2 not observed", 0.0)
+    scheduler.standby(None)  # a hiccup: kept
+    assert canary.state is CanaryState.UNHEALTHY
+    scheduler.standby("replica-b")  # another holder: fresh
+    assert canary.state is CanaryState.PENDING and "replica-b" in canary.reason
+    scheduler.activate()
+    assert canary.state is CanaryState.PENDING and "first bump" in canary.reason

@@ -229,3 +229,49 @@ def test_promtool_accepts_the_rules_and_their_unit_tests_pass(tmp_path):
         alert["alertname"] for test in tests["tests"] for alert in test.get("alert_rule_test", [])
     }
     assert tested == ALERTS, f"alerts without a unit test: {ALERTS - tested}"
+
+
+async def test_every_labelled_counter_an_alert_reads_is_exported_at_0_from_the_start(
+    kube, kubeconfig
+):
+    """increase() cannot see a series' first step from absent to 1: a counter an alert
+    reads must exist, at 0, before the first event it counts. A fresh process (this
+    test process's counters have long been touched by other tests)."""
+    import asyncio
+    import os
+    import signal
+
+    import aiohttp
+
+    from canaryd.testing.process import canaryd_argv, free_port
+
+    create_canary(kube)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *canaryd_argv(kubeconfig, port, 0.3), env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            await kube.wait_for(lambda: len(kube.watchers) >= 3, within=20, what="the watches")
+            text = ""
+            for _ in range(50):  # until the server answers (bounded)
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
+                        text = await response.text()
+                    break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+    samples = {line.rsplit(" ", 1)[0] for line in text.splitlines() if not line.startswith("#")}
+    for where in metrics.ERROR_PLACES:
+        assert f'canaryd_errors_total{{where="{where}"}}' in samples, where
+    for result in metrics.BUMP_RESULTS:
+        assert f'canaryd_bumps_total{{result="{result}"}}' in samples, result
+    for why in metrics.WATCH_RESTART_WHYS:
+        for resource in ("flinkdeployments", "flinksessionjobs", "namespaces"):
+            series = f'canaryd_watch_restarts_total{{resource="{resource}",why="{why}"}}'
+            assert series in samples, series
+    for verdict in metrics.VERDICT_KINDS:
+        assert f'canaryd_verdicts_total{{verdict="{verdict}"}}' in samples, verdict

@@ -146,7 +146,8 @@ def test_standalone_deployment_probes_match_the_daemons_defaults():
     canaryd = container(deployment, "canaryd")
     port = next(p for p in canaryd["ports"] if p["name"] == "http")["containerPort"]
     assert port == DEFAULTS.port
-    assert canaryd["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # Liveness is canaryd's own process: a verdict never restarts the monitor.
+    assert canaryd["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     assert canaryd["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert set(canaryd["resources"]) == {"requests", "limits"}
     security = canaryd["securityContext"]
@@ -167,8 +168,13 @@ def test_sidecar_points_the_operator_liveness_at_canaryd():
     canaryd = container(deployment, "canaryd")
     port = int(flag_value(canaryd["args"], "--port") or DEFAULTS.port)
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
-    assert canaryd["readinessProbe"]["httpGet"]["port"] == port
-    assert "livenessProbe" not in canaryd
+    # The startup probe stays the operator's own: a verdict never restarts a process
+    # that is still starting.
+    assert operator["startupProbe"]["httpGet"] == {"path": "/", "port": "health-port"}
+    # Nothing of canaryd's gates the pod's readiness (the webhook's endpoints), and its
+    # liveness is its own process.
+    assert "readinessProbe" not in canaryd
+    assert canaryd["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
     # canaryd's port must not be the operator's own probe port.
     assert port not in {p["containerPort"] for p in operator["ports"]}
     # It reads the operator's ConfigMap where the operator does.

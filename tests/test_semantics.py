@@ -702,3 +702,59 @@ async def test_an_api_server_away_past_the_extra_cycle_is_no_verdict(kube, kubec
         assert await run.get("/healthz") == (200, "OK")
         await kube.accept_connections()
         await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)
+
+
+async def test_slow_writes_get_more_bump_workers_instead_of_skipped_canaries(kube, kubeconfig):
+    """Admission webhooks in the write path make every PATCH slow: 16 fixed workers at
+    200 canaries on a 0.3 s cycle with 0.05 s writes manage about 100 of the 200 in
+    their window (half a cycle), so the same share was skipped every cycle. The pool grows with the
+    canary count and the observed write latency (Little's law)."""
+    names = [f"slow-{n:03}" for n in range(200)]
+    for name in names:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until(lambda: len(run.registry) == len(names), "every canary tracked")
+        kube.hooks.append(
+            lambda req: Fault(code=0, latency=CYCLE / 6) if req.verb == "patch" else None
+        )
+        scheduler = run.daemon.scheduler
+        await run.until(
+            lambda: scheduler._workers >= 2 * len(names) / CYCLE * (CYCLE / 6) * 0.8,
+            "the bump pool to grow with the write latency",
+            within=10 * CYCLE,
+        )
+        skipped = counter(metrics.BUMPS, "skipped")
+        written = counter(metrics.BUMPS, "written")
+        await run.until(
+            lambda: counter(metrics.BUMPS, "written") >= written + 3 * len(names),
+            "three cycles' worth of bumps",
+            within=20 * CYCLE,
+        )
+        assert counter(metrics.BUMPS, "skipped") - skipped < len(names) / 20
+        assert counter(metrics.BUMP_WORKERS) == scheduler._workers <= 256
+
+
+async def test_an_unhealthy_verdict_no_bump_can_retest_turns_unknown_after_two_cycles(
+    kube, kubeconfig
+):
+    """Bumps fail for good after an unhealthy verdict (the patch permission revoked):
+    the verdict stands for two cycles, then turns unknown naming both, so the operator
+    is not restarted forever on a verdict nobody can re-test."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.hold_watch_events()
+        canary = await run.until_state(CanaryState.UNHEALTHY)
+        loop = asyncio.get_running_loop()
+        verdict_at = loop.time()
+        kube.deny(verb="patch")
+        await run.until(lambda: "since then" in canary.reason, "a failed write after the verdict")
+        assert canary.state is CanaryState.UNHEALTHY  # a failed write is no verdict
+        canary = await run.until_state(CanaryState.UNKNOWN, within=4 * CYCLE + 1.0)
+        assert loop.time() - verdict_at >= 2 * CYCLE * 0.9
+        assert canary.reason.startswith("unhealthy at "), canary.reason
+        assert "no bump written since" in canary.reason and "Forbidden" in canary.reason
+        assert await run.get("/healthz") == (200, "OK")
+        kube.rbac_denies.clear()
+        kube.release_watch_events()
+        await run.until_state(CanaryState.HEALTHY)
