@@ -68,7 +68,9 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings.label)
-        self._collector = metrics.StateCollector(self.registry, lambda: self._not_ready())
+        self._collector = metrics.StateCollector(
+            self.registry, lambda: self._not_ready(), lambda: self._coverage()
+        )
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -148,7 +150,7 @@ class Daemon:
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes
             self.server = HealthServer(
-                settings, self.registry, self._not_ready, self._role, self.stuck
+                settings, self.registry, self._not_ready, self._role, self.stuck, self._not_covered
             )
             try:
                 await self.server.start()
@@ -219,6 +221,12 @@ class Daemon:
             return
         if self.scheduler is not None and not self.scheduler.active:
             self.scheduler.standby(leader)
+
+    def _coverage(self) -> dict[str, int]:
+        return self.watcher.coverage() if self.watcher is not None else {}
+
+    def _not_covered(self) -> list[str]:
+        return self.watcher.not_covered() if self.watcher is not None else []
 
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready

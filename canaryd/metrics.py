@@ -34,6 +34,34 @@ BUMP_WORKERS = Gauge(
     "times seconds per bump, twice over; at most 256).",
     registry=REGISTRY,
 )
+BUMP_STAGES = ("answered", "observed", "reconciled")
+BUMP_DURATION = Histogram(
+    "canaryd_bump_duration_seconds",
+    "How long a bump takes to travel, on the monotonic clock from the moment its PATCH "
+    "is sent, by stage: answered (the write's answer), observed (the watch event with "
+    "its generation: on a real server it can come before the answer), reconciled "
+    "(status.observedGeneration reached it).",
+    ["kind", "stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+_STAGE_CHILDREN: dict[tuple[str, str], object] = {}
+
+
+def bump_stage(kind: str, stage: str, seconds: float) -> None:
+    """One bump's time to ``stage``; the labelled child is looked up once."""
+    child = _STAGE_CHILDREN.get((kind, stage))
+    if child is None:
+        child = _STAGE_CHILDREN[(kind, stage)] = BUMP_DURATION.labels(kind, stage)
+    child.observe(seconds)  # type: ignore[attr-defined]
+
+
+def bump_stages_exported(kind: str) -> None:
+    """A kind's stage histograms exist (empty) from the moment it is watched."""
+    for stage in BUMP_STAGES:
+        _STAGE_CHILDREN.setdefault((kind, stage), BUMP_DURATION.labels(kind, stage))
+
+
 CONFLICTS = Counter(
     "canaryd_conflicts_total",
     "409 Conflicts on bumps (each one re-reads the object).",
@@ -190,10 +218,14 @@ class StateCollector(Collector):
     ``canaryd_ready`` (1 when /readyz answers 200) from ``not_ready``."""
 
     def __init__(
-        self, source: HasCounts, not_ready: Callable[[], Sequence[str] | None] = lambda: None
+        self,
+        source: HasCounts,
+        not_ready: Callable[[], Sequence[str] | None] = lambda: None,
+        scopes: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self._source = source
         self._not_ready = not_ready
+        self._scopes = scopes
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -207,3 +239,12 @@ class StateCollector(Collector):
             "1 when every watch scope is listed and connected (/readyz 200), else 0.",
             value=0 if self._not_ready() else 1,
         )
+        scopes = GaugeMetricFamily(
+            "canaryd_watch_scopes",
+            "Wanted watch scopes by state: listed, waiting, forbidden (403), gone (404), "
+            "namespace_missing, kind_not_served (a scope that cannot exist is counted too).",
+            labels=["state"],
+        )
+        for state, count in self._scopes().items():
+            scopes.add_metric([state], count)
+        yield scopes

@@ -11,7 +11,7 @@ import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -99,6 +99,12 @@ class Canary:
     status_observed: int | None = None
     """status.observedGeneration as the watch last delivered it (--reconciled-by
     observed-generation)."""
+    generation_seen_at: float = 0.0
+    """Monotonic time the watch last delivered a higher generation."""
+    bump_sent_at: float | None = None
+    """Monotonic time the last written bump's PATCH was sent (its stages run from it)."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """The last written bump's time to each stage reached so far (seconds)."""
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
     verdict: Verdict | None = None
@@ -341,10 +347,28 @@ class Registry:
             self._changed()
             return
         existing.resource_version = str(metadata.get("resourceVersion") or "")
-        existing.generation = _generation(metadata)
+        generation = _generation(metadata)
+        if generation > existing.generation:
+            existing.generation_seen_at = time.monotonic()
+        existing.generation = generation
         existing.status_observed = status_observed_generation(obj)
         existing.nonce, existing.nonce_problem = nonce, problem
+        if existing.bump_sent_at is not None:
+            self._stages_reached(existing, existing.generation_seen_at)
         self._changed()
+
+    def _stages_reached(self, canary: Canary, observed_at: float) -> None:
+        """Record the last bump's stages its copy now shows, once each."""
+        bumped, sent = canary.last_bumped_generation, canary.bump_sent_at
+        if bumped is None or sent is None:
+            return
+        stages = canary.stages
+        if "observed" not in stages and canary.generation >= bumped:
+            stages["observed"] = seconds = max(0.0, observed_at - sent)
+            metrics.bump_stage(canary.key.kind, "observed", seconds)
+        if "reconciled" not in stages and (canary.status_observed or 0) >= bumped:
+            stages["reconciled"] = seconds = max(0.0, time.monotonic() - sent)
+            metrics.bump_stage(canary.key.kind, "reconciled", seconds)
 
     def _not_a_tracked_canary(
         self, namespace: str, obj: Mapping[str, Any]
@@ -389,12 +413,22 @@ class Registry:
         canary.nonce, canary.nonce_problem = read_nonce(obj)
 
     def record_bump(
-        self, canary: Canary, generation: int, answered_at: float, deadline: float, wall_time: float
+        self,
+        canary: Canary,
+        generation: int,
+        sent_at: float,
+        answered_at: float,
+        deadline: float,
+        wall_time: float,
     ) -> None:
-        """Our bump was answered at ``answered_at`` and produced ``generation``; judge it
-        at ``deadline``. Its scope's stream owes the change (canaryd.sync)."""
+        """Our bump, sent at ``sent_at``, was answered at ``answered_at`` and produced
+        ``generation``; judge it at ``deadline``. Its scope's stream owes the change
+        (canaryd.sync). Its stages are measured from ``sent_at``."""
         if not self.owns(canary):
             return
+        canary.bump_sent_at = sent_at
+        canary.stages = {"answered": max(0.0, answered_at - sent_at)}
+        metrics.bump_stage(canary.key.kind, "answered", canary.stages["answered"])
         sync = self.covering(canary.key)
         if sync is not None:
             sync.written(answered_at)
@@ -403,6 +437,8 @@ class Registry:
         canary.last_bumped_generation = generation
         canary.bump_deadline = deadline
         canary.last_bump_at = wall_time
+        # The watch can deliver the bump's event before its answer arrives.
+        self._stages_reached(canary, canary.generation_seen_at)
         self._changed()
 
     def forget(self, key: CanaryKey, cause: str, detail: str = "") -> Canary | None:

@@ -511,7 +511,7 @@ class Scheduler:
                 continue
             if not self.registry.owns(canary) or self.standby_reason is not None:
                 return None
-            return self._written(canary, written, nonce, repairing, due, before)
+            return self._written(canary, written, nonce, repairing, due, before, sent)
 
     async def _answered_gone(
         self, canary: Canary, path: str, err: KubeError, due: float
@@ -556,6 +556,7 @@ class Scheduler:
         repaired: str | None,
         due: float,
         before: int,
+        sent: float,
     ) -> float:
         now = self._clock()
         metadata = written.get("metadata") or {}
@@ -581,7 +582,7 @@ class Scheduler:
             return self._after_failure(due)
         WRITTEN.inc()
         deadline = now + self.settings.timeout
-        self.registry.record_bump(canary, generation, now, deadline, time.time())
+        self.registry.record_bump(canary, generation, sent, now, deadline, time.time())
         self.failures.recovered(canary.key)
         if logs.debug_enabled():
             log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)

@@ -30,6 +30,7 @@ REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
 ROLE: web.AppKey[Callable[[], tuple[str, str | None]]] = web.AppKey("role")
 STUCK: web.AppKey[Callable[[], str | None]] = web.AppKey("stuck")
+NOT_COVERED: web.AppKey[Callable[[], list[str]]] = web.AppKey("not_covered")
 
 
 def single() -> tuple[str, str | None]:
@@ -61,6 +62,8 @@ def canary_json(canary: Canary) -> dict[str, object]:
         # which one the reason is about and which one still waits for its deadline.
         "judgedGeneration": canary.judged_generation,
         "pendingGeneration": canary.bumped_generation,
+        # The last written bump's time to each stage reached so far, from its PATCH.
+        "bumpSeconds": {stage: round(s, 6) for stage, s in canary.stages.items()},
     }
 
 
@@ -101,10 +104,15 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """Ready: every scope canaryd can watch is listed and connected. What it cannot
+    check at all (a 403, a namespace or a kind that is missing) does not make it
+    unready — nothing there is its to wait for — but the body names it."""
     waiting = request.app[NOT_READY]()
+    uncovered = request.app[NOT_COVERED]()
+    tail = f"\nnot checked: {'; '.join(uncovered)}" if uncovered else ""
     if not waiting:
-        return web.Response(text="OK")
-    return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}")
+        return web.Response(text=f"OK{tail}")
+    return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")
 
 
 async def metrics_page(request: web.Request) -> web.Response:
@@ -118,12 +126,14 @@ def build_app(
     not_ready: Callable[[], list[str] | None],
     role: Callable[[], tuple[str, str | None]] = single,
     stuck: Callable[[], str | None] = never_stuck,
+    not_covered: Callable[[], list[str]] = list,
 ) -> web.Application:
     app = web.Application(client_max_size=1024)
     app[REGISTRY] = registry
     app[NOT_READY] = not_ready
     app[ROLE] = role
     app[STUCK] = stuck
+    app[NOT_COVERED] = not_covered
     for path in ("/healthz", "/"):
         app.router.add_get(path, health)
     app.router.add_get("/livez", live)
@@ -185,9 +195,10 @@ class HealthServer:
         not_ready: Callable[[], list[str] | None],
         role: Callable[[], tuple[str, str | None]] = single,
         stuck: Callable[[], str | None] = never_stuck,
+        not_covered: Callable[[], list[str]] = list,
     ) -> None:
         self.settings = settings
-        self.app = build_app(registry, not_ready, role, stuck)
+        self.app = build_app(registry, not_ready, role, stuck, not_covered)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 

@@ -71,6 +71,7 @@ class Scope:
         return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
 
 
+SCOPE_STATES = ("listed", "waiting", "forbidden", "gone", "namespace_missing", "kind_not_served")
 LIST_PAGE = 500
 """Objects per list page (client-go's pager default)."""
 
@@ -336,7 +337,7 @@ class ListWatch:
                 f"{during}_{err.kind.value}",
                 f"{err} (retry in {self.settings.forbidden_retry:g}s)",
             )
-            self.sync.refused(f"{during} answered {err.status}")
+            self.sync.refused(err.kind.value)
             self.on_denied(err)
             return self.settings.forbidden_retry
         why = "idle" if err.reason == "Idle" else "error"
@@ -368,6 +369,9 @@ class Watcher:
         self.discovered = asyncio.Event()
         self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
         self._seen_namespaces: set[str] = set()
+        self._namespaces_known = False
+        """The Namespaces watch has listed (and may be read): missing ones are known."""
+        self._uncovered: list[str] = []
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
@@ -375,6 +379,54 @@ class Watcher:
     @property
     def ready(self) -> bool:
         return self.discovered.is_set() and not self.not_ready()
+
+    def coverage(self) -> dict[str, int]:
+        """Watch scopes by state, wanted ones that cannot exist included: ``listed``
+        (in sync or resuming), ``waiting`` (not listed or not connected), ``forbidden``
+        (403), ``gone`` (404), ``namespace_missing`` (a watched namespace the
+        Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
+        CRD is not served). A canaryd that checks nothing must be able to say so."""
+        counts = dict.fromkeys(SCOPE_STATES, 0)
+        for lw, _ in self._watches.values():
+            if lw.scope.kind is None:
+                continue
+            if lw.sync.denied is not None:
+                counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
+            else:
+                counts["listed" if lw.sync.ready else "waiting"] += 1
+        per_kind = 1 if self.namespaces is None else len(self.namespaces)
+        counts["kind_not_served"] = per_kind * len(self._kinds_not_served())
+        counts["namespace_missing"] = len(self.kinds) * len(self._namespaces_missing())
+        return counts
+
+    def not_covered(self) -> list[str]:
+        """The same, as phrases for /readyz: what canaryd cannot check."""
+        phrases = []
+        for state in ("forbidden", "gone"):
+            scopes = sorted(
+                str(lw.scope)
+                for lw, _ in self._watches.values()
+                if lw.scope.kind is not None and lw.sync.denied == state
+            )
+            if scopes:
+                word = "forbidden (403)" if state == "forbidden" else "not found (404)"
+                phrases.append(f"{word}: {', '.join(scopes[:20])}")
+        if missing := self._namespaces_missing():
+            phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
+        if kinds := self._kinds_not_served():
+            phrases.append(f"kind not served: {', '.join(kinds)}")
+        return phrases
+
+    def _kinds_not_served(self) -> list[str]:
+        if not self.discovered.is_set():
+            return []
+        served = {kind.key for kind in self.kinds}
+        return [key for key in self.settings.kinds if key not in served]
+
+    def _namespaces_missing(self) -> set[str]:
+        if self.namespaces is None or not self._namespaces_known:
+            return set()
+        return set(self.namespaces) - self._seen_namespaces
 
     def not_ready(self) -> list[str]:
         """Why the watches are not ready, each a phrase: an open-files limit too low for
@@ -494,6 +546,18 @@ class Watcher:
             self._start(scope)
         self._count_namespaces()
         self._check_open_files()
+        self.check_coverage()
+
+    def check_coverage(self) -> None:
+        """One warning when what canaryd cannot check changes, one line when it can
+        check everything again (a 403 scope is also its own watch failure episode)."""
+        phrases = self.not_covered()
+        if phrases != self._uncovered:
+            if phrases:
+                log.warning("not_checked", what=phrases)
+            elif self._uncovered:
+                log.info("all_checked", was=self._uncovered)
+            self._uncovered = phrases
 
     def _check_open_files(self) -> None:
         """Say once (per change) when the open-files limit is too low for the watches."""
@@ -529,6 +593,7 @@ class Watcher:
             kind = scope.kind
             key = (kind.key, scope.namespace)
             sync = self.registry.add_scope(key, time.monotonic())
+            metrics.bump_stages_exported(kind.key)
             lw = ListWatch(
                 self.kube,
                 self.settings,
@@ -569,6 +634,7 @@ class Watcher:
             cause,
             f"cannot list {scope}: {err}",
         )
+        self.check_coverage()
 
     @staticmethod
     def _terminating(obj: Mapping[str, Any]) -> bool:
@@ -580,6 +646,8 @@ class Watcher:
 
     def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
         self._seen_namespaces = {str((obj.get("metadata") or {}).get("name")) for obj in items}
+        self._namespaces_known = True
+        self.check_coverage()
         self._count_namespaces()
         closed = set()
         for obj in items:
@@ -599,6 +667,7 @@ class Watcher:
         else:
             self._seen_namespaces.add(name)
         self._count_namespaces()
+        self.check_coverage()
         if event == "DELETED":
             self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
             self.registry.closed_namespaces.discard(name)  # a namespace of that name may come
@@ -616,6 +685,7 @@ class Watcher:
         self._reconcile()
 
     def _namespaces_denied(self, err: KubeError) -> None:
+        self._namespaces_known = False
         log.warning(
             "namespaces_not_watchable",
             error=str(err),

@@ -320,6 +320,7 @@ async def test_health_endpoints_text_verbose_and_json(kube, kubeconfig):
             "judgedGeneration",
             "pendingGeneration",
             "statusObservedGeneration",
+            "bumpSeconds",
         }
         assert first["kind"] == "FlinkDeployment" and first["state"] == "healthy"
         assert first["observedGeneration"] >= first["bumpedGeneration"] - 1
@@ -720,3 +721,43 @@ async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
         refused = len([r for r in kube.requests if r.status == 401])
         assert refused >= 2, refused
         assert plugin_runs(tmp_path) - runs <= 2, (plugin_runs(tmp_path) - runs, refused)
+
+
+async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
+    """A namespace that does not exist, a kind that is not served and a namespace whose
+    RBAC answers 403: /healthz stays upstream's 200 (no canaries), but the scope gauge,
+    /readyz's body and one warning say what is not checked."""
+    from tests.harness import json_lines, json_logs
+
+    kube.create_namespace("locked")
+    kube.deny(namespace="locked")
+    with json_logs("info"):
+        async with running_daemon(
+            kube,
+            kubeconfig,
+            namespaces=frozenset({"does-not-exist", "locked"}),
+            kinds=("flinkdeployments", "widgets.example.com/v1"),
+        ) as run:
+            watcher = run.daemon.watcher
+            await run.until(
+                lambda: (
+                    watcher.coverage()["forbidden"] == 1
+                    and watcher.coverage()["namespace_missing"] == 1
+                ),
+                "the coverage to be known",
+            )
+            coverage = watcher.coverage()
+            assert coverage["kind_not_served"] == 2  # a kind x two namespaces
+            assert coverage["listed"] == 1  # flinkdeployments@does-not-exist lists (empty)
+            status, text = await run.get("/readyz")
+            assert status == 200, text
+            assert "forbidden (403): flinkdeployments@locked" in text
+            assert "namespace missing: does-not-exist" in text
+            assert "kind not served: widgets.example.com/v1" in text
+            assert await run.get("/healthz") == (200, "OK")
+            _, scraped = await run.get("/metrics")
+            assert 'canaryd_watch_scopes{state="forbidden"} 1.0' in scraped
+            assert 'canaryd_watch_scopes{state="kind_not_served"} 2.0' in scraped
+    warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
+    assert warned and warned[-1]["level"] == "warning", warned
+    assert len(warned) <= 3, warned  # once per change, not per scope or per retry

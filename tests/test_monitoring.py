@@ -37,6 +37,10 @@ ALERTS = {
     "CanarydNotReady",
     "CanarydDown",
     "CanarydInternalErrors",
+    "CanarydNothingChecked",
+    "CanarydScopeNotChecked",
+    "CanarydBumpLatencyBudgetBurn",
+    "CanarydBumpLatencyBudgetBurnSlow",
 }
 
 
@@ -61,7 +65,11 @@ def dashboard_exprs() -> list[str]:
 
 def label_names() -> dict[str, set[str]]:
     """Each exported family's labels, from canaryd's metric definitions."""
-    names: dict[str, set[str]] = {"canaryd_canaries": {"state"}, "canaryd_ready": set()}
+    names: dict[str, set[str]] = {
+        "canaryd_canaries": {"state"},
+        "canaryd_ready": set(),
+        "canaryd_watch_scopes": {"state"},
+    }
     for value in vars(metrics).values():
         name = getattr(value, "_name", None)
         if isinstance(name, str) and name.startswith("canaryd_"):
@@ -101,7 +109,9 @@ def test_the_prometheus_rule_has_the_alerts_users_expect():
     rule_doc = load("prometheusrule.yaml")
     assert rule_doc["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule_doc["kind"] == "PrometheusRule"
-    alerts = {rule["alert"]: rule for rule in rules()}
+    alerts = {rule["alert"]: rule for rule in rules() if "alert" in rule}
+    records = [rule["record"] for rule in rules() if "record" in rule]
+    assert all(name.startswith("canaryd:") for name in records), records
     assert set(alerts) == ALERTS
     for name, rule in alerts.items():
         assert rule["expr"].strip(), name

@@ -266,7 +266,7 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: 100.0)  # type: ignore[arg-type]
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
-    next_due = scheduler._written(canary, answer, 2, None, 100.0, 2)
+    next_due = scheduler._written(canary, answer, 2, None, 100.0, 2, 100.0)
     assert canary.bumped_generation is None  # nothing to judge
     assert canary.state is CanaryState.UNKNOWN
     assert "not above 2" in canary.reason
@@ -302,7 +302,7 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
     registry.observe("flinkdeployments", copy)
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
-    registry.record_bump(canary, 3, 100.0, 100.0 + CYCLE, 0.0)
+    registry.record_bump(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE  # the loop stalled for two cycles past the deadline
     scheduler._on_due(100.0 + CYCLE, canary)
     assert canary.state is CanaryState.PENDING  # not judged on a stale view
@@ -323,7 +323,7 @@ def test_a_late_judge_still_finds_a_bump_that_never_arrived():
     registry.observe("flinkdeployments", canary_copy())
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
-    registry.record_bump(canary, 3, 100.0, 100.0 + CYCLE, 0.0)
+    registry.record_bump(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE
     scheduler._on_due(100.0 + CYCLE, canary)
     now[0] += scheduler.settings.judge_slack

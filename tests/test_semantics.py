@@ -7,6 +7,7 @@ wait is event-driven and bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -758,3 +759,46 @@ async def test_an_unhealthy_verdict_no_bump_can_retest_turns_unknown_after_two_c
         kube.rbac_denies.clear()
         kube.release_watch_events()
         await run.until_state(CanaryState.HEALTHY)
+
+
+def _histogram(kind: str, stage: str) -> tuple[float, float]:
+    """(count, sum) of canaryd_bump_duration_seconds{kind,stage}."""
+    count = total = 0.0
+    for family in metrics.BUMP_DURATION.collect():
+        for sample in family.samples:
+            if sample.labels.get("kind") == kind and sample.labels.get("stage") == stage:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+    return count, total
+
+
+async def test_every_bump_is_measured_from_its_patch_answered_and_observed(kube, kubeconfig):
+    """The health check as a measurement: per bump, on the monotonic clock from the
+    PATCH, the answer and the watch event that carries its generation, in the
+    histogram and as the canary's last values in the JSON."""
+    create_canary(kube)
+    answered, _ = _histogram("flinkdeployments", "answered")
+    observed, _ = _histogram("flinkdeployments", "observed")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        # The watch's event held for a known time: the observed stage must show it.
+        kube.inject(Fault(verb="patch", name="canary", code=0, action=kube.hold_watch_events))
+        bumps = len(run.bumps())
+        await run.until_bumps(bumps + 1)
+        loop = asyncio.get_running_loop()
+        held_at = loop.time()
+        await asyncio.sleep(CYCLE / 3)  # how long the delivery is held: what is measured
+        kube.release_watch_events()
+        canary = run.tracked()
+        await run.until(lambda: "observed" in canary.stages, "the bump to be observed")
+        assert canary.stages["observed"] >= CYCLE / 3 * 0.9, canary.stages
+        assert canary.stages["observed"] <= loop.time() - held_at + 0.05, canary.stages
+        assert 0 <= canary.stages["answered"] < CYCLE / 3, canary.stages
+        assert "reconciled" not in canary.stages  # no status.observedGeneration here
+        _, text = await run.get("/healthz", Accept="application/json")
+        (shown,) = json.loads(text)["canaries"]
+        assert set(shown["bumpSeconds"]) >= {"answered", "observed"}
+    assert _histogram("flinkdeployments", "answered")[0] >= answered + 2
+    assert _histogram("flinkdeployments", "observed")[0] >= observed + 2
