@@ -441,18 +441,27 @@ class Registry:
         self._stages_reached(canary, canary.generation_seen_at)
         self._changed()
 
-    def forget(self, key: CanaryKey, cause: str, detail: str = "") -> Canary | None:
+    def forget(
+        self, key: CanaryKey, cause: str, detail: str = "", *, announce: bool = True
+    ) -> Canary | None:
         """Stop tracking a canary. ``cause`` is a short fixed word (a metric label),
-        ``detail`` says why in the log."""
+        ``detail`` says why in the log. ``announce=False``: dropped now, told later
+        (``announce_drop``) once the cause is known."""
         canary = self._canaries.pop(key, None)
         if canary is None:
             return None
         self._counts[canary.state] -= 1
-        metrics.DROPPED.labels(cause).inc()
-        log.info("canary_dropped", canary=str(key), cause=cause, reason=detail or cause)
+        if announce:
+            self.announce_drop(key, cause, detail)
         self.on_forgotten(key)
         self._changed()
         return canary
+
+    def announce_drop(self, key: CanaryKey, cause: str, detail: str = "") -> None:
+        """Log and count a drop (listeners hear of it: a told drop is news too)."""
+        metrics.DROPPED.labels(cause).inc()
+        log.info("canary_dropped", canary=str(key), cause=cause, reason=detail or cause)
+        self._changed()
 
     def forget_where(
         self, predicate: Callable[[CanaryKey], bool], cause: str, detail: str = ""

@@ -618,12 +618,41 @@ class Watcher:
             return
         key = CanaryKey(kind.key, str(metadata.get("namespace")), str(metadata.get("name")))
         tracked = self.registry.get(key)
-        if tracked is not None and tracked.uid == str(metadata.get("uid") or ""):
-            # A label-selector watch also sends DELETED when the label stops matching.
-            if is_canary(obj, self.settings.label):
-                self.registry.forget(key, "deleted", "the object was deleted")
+        if tracked is None or tracked.uid != str(metadata.get("uid") or ""):
+            return
+        label = self.settings.label
+        if not is_canary(obj, label):
+            self.registry.forget(key, "not_canary", f"label {label} was removed")
+        elif metadata.get("deletionTimestamp") or self._group is None:
+            self.registry.forget(key, "deleted", "the object was deleted")
+        else:
+            # A label-selector watch sends DELETED with the previous copy when the
+            # object leaves the selector (its label removed or changed) as when it is
+            # deleted: dropped now (never written again), told once a GET says which.
+            self.registry.forget(key, "deleted", announce=False)
+            self._group.create_task(self._tell_drop(kind, key), name=f"drop {key}")
+
+    async def _tell_drop(self, kind: Kind, key: CanaryKey) -> None:
+        label = self.settings.label
+        try:
+            found = await self.kube.request("get", "GET", kind.object_path(key.namespace, key.name))
+        except KubeError as err:
+            if err.kind is ErrorKind.GONE:
+                self.registry.announce_drop(key, "deleted", "the object was deleted")
             else:
-                self.registry.forget(key, "not_canary", f"label {self.settings.label} was removed")
+                self.registry.announce_drop(
+                    key, "deleted", f"deleted, or label {label} removed (could not tell: {err})"
+                )
+            return
+        except asyncio.CancelledError:
+            self.registry.announce_drop(key, "deleted", "deleted, or its label removed")
+            raise
+        if is_canary(found, label):
+            # Labelled again by now, or a new object of that name: the watch's next
+            # event tracks it; this one was not a label removal.
+            self.registry.announce_drop(key, "deleted", "the object was deleted or replaced")
+        else:
+            self.registry.announce_drop(key, "not_canary", f"label {label} was removed")
 
     def _scope_denied(self, scope: Scope, err: KubeError) -> None:
         assert scope.kind is not None

@@ -97,6 +97,11 @@ class Api:
 def event_fact(event: dict[str, Any]) -> str:
     if event["type"] == "ERROR":
         return f"ERROR {event['object'].get('code')} {event['object'].get('reason')}"
+    if event["type"] == "DELETED":
+        # Which copy a DELETED carries: for an object that left a label selector, the
+        # previous one (the label still set), with the change's resourceVersion.
+        labels = (event["object"].get("metadata") or {}).get("labels") or {}
+        return f"DELETED with {LABEL}={labels.get(LABEL)}"
     return str(event["type"])
 
 

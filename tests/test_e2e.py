@@ -838,3 +838,29 @@ async def test_600_watched_namespaces_at_a_soft_limit_of_1024_open_files(api, cl
                 *(core.delete_namespace(n) for n in names[batch : batch + 50]),
                 return_exceptions=True,
             )
+
+
+async def test_the_bump_stages_are_measured_on_a_real_api_server(api, cluster, namespace):
+    """The SLI on a real kube-apiserver: every bump's answer and its watch event, from
+    its PATCH. On a real server the event often arrives before the answer."""
+    await create_canary(api, namespace)
+    async with canaryd(cluster.canaryd, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
+
+        async def measured() -> Any:
+            _, body = await health(url)
+            (canary,) = [c for c in body["canaries"] if c["namespace"] == namespace]
+            stages = canary["bumpSeconds"]
+            return stages if {"answered", "observed"} <= set(stages) else None
+
+        stages = await eventually(measured, "a bump answered and observed")
+        count = await metric(
+            url, 'canaryd_bump_duration_seconds_count{kind="flinkdeployments",stage="observed"}'
+        )
+        total = await metric(
+            url, 'canaryd_bump_duration_seconds_sum{kind="flinkdeployments",stage="observed"}'
+        )
+    mean = total / count
+    print(f"real API server, last bump: {stages}; observed: mean {mean:.4f}s of {count:.0f}")
+    assert 0 <= stages["answered"] < CYCLE and 0 <= stages["observed"] < CYCLE, stages
+    assert count >= 1 and mean < 1.0  # the SLO's threshold, on an idle machine

@@ -503,8 +503,17 @@ async def test_canary_label_removed_or_changed_drops_it_and_it_is_never_written_
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
         await run.until_bumps(1)
+        not_canary = counter(metrics.DROPPED, "not_canary")
+        deleted = counter(metrics.DROPPED, "deleted")
         add_label(kube, LABEL, new_value)
         await run.until_gone()
+        # The watch's DELETED carries the previous copy (the label still true), as a
+        # real kube-apiserver's does: counted as a label change, not a deletion.
+        await run.until(
+            lambda: counter(metrics.DROPPED, "not_canary") == not_canary + 1,
+            "the drop to be told as not_canary",
+        )
+        assert counter(metrics.DROPPED, "deleted") == deleted
         writes = len(kube.requests_for("patch"))
         # Two more cycles: another canary proves time passed and the daemon ran.
         create_canary(kube, "other")
@@ -802,3 +811,17 @@ async def test_every_bump_is_measured_from_its_patch_answered_and_observed(kube,
         assert set(shown["bumpSeconds"]) >= {"answered", "observed"}
     assert _histogram("flinkdeployments", "answered")[0] >= answered + 2
     assert _histogram("flinkdeployments", "observed")[0] >= observed + 2
+
+
+async def test_a_deleted_canary_is_counted_as_deleted(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_bumps(1)
+        deleted = counter(metrics.DROPPED, "deleted")
+        not_canary = counter(metrics.DROPPED, "not_canary")
+        kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+        await run.until_gone()
+        await run.until(
+            lambda: counter(metrics.DROPPED, "deleted") == deleted + 1, "the drop to be told"
+        )
+        assert counter(metrics.DROPPED, "not_canary") == not_canary

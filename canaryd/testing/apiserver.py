@@ -1447,7 +1447,14 @@ class FakeKube:
         elif now_matches:
             event = "ADDED"
         elif was_matching:
-            event = "DELETED"
+            # The previous copy, with the change's resourceVersion: a client cannot tell
+            # from the event whether the object was deleted or left the selector
+            # (cacher/cache_watcher.go, convertToWatchEvent).
+            assert change.old is not None
+            old = copy.deepcopy(change.old)
+            old["metadata"]["resourceVersion"] = str(change.rv)
+            await send("DELETED", old)
+            return
         else:
             event = None
         if event is not None:
