@@ -30,6 +30,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs, metrics
+from canaryd.backoff import Backoff
 from canaryd.http1 import Http1Client, ProtocolError
 
 log = structlog.get_logger("canaryd.kube")
@@ -256,6 +257,10 @@ class KubeClient:
         self._proxy = configuration.proxy or None
         self._last_authorization: str | None = None
         self._reload_lock = asyncio.Lock()
+        self._reload_ok = True
+        self._reload_not_before = -math.inf
+        self._reload_backoff = Backoff(1.0, 30.0)
+        """A failing credential plugin is retried after 1 s, doubling to 30 s."""
         self._credentials_version = 0
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
@@ -468,14 +473,24 @@ class KubeClient:
             return False
         async with self._reload_lock:
             if version is not None and version != self._credentials_version:
-                return True
+                return self._reload_ok  # a reload since answers this request too
+            if time.monotonic() < self._reload_not_before:
+                return False  # the last reload failed: backing off
             try:
                 loaded = await self._reload(self._config)
             except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
                 metrics.ERRORS.labels("credentials").inc()
-                log.warning("credentials_reload_failed", error=type(err).__name__)
+                delay = self._reload_backoff.next()
+                self._reload_not_before = time.monotonic() + delay
+                self._credentials_version += 1  # the waiters have their answer: no
+                self._reload_ok = False
+                log.warning(
+                    "credentials_reload_failed", error=type(err).__name__, retry_in=round(delay, 3)
+                )
                 return False
+            self._reload_backoff.reset()
             self._credentials_version += 1
+            self._reload_ok = True
             self.note_credentials(loaded)
             self._reload_client_certificate()
             return True

@@ -13,10 +13,11 @@ from __future__ import annotations
 import resource  # Unix: canaryd runs on Linux (and macOS for development)
 from dataclasses import dataclass
 
-RESERVED = 256
-"""Descriptors canaryd needs besides its watches: the bump and request pools (up to 32
-idle and 16 in flight on the lean client, 64 on aiohttp), health-port clients, the
-event loop, logs and the interpreter's own files."""
+RESERVED = 512
+"""Descriptors canaryd needs besides its watches: the bump and request pools (up to 256
+bumps in flight when slow writes grow the pool, 32 idle connections on the lean client,
+64 on aiohttp), health-port clients, the event loop, logs and the interpreter's own
+files."""
 
 
 @dataclass(frozen=True)

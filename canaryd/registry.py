@@ -103,6 +103,9 @@ class Canary:
     """Monotonic time the watch last delivered a higher generation."""
     bump_sent_at: float | None = None
     """Monotonic time the last written bump's PATCH was sent (its stages run from it)."""
+    bump_answered_at: float | None = None
+    """Scheduler-clock time that bump was answered: its scope's stream must deliver
+    something after it, or canaryd suspects its own connection (canaryd.sync)."""
     stages: dict[str, float] = field(default_factory=dict)
     """The last written bump's time to each stage reached so far (seconds)."""
     due_seq: int = -1
@@ -429,9 +432,7 @@ class Registry:
         canary.bump_sent_at = sent_at
         canary.stages = {"answered": max(0.0, answered_at - sent_at)}
         metrics.bump_stage(canary.key.kind, "answered", canary.stages["answered"])
-        sync = self.covering(canary.key)
-        if sync is not None:
-            sync.written(answered_at)
+        canary.bump_answered_at = answered_at
         canary.deferred_until = None
         canary.bumped_generation = generation
         canary.last_bumped_generation = generation

@@ -16,6 +16,7 @@ dropped or replaced changes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import json
@@ -100,6 +101,7 @@ class Scheduler:
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
         self._verdicts_kept = False
         """A replica that stepped down without seeing another holder keeps its verdicts."""
+        self._aging: asyncio.TimerHandle | None = None
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self.may_write: Callable[[], bool] = lambda: True
@@ -140,11 +142,39 @@ class Scheduler:
             self.failures.recovered(canary.key)
             if not keep:
                 self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
+        if keep:
+            self._age_kept_verdicts()
+        else:
+            self._stop_aging()
+
+    def _age_kept_verdicts(self) -> None:
+        """A kept verdict ages like any other: no bump is written while this replica
+        stands by, so an unhealthy verdict turns unknown two cycles after it was
+        reached (registry.write_failed), however long the lease stays away."""
+        self._stop_aging()
+        if not self._verdicts_kept or self.standby_reason is None:
+            return
+        unhealthy = False
+        for canary in self.registry.canaries():
+            if canary.state is CanaryState.UNHEALTHY:
+                self._no_bump(canary, f"no bump written: {self.standby_reason}")
+                unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
+        if unhealthy:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to age
+                self._aging = asyncio.get_running_loop().call_later(
+                    self.settings.timeout / 2, self._age_kept_verdicts
+                )
+
+    def _stop_aging(self) -> None:
+        if self._aging is not None:
+            self._aging.cancel()
+            self._aging = None
 
     def activate(self) -> None:
         """This replica leads: every canary gets its first bump within a cycle, and
         starts fresh unless this replica kept its own verdicts (see ``standby``)."""
         kept, self._verdicts_kept = self._verdicts_kept, False
+        self._stop_aging()
         self.standby_reason = None
         for canary in self.registry.canaries():
             if not kept or canary.state is CanaryState.PENDING:
@@ -230,6 +260,11 @@ class Scheduler:
         metrics.BUMP_WORKERS.set(self._workers)
         self._group.create_task(self._bump_worker(), name=f"bump worker {self._workers}")
 
+    def _note_latency(self, took: float) -> None:
+        """The moving average of answered writes: how long a bump holds a worker. Writes
+        that time out are left out: more workers would only add to an overload."""
+        self.write_latency += LATENCY_WEIGHT * (took - self.write_latency)
+
     def workers_wanted(self) -> int:
         """Little's law: bumps per second times seconds per bump, twice over, within
         [max_concurrent_bumps, MAX_BUMP_WORKERS]."""
@@ -312,15 +347,20 @@ class Scheduler:
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
                 self._push(now + self.settings.judge_slack, canary)
                 return False
-            grace = self.settings.judge_slack
-            if sync is not None and sync.silent_after_write(now, grace):
-                # Not one event or bookmark on the scope since a bump there was answered,
-                # though every bump is a change it must deliver: canaryd's own connection
+            answered = canary.bump_answered_at
+            if (
+                sync is not None
+                and answered is not None
+                and canary.generation < bumped  # its own event not seen (any mode)
+                and sync.silent_since(answered)
+            ):
+                # Not one event or bookmark on the scope since this bump was answered,
+                # though the bump is a change it must deliver: canaryd's own connection
                 # is the suspect (half-open). A fresh stream tells; it resumes from the
                 # last resourceVersion, and the verdict waits for it as for any resume.
                 metrics.VERDICTS.labels("suspected").inc()
-                silent = now - (sync.silent_since_write or now)
-                sync.suspect(now, f"nothing delivered {silent:.1f}s after a bump was answered")
+                silent = now - max(sync.last_delivery, answered)
+                sync.suspect(now, f"nothing delivered in the {silent:.1f}s since a bump")
         if sync is not None and sync.unsynced_since is not None:
             since = sync.unsynced_since
             if canary.deferred_until is None:
@@ -457,9 +497,11 @@ class Scheduler:
                         data=bump_body(canary.resource_version, nonce),
                         content_type=MERGE_PATCH,
                     )
-                finally:
-                    took = self._clock() - sent
-                    self.write_latency += LATENCY_WEIGHT * (took - self.write_latency)
+                except KubeError as err:
+                    if err.status is not None:  # answered; a timeout is overload, not latency
+                        self._note_latency(self._clock() - sent)
+                    raise
+                self._note_latency(self._clock() - sent)
             except KubeError as err:
                 if not self.registry.owns(canary):
                     return None  # a late answer about a record no longer tracked

@@ -34,9 +34,6 @@ class ScopeSync:
     """Why nothing in this scope is ours for now (a 403 or 404 on its list or watch)."""
     last_delivery: float = -math.inf
     """Monotonic time of the last list, event or bookmark of this scope."""
-    silent_since_write: float | None = None
-    """When the first bump answered 2xx since the last delivery was answered: the
-    stream owes an event since then. None: it delivered after every answered bump."""
     replace: Callable[[str], None] = field(default=lambda why: None)
     """Set by the scope's ListWatch: drop the current stream and resume from the last
     resourceVersion."""
@@ -67,21 +64,13 @@ class ScopeSync:
     def delivered(self, now: float) -> bool:
         """An event or a bookmark arrived. True when that ends a time out of sync."""
         self.last_delivery = now
-        self.silent_since_write = None
         return self._resync()
 
-    def written(self, now: float) -> None:
-        """A bump of a canary in this scope was answered 2xx: a change its stream must
-        deliver."""
-        if self.silent_since_write is None:
-            self.silent_since_write = now
-
-    def silent_after_write(self, now: float, grace: float) -> bool:
+    def silent_since(self, answered_at: float) -> bool:
         """Half-open, as far as canaryd can tell: not one event or bookmark since a bump
-        was answered ``grace`` or more ago. A live stream delivers that bump's event
-        (a stuck server still sends bookmarks); a dead connection sends nothing."""
-        since = self.silent_since_write
-        return since is not None and now - since >= grace
+        of this scope was answered. A live stream delivers that bump's event (a stuck
+        server still sends bookmarks); a dead connection sends nothing at all."""
+        return self.last_delivery < answered_at
 
     def dropped(self, now: float, why: str = "it dropped") -> None:
         """The stream or the list failed: from now on the registry may be behind."""
@@ -97,7 +86,6 @@ class ScopeSync:
     def suspect(self, now: float, why: str) -> None:
         """canaryd suspects its own connection: out of sync until a new stream delivers."""
         self.dropped(now, f"canaryd replaced it ({why})")
-        self.silent_since_write = None  # the new stream owes what the old one did
         self.replace(why)
 
     def _resync(self) -> bool:

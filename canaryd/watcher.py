@@ -481,11 +481,22 @@ class Watcher:
 
     async def _rediscover(self) -> None:
         """Every check interval, look again at which Flink CRDs are served: a CRD installed
-        after canaryd started gets its watches; a removed one loses them."""
+        after canaryd started gets its watches; a removed one loses them — once a second
+        look, a backoff later, confirms it: one API server replica that briefly answers
+        404 for the group must not drop every canary until the next interval."""
         while True:
             await asyncio.sleep(self.settings.config_check_interval)
             try:
                 kinds = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                lost = {k.key for k in self.kinds} - {k.key for k in kinds}
+                if lost:
+                    await asyncio.sleep(self.settings.backoff_max)
+                    again = {
+                        k.key
+                        for k in await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                    }
+                    kinds += [k for k in self.kinds if k.key in lost and k.key in again]
+                    kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
                 if kinds != self.kinds:
                     self._follow_kinds(kinds)
             except KubeError as err:

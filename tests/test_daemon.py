@@ -649,6 +649,8 @@ import datetime, json, pathlib, sys
 here = pathlib.Path(sys.argv[1])
 runs = here / "runs"
 runs.write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else "1")
+if (here / "fail").exists():
+    sys.exit("the identity provider is down")
 lifetime = float((here / "lifetime").read_text())
 expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
 print(json.dumps({
@@ -761,3 +763,50 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
     warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
     assert warned and warned[-1]["level"] == "warning", warned
     assert len(warned) <= 3, warned  # once per change, not per scope or per retry
+
+
+async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(kube, tmp_path):
+    """The token is revoked and the plugin that would renew it fails: every refused
+    request at that moment shares one run of it (not one each, in a row behind a
+    lock), and the next tries back off."""
+    names = [f"c-{n:02}" for n in range(30)]
+    for name in names:
+        create_canary(kube, name)
+    kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
+        runs = plugin_runs(tmp_path)
+        (tmp_path / "fail").write_text("1")
+        kube.token = "revoked-and-not-renewed-123"
+        await run.until(
+            lambda: len([r for r in kube.requests if r.status == 401]) >= len(names),
+            "a cycle of refused bumps",
+            within=5,
+        )
+        assert run.daemon.watcher is not None
+        assert plugin_runs(tmp_path) - runs <= 3, plugin_runs(tmp_path) - runs
+
+
+async def test_one_discovery_404_does_not_drop_every_canary(kube, kubeconfig):
+    """One API server replica briefly not serving the group answers discovery 404: a
+    second look a backoff later finds the kinds served, so nothing is dropped (before:
+    every canary dropped, its watches stopped, until the next check interval)."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, config_check_interval=0.5) as run:
+        canary = await run.until_state(CanaryState.HEALTHY)
+        flaky = kube.inject(Fault(verb="discovery", code=404))
+        discoveries = len(kube.requests_for("get", None, None))
+        await run.until(lambda: flaky.hits == 1, "the 404", within=5)
+        await run.until(
+            lambda: len(kube.requests_for("get", None, None)) >= discoveries + 2,
+            "the second look",
+            within=5,
+        )
+        assert run.canary() is canary and run.daemon.watcher.kinds
+        kube.remove_crd("flinksessionjobs")  # a real removal is still followed
+        await run.until(
+            lambda: [k.key for k in run.daemon.watcher.kinds] == ["flinkdeployments"],
+            "the removed kind to be dropped",
+            within=5,
+        )
+        assert run.canary() is canary

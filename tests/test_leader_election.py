@@ -438,8 +438,9 @@ async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_
 ):
     """Lease requests fail past the renew deadline: the leader stops bumping at once, but
     it has seen no other holder, so its unhealthy verdict (a stuck watch) stands, and
-    /healthz stays 500: a liveness probe's failure count does not start over. Retaking
-    its own lease, it goes on with that verdict until a bump is judged healthy."""
+    /healthz stays 500: a liveness probe's failure count does not start over. Like any
+    verdict no bump re-tests, it turns unknown two cycles after it was reached. Retaking
+    its own lease, the replica goes on with its canaries."""
     create_canary(kube)
     async with running_daemon(
         kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
@@ -450,12 +451,20 @@ async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_
         canary = await run.until_state(CanaryState.UNHEALTHY)
         failing = kube.inject(Fault(resource=LEASES.plural, code=500, times=-1))
         await run.until(lambda: not elector.leading, "the leader to step down", RENEW_DEADLINE + 5)
-        assert canary.state is CanaryState.UNHEALTHY, canary.reason
+        assert canary.state is CanaryState.UNHEALTHY, canary.reason  # kept
         assert await run.get("/healthz") == (500, "ERROR")
+        # A kept verdict ages as any other: nobody re-tests it while the lease is away,
+        # so two cycles after it was reached it is unknown, and /healthz 200.
+        await run.until_state(CanaryState.UNKNOWN, within=3 * CYCLE + 1.0)
+        assert "no bump written since" in canary.reason, canary.reason
+        assert "standby" in canary.reason, canary.reason
+        assert await run.get("/healthz") == (200, "OK")
         writes = len(kube.requests_for("patch"))
         kube.faults.remove(failing)
         await run.until(lambda: elector.leading, "the lease retaken", LEASE_DURATION + 5)
-        assert canary.state is CanaryState.UNHEALTHY, canary.reason  # went on with it
+        # It goes on with its own canaries (not reset to a fresh pending), bumps again
+        # and, the watch still stuck, finds the verdict again.
+        await run.until_state(CanaryState.UNHEALTHY, within=3 * CYCLE + 1.0)
         kube.release_watch_events()
         await run.until_state(CanaryState.HEALTHY)
         assert len(kube.requests_for("patch")) > writes
@@ -483,7 +492,7 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
         },
     )
     (canary,) = registry.canaries()
-    registry.judged_unhealthy(canary, "generation 2 not observed", 0.0)
+    registry.judged_unhealthy(canary, "generation 2 not observed", scheduler._clock())
     scheduler.standby(None)  # a hiccup: kept
     assert canary.state is CanaryState.UNHEALTHY
     scheduler.standby("replica-b")  # another holder: fresh

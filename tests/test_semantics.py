@@ -825,3 +825,25 @@ async def test_a_deleted_canary_is_counted_as_deleted(kube, kubeconfig):
             lambda: counter(metrics.DROPPED, "deleted") == deleted + 1, "the drop to be told"
         )
         assert counter(metrics.DROPPED, "not_canary") == not_canary
+
+
+async def test_a_stuck_server_with_many_canaries_is_not_taken_for_a_half_open_watch(
+    kube, kubeconfig
+):
+    """Bookmarks still come from a stuck watch cache, and other canaries' bumps are
+    answered all the time: only a bump whose own answer was followed by nothing at all
+    makes canaryd suspect its connection. Every canary gets the usual verdict, at the
+    usual time, and the watch is never replaced."""
+    names = [f"c-{n:02}" for n in range(20)]
+    for name in names:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        for name in names:
+            await run.until_state(CanaryState.HEALTHY, name)
+        replaced = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
+        kube.hold_watch_events()
+        for name in names:
+            canary = await run.until_state(CanaryState.UNHEALTHY, name, within=2 * CYCLE + 1.0)
+            assert "not observed within" in canary.reason, canary.reason
+        assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") == replaced
+        kube.release_watch_events()

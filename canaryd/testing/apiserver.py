@@ -950,6 +950,18 @@ class FakeKube:
         discovery = self._discovery(request.path)
         if discovery is not None:
             record.verb = "get"
+            # Fault(verb="discovery"): a discovery answer that fails (one API server
+            # replica briefly not serving a group answers 404).
+            probe = Request(verb="discovery", rtype=None)
+            fault = next(
+                (f for f in self.faults if f.verb == "discovery" and f.matches(probe)), None
+            )
+            if fault is not None:
+                fault.hits += 1
+                if fault.times > 0:
+                    fault.times -= 1
+                if fault.code:
+                    raise ApiError(fault.code, _REASONS.get(fault.code, "Unknown"), fault.message)
             return web.json_response(discovery)
         req = self._parse(request)
         record.verb, record.namespace, record.name = req.verb, req.namespace, req.name
