@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -325,6 +327,41 @@ def _port(value: Any, what: str) -> int:
     return port
 
 
+FLOORS = {
+    "config check interval": 1.0,
+    "lease duration": 1.0,
+    "renew deadline": 0.5,
+    "retry period": 0.1,
+}
+"""The shortest value of each duration that makes sense (seconds). A bare number is
+milliseconds, as in Flink: without a floor ``CANARYD_LEASE_DURATION=15`` is a 15 ms
+lease (hundreds of Lease requests a second) and ``CANARYD_CONFIG_CHECK_INTERVAL=5``
+179 discovery requests a second."""
+
+
+def _floored_duration(value: Any, what: str) -> float:
+    seconds = _positive_duration(value, what)
+    floor = FLOORS[what]
+    if seconds < floor:
+        text = str(value).strip()
+        bare = (
+            f" (a bare number is milliseconds: {text!r} is {text} ms; write '{text}s')"
+            if text.replace(".", "", 1).isdigit()
+            else ""
+        )
+        raise ConfigError(
+            f"{what} {text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{bare}"
+        )
+    return seconds
+
+
+def default_identity() -> str:
+    """The host name and a random suffix, as client-go's users make theirs: systemd and
+    VM deployments often share a host name, and two replicas of one identity would
+    both take themselves for the holder."""
+    return f"{socket.gethostname()}_{secrets.token_hex(4)}"
+
+
 def _positive_duration(value: Any, what: str) -> float:
     try:
         seconds = parse_duration(str(value))
@@ -455,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--identity",
         metavar="ID",
-        help="this replica's holder identity [env CANARYD_IDENTITY] (default: the host name)",
+        help="this replica's holder identity [env CANARYD_IDENTITY] (default: the host "
+        "name and a random suffix)",
     )
     for flag, env, default, what in (
         (
@@ -598,7 +636,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         args.config_check_interval, "CANARYD_CONFIG_CHECK_INTERVAL", KEY_CHECK_INTERVAL
     )
     if interval is not None:
-        changes["config_check_interval"] = _positive_duration(interval, "config check interval")
+        changes["config_check_interval"] = _floored_duration(interval, "config check interval")
 
     log_format = pick(args.log_format, "CANARYD_LOG_FORMAT")
     if log_format is not None:
@@ -654,7 +692,7 @@ def _leader_election(
     ):
         value = pick(flag, env)
         timings[field] = (
-            _positive_duration(value, field.replace("_", " "))
+            _floored_duration(value, field.replace("_", " "))
             if value is not None
             else getattr(defaults, field)
         )
@@ -664,9 +702,23 @@ def _leader_election(
     # RetryPeriod, or a leader could lose its lease before it notices.
     if not timings["lease_duration"] > timings["renew_deadline"]:
         raise ConfigError("lease duration must be greater than the renew deadline")
+    # What followers see is what the Lease stores: whole seconds (client-go truncates).
+    stored = lease_seconds(timings["lease_duration"])
+    if not stored > timings["renew_deadline"]:
+        raise ConfigError(
+            f"lease duration {timings['lease_duration']:g}s is stored in the Lease as "
+            f"{stored} s (whole seconds), which must be greater than the renew deadline "
+            f"{timings['renew_deadline']:g}s"
+        )
     if not timings["renew_deadline"] > 1.2 * timings["retry_period"]:
         raise ConfigError("renew deadline must be greater than 1.2 x the retry period")
     return changes
+
+
+def lease_seconds(lease_duration: float) -> int:
+    """leaseDurationSeconds as the Lease stores it: whole seconds, truncated as client-go
+    does (int32(LeaseDuration / time.Second)), at least 1."""
+    return max(1, int(lease_duration))
 
 
 def lease_namespace(settings: Settings) -> str:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from canaryd.backoff import Backoff
 from canaryd.config import (
     ConfigError,
     Settings,
+    default_identity,
     namespaces_from_operator_config,
     read_operator_config,
 )
@@ -140,7 +140,7 @@ class Daemon:
                 self.elector = LeaderElector(
                     settings,
                     kube,
-                    settings.identity or socket.gethostname(),
+                    settings.identity or default_identity(),
                     on_started_leading=scheduler.activate,
                     on_stopped_leading=scheduler.standby,
                     on_new_leader=self._new_leader,

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.config import Settings, lease_namespace
+from canaryd.config import Settings, lease_namespace, lease_seconds
 from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 
@@ -179,7 +179,7 @@ class LeaderElector:
     def _record(self, transitions: int, acquired: str) -> dict[str, Any]:
         return {
             "holderIdentity": self.identity,
-            "leaseDurationSeconds": max(1, round(self.settings.lease_duration)),
+            "leaseDurationSeconds": lease_seconds(self.settings.lease_duration),
             "acquireTime": acquired,
             "renewTime": micro_time(),
             "leaseTransitions": transitions,

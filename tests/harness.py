@@ -209,6 +209,20 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return records
 
 
+async def read_until(
+    proc: asyncio.subprocess.Process, text: str, lines: list[str], within: float = 20
+) -> None:
+    """Read a canaryd process's stderr into ``lines`` until a line holds ``text``."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(within):
+        while True:
+            line = (await proc.stderr.readline()).decode()
+            assert line, f"canaryd ended before logging {text!r}: {''.join(lines)[-2000:]}"
+            lines.append(line)
+            if text in line:
+                return
+
+
 @contextlib.contextmanager
 def black_hole() -> Iterator[str]:
     """An address on 127.0.0.1 that never completes a TCP handshake: a listening socket

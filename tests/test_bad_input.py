@@ -294,6 +294,22 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
         (["--lease-duration", "-1s"], {}, "lease duration"),
         (["--lease-name", "Not_A_Name"], {}, "invalid lease name"),
         ([], {"CANARYD_LEADER_ELECT": "perhaps"}, "CANARYD_LEADER_ELECT"),
+        # Bare numbers are milliseconds everywhere: every duration has a floor.
+        (
+            [],
+            {"CANARYD_LEASE_DURATION": "15", "CANARYD_RENEW_DEADLINE": "10"},
+            "lease duration '15' is 15 ms, below its floor of 1 s (a bare number is "
+            "milliseconds: '15' is 15 ms; write '15s')",
+        ),
+        ([], {"CANARYD_RETRY_PERIOD": "2"}, "retry period '2' is 2 ms"),
+        (["--renew-deadline", "200ms"], {}, "renew deadline '200ms' is 200 ms, below"),
+        # The Lease stores whole seconds: what followers wait is what is written.
+        (
+            ["--lease-duration", "1.4s", "--renew-deadline", "1.3s", "--retry-period", "0.5s"],
+            {},
+            "lease duration 1.4s is stored in the Lease as 1 s (whole seconds), which must "
+            "be greater than the renew deadline 1.3s",
+        ),
     ],
 )
 def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch, args, env, says):
@@ -303,6 +319,24 @@ def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch
     code, lines = run_main([*flag, *args], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1, lines
     assert says in lines[0], lines
+
+
+def test_a_bare_config_check_interval_is_refused_with_the_hint(capsys, monkeypatch):
+    monkeypatch.setenv("CANARYD_CONFIG_CHECK_INTERVAL", "5")
+    code, lines = run_main([], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert "config check interval '5' is 5 ms, below its floor of 1 s" in lines[0], lines
+
+
+def test_the_default_identity_is_the_host_name_and_a_random_suffix():
+    """Two replicas on hosts of one name (systemd, VMs) must not both lead."""
+    import socket
+
+    from canaryd.config import default_identity
+
+    first, second = default_identity(), default_identity()
+    assert first.startswith(f"{socket.gethostname()}_") and first != second
+    assert load_settings(["--identity", "pod-0"], {}).identity == "pod-0"  # as given
 
 
 def test_leader_election_settings_by_flag_and_environment():

@@ -10,7 +10,9 @@ import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -24,6 +26,7 @@ from tests.harness import (
     counter,
     create_canary,
     following,
+    read_until,
     running_daemon,
     write_dynamic_config,
 )
@@ -476,17 +479,6 @@ async def start_process(kubeconfig: Path, *args: str) -> asyncio.subprocess.Proc
     )
 
 
-async def read_until(proc: asyncio.subprocess.Process, text: str, lines: list[str]) -> None:
-    assert proc.stderr is not None
-    async with asyncio.timeout(20):
-        while True:
-            line = (await proc.stderr.readline()).decode()
-            assert line, f"canaryd ended before logging {text!r}: {''.join(lines)}"
-            lines.append(line)
-            if text in line:
-                return
-
-
 async def test_sigterm_stops_cleanly_with_exit_0_and_json_logs(kube, kubeconfig):
     create_canary(kube)
     proc = await start_process(kubeconfig)
@@ -700,16 +692,25 @@ async def test_exec_credentials_are_renewed_before_they_expire(kube, tmp_path):
         assert not [r for r in kube.requests if r.status == 401]
 
 
-async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
-    """A revoked token refuses every bump in flight at once: one run of the plugin
-    answers them all (before: one reload per refused request)."""
+@contextlib.asynccontextmanager
+async def thirty_canaries_on_an_exec_plugin(
+    kube: FakeKube, tmp_path: Path
+) -> AsyncIterator[tuple[Any, list[str], int]]:
+    """A daemon whose credentials come from an exec plugin, each of 30 canaries bumped;
+    yields the run, the names and the plugin's runs so far."""
     names = [f"c-{n:02}" for n in range(30)]
     for name in names:
         create_canary(kube, name)
     kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
     async with running_daemon(kube, kubeconfig) as run:
         await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
-        runs = plugin_runs(tmp_path)
+        yield run, names, plugin_runs(tmp_path)
+
+
+async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
+    """A revoked token refuses every bump in flight at once: one run of the plugin
+    answers them all (before: one reload per refused request)."""
+    async with thirty_canaries_on_an_exec_plugin(kube, tmp_path) as (run, names, runs):
         kube.token = "rotated-token-5566778899"
         (tmp_path / "token").write_text(kube.token)
         written = len([r for r in kube.requests_for("patch") if r.status == 200])
@@ -769,13 +770,7 @@ async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(ku
     """The token is revoked and the plugin that would renew it fails: every refused
     request at that moment shares one run of it (not one each, in a row behind a
     lock), and the next tries back off."""
-    names = [f"c-{n:02}" for n in range(30)]
-    for name in names:
-        create_canary(kube, name)
-    kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
-        runs = plugin_runs(tmp_path)
+    async with thirty_canaries_on_an_exec_plugin(kube, tmp_path) as (run, names, runs):
         (tmp_path / "fail").write_text("1")
         kube.token = "revoked-and-not-renewed-123"
         await run.until(

@@ -29,6 +29,7 @@ from tests.harness import (
     counter,
     create_canary,
     json_lines,
+    read_until,
     running_daemon,
 )
 
@@ -238,17 +239,6 @@ async def _start_canaryd(
     return proc, port
 
 
-async def _read_until(proc: asyncio.subprocess.Process, text: str, lines: list[str]) -> None:
-    assert proc.stderr is not None
-    async with asyncio.timeout(60):
-        while True:
-            line = (await proc.stderr.readline()).decode()
-            assert line, f"canaryd ended before logging {text!r}: {''.join(lines)[-2000:]}"
-            lines.append(line)
-            if text in line:
-                return
-
-
 async def _until_readyz(
     port: int, wanted: Callable[[int, str], bool], attempts: int = 100
 ) -> tuple[int, str]:
@@ -292,7 +282,7 @@ async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfi
             status, body = await _until_readyz(port, lambda status, body: status == 200)
             assert status == 200, body
         else:
-            await _read_until(proc, "open_files_limit_too_low", seen)
+            await read_until(proc, "open_files_limit_too_low", seen, within=60)
             status, body = await _until_readyz(port, lambda status, body: status == 503)
             assert status == 503 and "open files limit 1024 is below" in body, (status, body)
     finally:
