@@ -88,7 +88,7 @@ class Scheduler:
         self._workers = 0
         self._idle_workers = 0
         self.write_latency = 0.0
-        """Moving average of one bump's PATCH, answered or failed (seconds)."""
+        """Moving average of an answered bump's PATCH, 2xx or not (seconds)."""
         self.failures = Episodes(
             "bump_failures",
             subject="canary",
@@ -317,7 +317,7 @@ class Scheduler:
         """Healthy if the watch has seen the bumped generation by the deadline, else
         unhealthy — unless canaryd's own delay may be why it has not: the watch covering
         the canary is not in sync (canaryd.sync: not listed yet, dropped, or suspected
-        because it delivered nothing at all since the bump was sent; the verdict waits
+        because it delivered nothing at all since this bump was answered; the verdict waits
         for it to resume, one more cycle at most), or this judge itself runs ``late``
         because canaryd stalled (events may sit unread in its sockets: re-checked once,
         ``judge_slack`` later). Returns False when it was deferred."""
