@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e clean
+.PHONY: install test lint format demo soak bench controlplane e2e operator clean
 
 install: $(STAMP)
 
@@ -55,6 +55,13 @@ controlplane:
 e2e: $(STAMP) controlplane
 	CANARYD_E2E=controlplane $(BIN)/python -m pytest -p no:cacheprovider -rs \
 		tests/test_e2e.py tests/test_conformance.py
+
+# The upstream Flink Kubernetes Operator (release-1.15.0, Flink 1.20.0) built with Maven
+# from its source into .cache/operator/; a no-op once built. Needs Java 17 and Maven.
+# FLINK_OPERATOR_SRC: a git URL or a local git directory (default: the upstream
+# repository on GitHub); FLINK_OPERATOR_REF: another tag or commit.
+operator:
+	bash tests/operator/build.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
