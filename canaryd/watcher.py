@@ -378,7 +378,9 @@ class Watcher:
 
     @property
     def ready(self) -> bool:
-        return self.discovered.is_set() and not self.not_ready()
+        """Every scope listed and connected (what systemd's READY=1 waits for). A limit
+        that is too low is said in /readyz, but must not keep a unit from starting."""
+        return self.discovered.is_set() and all(lw.sync.ready for lw, _ in self._watches.values())
 
     def coverage(self) -> dict[str, int]:
         """Watch scopes by state, wanted ones that cannot exist included: ``listed``
@@ -644,6 +646,15 @@ class Watcher:
             self._group.create_task(self._tell_drop(kind, key), name=f"drop {key}")
 
     async def _tell_drop(self, kind: Kind, key: CanaryKey) -> None:
+        try:
+            await self._classify_drop(kind, key)
+        except Exception:
+            # A bug here must not cancel the watches that share this task group.
+            metrics.ERRORS.labels("watch").inc()
+            log.exception("drop_classification_failed", canary=str(key))
+            self.registry.announce_drop(key, "deleted", "deleted, or its label removed")
+
+    async def _classify_drop(self, kind: Kind, key: CanaryKey) -> None:
         label = self.settings.label
         try:
             found = await self.kube.request("get", "GET", kind.object_path(key.namespace, key.name))

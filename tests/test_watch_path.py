@@ -364,3 +364,21 @@ async def test_lists_come_in_pages_of_500_and_an_expired_continue_lists_whole(ku
         )
         kube.hooks.remove(compact_between_pages)
         assert len(run.registry) == len(names)
+
+
+async def test_an_open_files_limit_too_low_is_said_but_does_not_withhold_ready(
+    kube, kubeconfig, monkeypatch
+):
+    """/readyz names the shortfall; the watcher's own readiness (systemd's READY=1 under
+    Type=notify) stays the scopes': a unit must not be killed at start for it."""
+    from canaryd.limits import OpenFiles
+
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        watcher = run.daemon.watcher
+        await run.until(lambda: watcher.ready, "the watches to be ready")
+        monkeypatch.setattr(watcher, "open_files", OpenFiles(soft=100, hard=100))
+        watcher._check_open_files()
+        status, text = await run.get("/readyz")
+        assert status == 503 and "open files limit 100 is below" in text, (status, text)
+        assert watcher.ready and run.daemon._ready()
