@@ -23,6 +23,7 @@ from canaryd.config import (
     Settings,
     default_identity,
     namespaces_from_operator_config,
+    operator_config_files,
     read_operator_config,
 )
 from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
@@ -159,6 +160,7 @@ class Daemon:
                     f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
                 ) from err
             self._install_signals()
+            operator_config = self._say_operator_config()
             log.info(
                 "canaryd_started",
                 api_server=kube.host,
@@ -167,6 +169,7 @@ class Daemon:
                 timeout=settings.timeout,
                 label=settings.label,
                 follows_operator_config=self.follows_operator_config,
+                operator_config=operator_config,
             )
             try:
                 async with asyncio.TaskGroup() as group:
@@ -188,6 +191,23 @@ class Daemon:
         finally:
             self._remove_signals()
             await kube.close()
+
+    def _say_operator_config(self) -> str | None:
+        """Which operator config file is read; a warning when the directory holds both
+        flink-conf.yaml and config.yaml: the operator reads the first, so must canaryd,
+        and an edit of the other changes neither."""
+        if self.settings.operator_config is None:
+            return None
+        read, ignored = operator_config_files(self.settings.operator_config)
+        if ignored:
+            log.warning(
+                "operator_config_ignored",
+                read=str(read),
+                ignored=[str(path) for path in ignored],
+                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                "and config.yaml only without it",
+            )
+        return str(read)
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run a long-lived task for as long as the daemon runs: a bug that escapes it is

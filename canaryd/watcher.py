@@ -457,8 +457,8 @@ class Watcher:
             raise
         finally:
             self._group = None
-            for scope in self._watches:
-                self.failures.recovered(scope)  # not watched until a restart starts it
+            # Not watched until a restart starts them: still failing, not recovered.
+            self.failures.stopped("the watches stopped")
             self._watches.clear()
 
     async def _discover(self) -> list[Kind]:
