@@ -255,7 +255,8 @@ class Daemon:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
         if self.watcher is None or not self.watcher.discovered.is_set():
-            return ["discovery"]
+            problem = self.watcher.discovery_problem if self.watcher is not None else None
+            return [f"discovery failed: {problem}" if problem else "discovery not done"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:
             waiting.append(f"lease {self.elector}: {self.elector.problem}")

@@ -16,6 +16,7 @@ import enum
 import json
 import math
 import os
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -220,6 +221,40 @@ def error_from_exception(err: BaseException, reason: str = "ConnectionError") ->
     name = type(err).__name__
     text = logs.scrub(str(err)) or name
     return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason=reason)
+
+
+def failure_cause(err: KubeError) -> str:
+    """Why a request failed, in one word a person acts on: ``refused`` (nothing listens
+    there), ``unauthorized`` (401: the credentials are wrong or expired, also after a
+    reload), ``tls`` (the certificate is not trusted, or the handshake failed),
+    ``timeout``, ``dns``, ``forbidden`` (403), ``credentials`` (they could not be
+    loaded), ``server_error`` (5xx, 429), ``http_<code>``, else ``connection``."""
+    if err.status is not None:
+        if err.status == 401:
+            return "unauthorized"
+        if err.status == 403:
+            return "forbidden"
+        if err.status >= 500 or err.status == 429:
+            return "server_error"
+        return f"http_{err.status}"
+    if err.reason == "Credentials":
+        return "credentials"
+    if err.reason == "ConnectTimeout":
+        return "timeout"
+    seen: BaseException | None = err.__cause__
+    while seen is not None:
+        if isinstance(seen, aiohttp.ClientConnectorError):
+            seen = seen.os_error  # what the connector met
+        if isinstance(seen, ssl.SSLError | aiohttp.ClientSSLError):
+            return "tls"
+        if isinstance(seen, ConnectionRefusedError):
+            return "refused"
+        if isinstance(seen, socket.gaierror):
+            return "dns"
+        if isinstance(seen, TimeoutError | aiohttp.ServerTimeoutError):
+            return "timeout"
+        seen = seen.__cause__ or seen.__context__
+    return "connection"
 
 
 # -------------------------------------------------------------------- client
@@ -446,7 +481,10 @@ class KubeClient:
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 continue
             if status >= 300:
-                raise error_from_response(status, payload, retry_after)
+                error = error_from_response(status, payload, retry_after)
+                if status == 401 and attempt == 2:
+                    error.args = (f"{error.args[0]} (also after reloading the credentials)",)
+                raise error
             try:
                 decoded = json.loads(payload)
             except ValueError as err:
