@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e operator clean
+.PHONY: install test lint format demo soak bench controlplane e2e operator helm e2e-operator clean
 
 install: $(STAMP)
 
@@ -62,6 +62,17 @@ e2e: $(STAMP) controlplane
 # repository on GitHub); FLINK_OPERATOR_REF: another tag or commit.
 operator:
 	bash tests/operator/build.sh
+
+# Helm and kustomize built from their Go modules (tests/helm, pinned in go.mod there) into
+# .cache/helm and .cache/kustomize, for the test of the post-renderer; a no-op once built.
+helm:
+	bash tests/helm/build.sh
+
+# The operator's own chart through config/helm/post-render, checked by a server-side dry
+# run on the real control plane (tests/test_helm.py). Needs Go, and the chart from
+# `make operator` (Java and Maven, or an earlier build in .cache/operator).
+e2e-operator: $(STAMP) controlplane operator helm
+	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs tests/test_helm.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
