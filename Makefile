@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e operator helm e2e-operator clean
+.PHONY: install test lint format demo soak bench controlplane e2e operator helm e2e-operator kubeconfig clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ bench: $(STAMP)
 controlplane:
 	bash tests/controlplane/build.sh
 
-# canaryd against the real control plane: tests/test_e2e.py (the seed's reproductions
+# canaryd against the real control plane: tests/test_e2e.py (the bug report's reproductions
 # and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
 # server). CI runs it after `make test`.
 e2e: $(STAMP) controlplane
@@ -73,6 +73,18 @@ helm:
 # `make operator` (Java and Maven, or an earlier build in .cache/operator).
 e2e-operator: $(STAMP) controlplane operator helm
 	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs tests/test_helm.py
+
+# A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
+# ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.
+# make kubeconfig [ADMIN_KUBECONFIG=~/.kube/config] [OUTPUT=canaryd.kubeconfig]
+#                 [RBAC=config/rbac/namespaced NAMESPACE=team-a]
+ADMIN_KUBECONFIG ?=
+OUTPUT ?= canaryd.kubeconfig
+RBAC ?= config/rbac
+NAMESPACE ?= canaryd
+kubeconfig: $(STAMP)
+	$(BIN)/python -m canaryd.kubeconfig --output '$(OUTPUT)' --rbac '$(RBAC)' \
+		--namespace '$(NAMESPACE)' $(if $(ADMIN_KUBECONFIG),--kubeconfig '$(ADMIN_KUBECONFIG)')
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
