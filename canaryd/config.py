@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -27,7 +28,7 @@ CUSTOM_KIND = re.compile(
     r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\.[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
     r"/v[0-9]+((alpha|beta)[0-9]+)?"
 )
-RECONCILED_BY = ("watch", "observed-generation")
+RECONCILED_BY = ("watch", "observed-generation", "operator-metrics")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIN_TIMEOUT = 0.1
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
@@ -47,6 +48,10 @@ KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
 KEY_TIMEOUT = "kubernetes.operator.health.canary.resource.timeout"
 KEY_PORT = "kubernetes.operator.health.probe.port"
 KEY_CHECK_INTERVAL = "kubernetes.operator.dynamic.config.check.interval"
+REPORTER_PORT_KEY = "kubernetes.operator.metrics.reporter.<name>.port"
+PROM_FACTORY = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
+DEFAULT_REPORTER_PORT = 9249
+"""Flink's Prometheus reporter's default port (PrometheusReporterOptions.PORT)."""
 # The operator's "watch all namespaces" value (JOSDK Constants.WATCH_ALL_NAMESPACES).
 ALL_NAMESPACES_VALUE = "JOSDK_ALL_NAMESPACES"
 
@@ -79,8 +84,13 @@ class Settings:
     """Canary kinds: plurals in flink.apache.org/v1beta1, or PLURAL.GROUP/VERSION."""
     reconciled_by: str = "watch"
     """When a bump counts as reconciled: ``watch`` (its generation seen through the
-    watch) or ``observed-generation`` (the canary's status.observedGeneration reaches
-    it)."""
+    watch), ``observed-generation`` (the canary's status.observedGeneration reaches
+    it) or ``operator-metrics`` (the operator's own count of finished reconciles of the
+    canary rose after the bump was written: canaryd.opmetrics)."""
+    operator_metrics_url: str = "http://127.0.0.1:9249/metrics"
+    """The operator's Prometheus reporter (``--reconciled-by operator-metrics``): by
+    default the port the operator config file gives its Prometheus reporter, else
+    Flink's default 9249, on this host (the sidecar shares the operator's network)."""
     timeout: float = 60.0
     """Canary cycle: bump every ``timeout``, judge the bump one ``timeout`` later."""
     host: str = "0.0.0.0"
@@ -176,6 +186,21 @@ class Settings:
         """After a watch resumes, how long a deferred verdict waits for the replayed
         events before it is judged: a quarter of the cycle."""
         return self.timeout / 4
+
+    @property
+    def scrape_interval(self) -> float:
+        """How often the operator's metrics are read (operator-metrics): 2 s, at most a
+        tenth of the cycle. A verdict waits for the first read after its deadline, and
+        an operator that was restarted is seen within this (the kubelet probes every
+        10 s)."""
+        return min(2.0, self.timeout / 10)
+
+    @property
+    def scrape_timeout(self) -> float:
+        """One read of the operator's metrics, connecting included: 5 s, at most a
+        quarter of the cycle. An answer that never comes (a frozen JVM) is a missed
+        reconcile once it has not come for a whole cycle past the deadline."""
+        return min(5.0, self.timeout / 4)
 
     @property
     def all_namespaces(self) -> bool:
@@ -344,6 +369,49 @@ def _bool(value: Any, what: str) -> bool:
     raise ConfigError(f"invalid {what} {str(value).strip()!r}: expected true or false")
 
 
+def reporter_url(flat: Mapping[str, Any]) -> str:
+    """The operator's Prometheus reporter on this host, as its config file sets it up
+    (``kubernetes.operator.metrics.reporter.<name>.factory.class`` the Prometheus
+    factory and ``...<name>.port`` a port or a range, whose first port a single
+    operator process takes), else Flink's default port."""
+    port = DEFAULT_REPORTER_PORT
+    prefix = "kubernetes.operator.metrics.reporter."
+    for key, value in sorted(flat.items()):
+        if not (key.startswith(prefix) and key.endswith(".factory.class")):
+            continue
+        if str(value).strip() != PROM_FACTORY:
+            continue
+        name = key[len(prefix) : -len(".factory.class")]
+        first = str(flat.get(f"{prefix}{name}.port", "")).split(",")[0].split("-")[0].strip()
+        if first.isdigit() and 0 < int(first) < 65536:
+            port = int(first)
+        break
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+def has_prometheus_reporter(flat: Mapping[str, Any]) -> bool:
+    """Does the operator config set up Flink's Prometheus reporter?"""
+    prefix = "kubernetes.operator.metrics.reporter."
+    return any(
+        key.startswith(prefix) and key.endswith(".factory.class") and str(v).strip() == PROM_FACTORY
+        for key, v in flat.items()
+    )
+
+
+def _metrics_url(value: str) -> str:
+    url = value.strip()
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises on a bad port
+    except ValueError as err:
+        raise ConfigError(f"invalid operator metrics URL {url!r}: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"invalid operator metrics URL {url!r}: expected http(s)://HOST:PORT/PATH"
+        )
+    return url
+
+
 def _port(value: Any, what: str) -> int:
     try:
         port = int(str(value).strip())
@@ -460,10 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--reconciled-by",
-        metavar="watch|observed-generation",
-        help="a bump is reconciled when its generation is seen through the watch, or when "
-        "the canary's status.observedGeneration reaches it [env CANARYD_RECONCILED_BY] "
-        "(default: watch)",
+        metavar="watch|observed-generation|operator-metrics",
+        help="a bump is reconciled when its generation is seen through the watch, when "
+        "the canary's status.observedGeneration reaches it, or when the operator's own "
+        "count of finished reconciles of the canary rose after it "
+        "[env CANARYD_RECONCILED_BY] (default: watch)",
+    )
+    add(
+        "--operator-metrics-url",
+        metavar="URL",
+        help="the operator's Prometheus reporter, read with --reconciled-by "
+        "operator-metrics [env CANARYD_OPERATOR_METRICS_URL] (default: "
+        "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets "
+        f"{REPORTER_PORT_KEY}, else 9249)",
     )
     add(
         "--timeout",
@@ -633,6 +710,12 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
                 f"invalid reconciled-by {reconciled_by!r}: expected {' or '.join(RECONCILED_BY)}"
             )
         changes["reconciled_by"] = reconciled_by.strip().lower()
+
+    metrics_url = pick(args.operator_metrics_url, "CANARYD_OPERATOR_METRICS_URL")
+    if metrics_url is not None:
+        changes["operator_metrics_url"] = _metrics_url(metrics_url)
+    elif flat:
+        changes["operator_metrics_url"] = reporter_url(flat)
 
     timeout = resolve(args.timeout, "CANARYD_TIMEOUT", KEY_TIMEOUT)
     if timeout is not None:

@@ -22,6 +22,7 @@ from canaryd.config import (
     ConfigError,
     Settings,
     default_identity,
+    has_prometheus_reporter,
     namespaces_from_operator_config,
     operator_config_files,
     read_operator_config,
@@ -168,9 +169,12 @@ class Daemon:
                 namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
                 timeout=settings.timeout,
                 label=settings.label,
+                reconciled_by=settings.reconciled_by,
                 follows_operator_config=self.follows_operator_config,
                 operator_config=operator_config,
             )
+            if settings.reconciled_by == "operator-metrics":
+                self._check_operator_reporter()
             try:
                 async with asyncio.TaskGroup() as group:
                     self._tasks = [
@@ -209,6 +213,29 @@ class Daemon:
             )
         return str(read)
 
+    def _check_operator_reporter(self) -> None:
+        """operator-metrics reads the operator's Prometheus reporter: say at start where,
+        and warn when the operator config canaryd reads does not set one up (canaries
+        then stay ``pending``: nothing restarts the operator)."""
+        settings = self.settings
+        path = settings.operator_config
+        configured: bool | None = None
+        if path is not None:
+            try:
+                configured = has_prometheus_reporter(read_operator_config(path))
+            except ConfigError:
+                configured = None  # read at start already: a reload problem is logged there
+        (log.warning if configured is False else log.info)(
+            "operator_metrics",
+            url=settings.operator_metrics_url,
+            reporter_configured=configured,
+            hint=None
+            if configured is not False
+            else f"{path} sets up no Prometheus reporter: add "
+            "kubernetes.operator.metrics.reporter.prom.factory.class: "
+            "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
+        )
+
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run a long-lived task for as long as the daemon runs: a bug that escapes it is
         logged, counted and followed by a restart with backoff, and never takes the
@@ -246,7 +273,11 @@ class Daemon:
         return self.watcher.coverage() if self.watcher is not None else {}
 
     def _not_covered(self) -> list[str]:
-        return self.watcher.not_covered() if self.watcher is not None else []
+        uncovered = self.watcher.not_covered() if self.watcher is not None else []
+        problem = self.scheduler.operator_problem if self.scheduler is not None else None
+        if problem is not None:
+            uncovered.append(f"operator metrics: {problem}")
+        return uncovered
 
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready

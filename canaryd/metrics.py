@@ -130,6 +130,29 @@ LEADER = Gauge(
     "it holds the Lease.",
     registry=REGISTRY,
 )
+OPERATOR_SCRAPES = Counter(
+    "canaryd_operator_scrapes_total",
+    "Reads of the operator's metrics (--reconciled-by operator-metrics) by result: ok, "
+    "refused (nothing listens: starting or gone), unanswered (accepted, no answer: "
+    "frozen?), bad_answer.",
+    ["result"],
+    registry=REGISTRY,
+)
+OPERATOR_RESTARTS = Counter(
+    "canaryd_operator_restarts",
+    "Times the operator's metrics showed a new operator process (its canaries are "
+    "then checked afresh).",
+    registry=REGISTRY,
+)
+OPERATOR_SCRAPE_RESULTS = ("ok", "refused", "unanswered", "bad_answer")
+
+
+def operator_metrics_exported() -> None:
+    """--reconciled-by operator-metrics: its read counters are exported at 0."""
+    for result in OPERATOR_SCRAPE_RESULTS:
+        OPERATOR_SCRAPES.labels(result)
+
+
 LEADER_TRANSITIONS = Counter(
     "canaryd_leader_transitions",
     "Times this replica saw the Lease pass to a new holder (itself included).",
@@ -153,7 +176,15 @@ BUMP_RESULTS = (
     "no_change",
     "no_generation",
 )
-VERDICT_KINDS = ("healthy", "unhealthy", "deferred", "rechecked", "suspected", "unreachable")
+VERDICT_KINDS = (
+    "healthy",
+    "unhealthy",
+    "deferred",
+    "rechecked",
+    "suspected",
+    "unreachable",
+    "operator_unavailable",
+)
 DROP_REASONS = (
     "deleted",
     "not_canary",

@@ -111,7 +111,11 @@ class Canary:
     due_seq: int = -1
     """The scheduler's token for this canary's one live heap entry."""
     verdict: Verdict | None = None
-    """The last unhealthy verdict, while it may stand (see Registry.write_failed)."""
+    """The last unhealthy verdict, while it may stand (see Registry.no_verdict)."""
+    reconcile_baseline: tuple[int, float | None] | None = None
+    """--reconciled-by operator-metrics: the operator instance and its count of finished
+    reconciles of this canary (None: no such series yet) as last read before the
+    pending bump was sent; None when the operator's metrics had never answered."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -182,6 +186,10 @@ class Registry:
 
     def counts(self) -> dict[str, int]:
         return {state.value: self._counts[state] for state in CanaryState}
+
+    def tracked(self) -> list[Canary]:
+        """Every tracked canary, in no particular order (cheaper than ``canaries``)."""
+        return list(self._canaries.values())
 
     def canaries(self) -> list[Canary]:
         return [
@@ -269,8 +277,9 @@ class Registry:
         canary.verdict = Verdict(now, time.time(), one_line(reason))
         self.set_state(canary, CanaryState.UNHEALTHY, reason)
 
-    def write_failed(self, canary: Canary, reason: str, now: float, verdict_ttl: float) -> None:
-        """No bump to judge this cycle. A failed write is no verdict either way: it
+    def no_verdict(self, canary: Canary, reason: str, now: float, verdict_ttl: float) -> None:
+        """No bump to judge this cycle (it could not be written, or what would judge it
+        could not be read). A failed write is no verdict either way: it
         neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
         replaces only ``pending`` or ``healthy``. But an ``unhealthy`` verdict that no
         bump has re-tested for ``verdict_ttl`` (bumps failing for good: the patch
@@ -280,6 +289,7 @@ class Registry:
             return
         canary.bumped_generation = None
         canary.deferred_until = None
+        canary.reconcile_baseline = None
         verdict = canary.verdict
         if canary.state is not CanaryState.UNHEALTHY or verdict is None:
             self.set_state(canary, CanaryState.UNKNOWN, reason)
@@ -292,6 +302,30 @@ class Registry:
                 CanaryState.UNKNOWN,
                 f"unhealthy at {at} ({verdict.reason}); no bump written since: {reason}",
             )
+
+    def fresh_check(self, canary: Canary, reason: str) -> None:
+        """What was found so far is about something that no longer exists (the operator
+        instance that was checked): no bump waits for a verdict, no verdict stands, and
+        the canary is ``pending`` until a bump written from now on is judged."""
+        if not self.owns(canary):
+            return
+        canary.bumped_generation = None
+        canary.deferred_until = None
+        canary.late_recheck = False
+        canary.reconcile_baseline = None
+        canary.verdict = None
+        self.set_state(canary, CanaryState.PENDING, reason)
+
+    def baseline(self, canary: Canary, baseline: tuple[int, float | None] | None) -> None:
+        """The operator's reconcile count read before the next bump (operator-metrics)."""
+        if self.owns(canary):
+            canary.reconcile_baseline = baseline
+
+    def reconciled_seen(self, canary: Canary, seconds: float) -> None:
+        """The reconcile signal reached the last bump, ``seconds`` after it was sent."""
+        if self.owns(canary) and "reconciled" not in canary.stages:
+            canary.stages["reconciled"] = seconds
+            metrics.bump_stage(canary.key.kind, "reconciled", seconds)
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
         """A copy from a list or an ADDED/MODIFIED event."""

@@ -26,6 +26,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -35,7 +36,8 @@ from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of
-from canaryd.registry import Canary, CanaryState, Registry, ScopeKey
+from canaryd.opmetrics import RECONCILED_SUFFIX, OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
+from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
 
 log = structlog.get_logger("canaryd.scheduler")
 WRITTEN = metrics.BUMPS.labels("written")
@@ -45,6 +47,8 @@ LATENCY_WEIGHT = 0.2
 """Weight of the latest write in the moving average of write latency."""
 HEALTHY_VERDICTS = metrics.VERDICTS.labels("healthy")
 UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
+WAIT = "wait"
+"""A verdict that waits for the operator's metrics to answer (operator-metrics)."""
 
 
 def bump_body(resource_version: str, nonce: int) -> str:
@@ -106,6 +110,32 @@ class Scheduler:
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self.may_write: Callable[[], bool] = lambda: True
         """Asked right before every write (the leader elector's ``holds_lease``)."""
+        self.operator: OperatorMetrics | None = None
+        """--reconciled-by operator-metrics: the operator's metrics endpoint."""
+        self._awaiting: list[tuple[float, Canary]] = []
+        """Canaries past their deadline, waiting for the next read of the operator's
+        metrics (operator-metrics): one read judges every canary due before it."""
+        self._instance_judged = 0
+        """The operator instance (opmetrics.Instance.number) the verdicts are about."""
+        self._missing_series: set[CanaryKey] = set()
+        """Canaries whose counter the operator's metrics lack (warned once each)."""
+        self.operator_problem: str | None = None
+        """Why the operator's metrics cannot judge canaries right now (/readyz says it)."""
+        self.operator_failures = Episodes(
+            "operator_metrics_failures",
+            subject="url",
+            subjects="urls",
+            detail_event="operator_metrics_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.scheduler",
+            clock=clock,
+        )
+        """Failed reads of the operator's metrics, logged as an episode."""
+        if settings.reconciled_by == "operator-metrics":
+            self.operator = OperatorMetrics(
+                settings.operator_metrics_url, timeout=settings.scrape_timeout, clock=clock
+            )
+            metrics.operator_metrics_exported()
         registry.on_added = self.schedule_first
         registry.on_resumed = self.scope_resumed
         registry.on_forgotten = self.failures.recovered
@@ -135,6 +165,7 @@ class Scheduler:
         self._heap.clear()
         self._ready.clear()
         self._deferred.clear()
+        self._awaiting.clear()
         for canary in self.registry.canaries():
             canary.bumped_generation = None
             canary.deferred_until = None
@@ -150,7 +181,7 @@ class Scheduler:
     def _age_kept_verdicts(self) -> None:
         """A kept verdict ages like any other: no bump is written while this replica
         stands by, so an unhealthy verdict turns unknown two cycles after it was
-        reached (registry.write_failed), however long the lease stays away."""
+        reached (registry.no_verdict), however long the lease stays away."""
         self._stop_aging()
         if not self._verdicts_kept or self.standby_reason is None:
             return
@@ -238,6 +269,8 @@ class Scheduler:
                 self._group = group
                 for _ in range(self.settings.max_concurrent_bumps):
                     self._add_worker()
+                if self.operator is not None:
+                    group.create_task(self._read_operator(), name="operator metrics")
                 while True:
                     due, canary = await self._next_due()
                     try:
@@ -253,6 +286,8 @@ class Scheduler:
             raise
         finally:
             self._group, self._workers, self._idle_workers = None, 0, 0
+            if self.operator is not None:
+                await self.operator.close()
 
     def _add_worker(self) -> None:
         assert self._group is not None
@@ -278,8 +313,15 @@ class Scheduler:
             return  # dropped since it was scheduled, or no longer the leader
         lateness = max(0.0, self._clock() - due)
         metrics.VERDICT_LATENESS.observe(lateness)
+        if self.operator is not None:
+            self._awaiting.append((due, canary))  # judged at the next read of its metrics
+            return
         if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
             return  # the verdict waits for the watch; it was rescheduled
+        self._queue_bump(due, canary)
+
+    def _queue_bump(self, due: float, canary: Canary) -> None:
+        """Hand the canary's next bump to the workers."""
         self._ready.append((due, canary))
         self._ready_event.set()
         if (
@@ -401,14 +443,7 @@ class Scheduler:
                 else f"generation {bumped} not observed within "
                 f"{self.settings.timeout:g}s (latest observed {canary.generation})"
             )
-        self._judged(canary)
-        UNHEALTHY_VERDICTS.inc()
-        # The verdict an operator is paged for: a warning naming the canary when it
-        # turns unhealthy; while it stays unhealthy, detail.
-        (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
-            "canary_unhealthy", canary=str(canary.key), reason=reason
-        )
-        self.registry.judged_unhealthy(canary, reason, now)
+        self._unhealthy(canary, reason, now)
         return True
 
     def _judged(self, canary: Canary) -> None:
@@ -431,6 +466,237 @@ class Scheduler:
             if canary.deferred_until is not None and at < canary.deferred_until:
                 self._push(at, canary)
 
+    # ------------------------------------------------- operator metrics
+
+    async def _read_operator(self) -> None:
+        """Read the operator's metrics every scrape interval (never per canary): judge
+        every canary whose deadline passed before the read started, note the bumps the
+        operator reconciled since, and see a restarted operator."""
+        operator = self.operator
+        assert operator is not None
+        try:
+            while True:
+                started = self._clock()
+                scrape: Scrape | None = None
+                failed: ScrapeFailed | None = None
+                try:
+                    scrape = await operator.scrape()
+                except ScrapeFailed as err:
+                    failed = err
+                try:
+                    self._operator_read(started, scrape, failed)
+                except Exception:
+                    # A bug must not stop the reads: say so, count it, go on.
+                    metrics.ERRORS.labels("scheduler").inc()
+                    log.exception("operator_judge_failed_unexpectedly")
+                pause = started + self.settings.scrape_interval - self._clock()
+                await asyncio.sleep(max(0.0, pause))
+        except asyncio.CancelledError:
+            log.info("operator_metrics_reader_stopped", why="cancelled")
+            raise
+
+    def _operator_read(
+        self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None
+    ) -> None:
+        operator = self.operator
+        assert operator is not None
+        if failed is not None:
+            metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
+            self.failures_of_operator(failed)
+        else:
+            assert scrape is not None
+            metrics.OPERATOR_SCRAPES.labels("ok").inc()
+            self.operator_problem = None
+            self.operator_failures.recovered(operator.url)
+            if not scrape.has_operator_series:
+                self.operator_problem = (
+                    f"{operator.url} answered without the operator's metrics (is Flink's "
+                    "Prometheus reporter configured on this port?)"
+                )
+            if operator.instance.number != self._instance_judged:
+                self._operator_restarted()
+            self._note_reconciles(scrape)
+        if self.standby_reason is not None:
+            return
+        now = self._clock()
+        due_now = [(due, c) for due, c in self._awaiting if due <= started]
+        self._awaiting = [(due, c) for due, c in self._awaiting if due > started]
+        for due, canary in due_now:
+            if not self.registry.owns(canary):
+                continue
+            if self._judge_by_operator(canary, scrape, failed, now) == WAIT:
+                self._awaiting.append((due, canary))
+                continue
+            self.registry.baseline(canary, self._baseline(canary))
+            # The bump's own retry window runs from now: the verdict may have waited.
+            self._queue_bump(now, canary)
+
+    def failures_of_operator(self, failed: ScrapeFailed) -> None:
+        """A read failed: an episode in the log, the cause in /readyz."""
+        assert self.operator is not None
+        self.operator_problem = str(failed)
+        self.operator_failures.failed(self.operator.url, failed.cause, str(failed))
+
+    def _operator_restarted(self) -> None:
+        """A new operator process answers: verdicts were about the one that is gone. Every
+        canary is checked afresh, with a bump written now."""
+        assert self.operator is not None
+        instance = self.operator.instance
+        self._instance_judged = instance.number
+        at = datetime.fromtimestamp(instance.since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
+        reason = f"operator restarted at {at}: re-checking"
+        self._awaiting = []
+        for canary in self.registry.tracked():
+            self.registry.fresh_check(canary, reason)
+            canary.due_seq = next(self._order)  # its heap entry is void: due now
+            self._awaiting.append((self._clock() - 1e-9, canary))
+
+    def _resource(self, canary: Canary) -> ResourceKey:
+        return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
+
+    def _baseline(self, canary: Canary) -> tuple[int, float | None] | None:
+        """The operator instance and the canary's count of finished reconciles in the
+        last answer read (before the bump about to be sent), if one was ever read."""
+        assert self.operator is not None
+        last = self.operator.last
+        if last is None:
+            return None
+        return self.operator.instance.number, last.reconciled.get(self._resource(canary))
+
+    def _reconciled_count(self, canary: Canary, scrape: Scrape) -> tuple[float | None, bool]:
+        """The canary's count now, and whether it rose above its bump's baseline."""
+        value = scrape.reconciled.get(self._resource(canary))
+        baseline = canary.reconcile_baseline
+        if value is None or baseline is None:
+            return value, False
+        return value, value > (baseline[1] or 0.0)
+
+    def _note_reconciles(self, scrape: Scrape) -> None:
+        """The ``reconciled`` stage of bumps the operator reconciled since the last read
+        (its time is an upper bound: the read's answer)."""
+        number = self._instance_judged
+        for canary in self.registry.tracked():
+            sent = canary.bump_sent_at
+            baseline = canary.reconcile_baseline
+            if (
+                sent is None
+                or canary.bumped_generation is None
+                or baseline is None
+                or baseline[0] != number
+                or "reconciled" in canary.stages
+            ):
+                continue
+            if self._reconciled_count(canary, scrape)[1]:
+                self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
+
+    def _judge_by_operator(
+        self, canary: Canary, scrape: Scrape | None, failed: ScrapeFailed | None, now: float
+    ) -> str | None:
+        """Judge the canary's previous bump on the operator's own count of finished
+        reconciles: reconciled when it rose after the bump was written. Returns WAIT
+        when the verdict waits for an answer (the endpoint accepts connections but does
+        not answer, for less than a cycle past the deadline)."""
+        operator = self.operator
+        assert operator is not None
+        bumped = canary.bumped_generation
+        if bumped is None:
+            return None  # the last cycle wrote nothing: nothing to judge
+        if failed is not None:
+            if failed.cause == "unanswered":
+                deadline = canary.bump_deadline if canary.bump_deadline is not None else now
+                if now < deadline + self.settings.timeout:
+                    return WAIT
+                since = operator.failing_since if operator.failing_since is not None else now
+                self._unhealthy(
+                    canary,
+                    f"generation {bumped} not known reconciled: {failed}; the operator's "
+                    f"metrics have answered nothing for {now - since:.1f}s, a cycle past "
+                    "the deadline (a frozen operator?)",
+                    now,
+                )
+                return None
+            self._judged(canary)
+            metrics.VERDICTS.labels("operator_unavailable").inc()
+            if failed.cause == "refused":
+                # Nothing listens: the operator is starting, or gone (the kubelet sees
+                # that itself). No verdict, and none kept: it was about that process.
+                self.registry.fresh_check(
+                    canary, f"no verdict on generation {bumped}: {failed} (starting or gone)"
+                )
+            else:
+                self._no_bump(canary, f"no verdict on generation {bumped}: {failed}")
+            return None
+        assert scrape is not None
+        baseline = canary.reconcile_baseline
+        if baseline is None:
+            self._judged(canary)
+            metrics.VERDICTS.labels("operator_unavailable").inc()
+            self.registry.fresh_check(
+                canary,
+                f"no verdict on generation {bumped}: the operator's metrics had not "
+                "answered before it was written",
+            )
+            return None
+        if baseline[0] != self._instance_judged:
+            self._judged(canary)  # about an operator that is gone (normally seen sooner)
+            self.registry.fresh_check(canary, "operator restarted: re-checking")
+            return None
+        value, rose = self._reconciled_count(canary, scrape)
+        if value is None:
+            self._judged(canary)
+            metrics.VERDICTS.labels("operator_unavailable").inc()
+            kind, namespace, name = self._resource(canary)
+            series = (
+                f'*{RECONCILED_SUFFIX}{{resourcetype="{kind}",resourcens="{namespace}",'
+                f'resourcename="{name}"}}'
+            )
+            if canary.key not in self._missing_series and scrape.has_operator_series:
+                self._missing_series.add(canary.key)
+                log.warning(
+                    "operator_series_missing",
+                    canary=str(canary.key),
+                    series=series,
+                    url=operator.url,
+                    hint="the operator does not watch its namespace, or has not reconciled "
+                    "it since it started",
+                )
+            self._no_bump(
+                canary,
+                f"no verdict on generation {bumped}: the operator's metrics have no {series}",
+            )
+            return None
+        self._missing_series.discard(canary.key)
+        if rose:
+            self._judged(canary)
+            HEALTHY_VERDICTS.inc()
+            self.registry.set_state(
+                canary,
+                CanaryState.HEALTHY,
+                f"the operator reconciled generation {bumped} in time (finished reconciles "
+                f"{baseline[1] or 0:g} -> {value:g})",
+            )
+            return None
+        self._unhealthy(
+            canary,
+            f"the operator finished no reconcile within {self.settings.timeout:g}s of "
+            f"generation {bumped} (finished reconciles stayed at {value:g})",
+            now,
+        )
+        return None
+
+    def _unhealthy(self, canary: Canary, reason: str, now: float) -> None:
+        """The one way to become unhealthy: a written bump not reconciled in time."""
+        self._judged(canary)
+        UNHEALTHY_VERDICTS.inc()
+        # The verdict an operator is paged for: a warning naming the canary when it
+        # turns unhealthy; while it stays unhealthy, detail.
+        (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
+            "canary_unhealthy", canary=str(canary.key), reason=reason
+        )
+        self.registry.judged_unhealthy(canary, reason, now)
+
     # ------------------------------------------------------------- bumping
 
     def _after_failure(self, due: float) -> float:
@@ -449,7 +715,7 @@ class Scheduler:
 
     def _no_bump(self, canary: Canary, reason: str) -> None:
         """Nothing to judge this cycle; an unhealthy verdict stands for two cycles."""
-        self.registry.write_failed(canary, reason, self._clock(), 2 * self.settings.timeout)
+        self.registry.no_verdict(canary, reason, self._clock(), 2 * self.settings.timeout)
 
     async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.

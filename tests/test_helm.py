@@ -26,6 +26,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 POST_RENDER = ROOT / "config" / "helm" / "post-render"
 SIDECAR_PATCH = ROOT / "config" / "sidecar" / "operator-patch.yaml"
+HELM_VALUES = ROOT / "config" / "sidecar" / "helm-values.yaml"
+"""The sidecar's values for the chart (the operator's Prometheus reporter), as the
+README's install passes them."""
 OPERATOR_REF = os.environ.get("FLINK_OPERATOR_REF", "release-1.15.0")
 FLINK_VERSION = os.environ.get("FLINK_VERSION", "1.20.0")
 RELEASE_NAMESPACE = "flink-operator"
@@ -159,6 +162,8 @@ def render(helm: Path, chart: Path, *values: str, env: dict[str, str]) -> list[d
             RELEASE_NAMESPACE,
             "--post-renderer",
             str(POST_RENDER),
+            "--values",
+            str(HELM_VALUES),
             *(arg for value in values for arg in ("--set", value)),
         ],
         capture_output=True,
@@ -299,6 +304,8 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
             str(chart),
             "--namespace",
             RELEASE_NAMESPACE,
+            "--values",
+            str(HELM_VALUES),
             *(a for v in values for a in ("--set", v)),
         ],
         capture_output=True,

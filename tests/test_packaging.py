@@ -78,7 +78,10 @@ def flag_value(args: list[str], flag: str) -> str | None:
 # --------------------------------------------------------------------- YAML
 
 
-NOT_OBJECTS = {CONFIG / "monitoring" / "alerts-test.yaml"}  # promtool's unit tests
+NOT_OBJECTS = {
+    CONFIG / "monitoring" / "alerts-test.yaml",  # promtool's unit tests
+    CONFIG / "sidecar" / "helm-values.yaml",  # values for the operator's Helm chart
+}
 
 
 def test_every_yaml_file_parses():
@@ -187,6 +190,23 @@ def test_sidecar_points_the_operator_liveness_at_canaryd():
     assert mount.get("readOnly") is True
     assert canaryd["securityContext"]["readOnlyRootFilesystem"] is True
     build_parser().parse_args(canaryd["args"])
+    # The verdict that restarts the operator is about the operator's own reconciles.
+    assert flag_value(canaryd["args"], "--reconciled-by") == "operator-metrics"
+
+
+def test_the_sidecars_helm_values_set_up_the_reporter_canaryd_reads(tmp_path):
+    """config/sidecar/helm-values.yaml turns on Flink's Prometheus reporter in the
+    chart's ConfigMap: canaryd, reading that file as the sidecar does, finds it there
+    and reads the port the chart exposes."""
+    values = yaml.safe_load((CONFIG / "sidecar" / "helm-values.yaml").read_text())
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(values["defaultConfiguration"]["flink-conf.yaml"])
+    settings = load_settings(
+        ["--operator-config", str(tmp_path), "--reconciled-by", "operator-metrics"], {}
+    )
+    assert settings.operator_metrics_url == f"http://127.0.0.1:{values['metrics']['port']}/metrics"
+    # The chart's own defaults are kept (the key replaces the chart's string).
+    assert "kubernetes.operator.reconcile.interval: 15 s" in conf.read_text()
 
 
 POST_RENDER = CONFIG / "helm" / "post-render"

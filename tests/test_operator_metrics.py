@@ -1,0 +1,332 @@
+"""--reconciled-by operator-metrics: a verdict that depends on the operator.
+
+A bump counts as reconciled when the operator's own count of finished reconciles of
+the canary rose after the bump was written. The operator here is the stand-in of
+canaryd.testing.operator, which serves the format recorded from the real operator's
+Prometheus reporter (tests/fixtures/operator-metrics.txt, pinned below); it runs
+in-process beside canaryd and the fake API server, on the shipped defaults with a
+0.3 s cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from canaryd import metrics
+from canaryd.config import ConfigError, load_settings
+from canaryd.opmetrics import OperatorMetrics, parse
+from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import FakeKube
+from canaryd.testing.operator import FakeOperator
+from canaryd.testing.process import free_port
+from tests.harness import CYCLE, counter, create_canary, json_lines, json_logs, running_daemon
+
+FIXTURE = Path(__file__).parent / "fixtures" / "operator-metrics.txt"
+CANARY = ("FlinkDeployment", "default", "canary")
+SAMPLE = 'x_JOSDK_Reconciliation_finished_Count{resourcetype="A",resourcens="b",resourcename="c"}'
+
+
+@contextlib.asynccontextmanager
+async def operator_for(
+    kube: FakeKube, port: int = 0, **options: object
+) -> AsyncIterator[FakeOperator]:
+    operator = FakeOperator(kube.url, kube.token, **options)  # type: ignore[arg-type]
+    await operator.start(metrics_port=port)
+    try:
+        yield operator
+    finally:
+        await operator.stop()
+
+
+def judged_by(operator: FakeOperator) -> dict[str, object]:
+    return {"reconciled_by": "operator-metrics", "operator_metrics_url": operator.metrics_url}
+
+
+# ------------------------------------------------------------ the format itself
+
+
+def test_the_real_reporters_answer_is_read_as_recorded():
+    """Recorded from release-1.15.0 (Flink 1.20.0's Prometheus reporter) on the real
+    control plane: the names and labels canaryd relies on, pinned."""
+    scrape = parse(FIXTURE.read_text(), 1.0, 2.0)
+    assert scrape.reconciled == {CANARY: 7.0}
+    assert scrape.has_operator_series
+    assert scrape.start_time is None  # Flink's reporter exports no process start time
+    grows = sorted(key.split("{")[0] for key in scrape.growing)
+    assert "flink_k8soperator_Status_JVM_CPU_Time" in grows
+    assert "flink_k8soperator_KubeClient_HttpRequest_Count" in grows
+    assert "flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished_Count" in grows
+    # A gauge named _Count goes up and down: never taken for a reset.
+    assert not any("Threads_Count" in key for key in grows)
+
+
+def test_the_stand_in_operator_speaks_the_recorded_format():
+    """What the fast tests run against has every series canaryd reads, as recorded."""
+    operator = FakeOperator("http://127.0.0.1:1")
+    operator._event(
+        "ADDED",
+        "flinkdeployments",
+        {"metadata": {"name": "canary", "namespace": "default", "generation": 1}},
+    )
+    real, fake = parse(FIXTURE.read_text()), parse(operator.render())
+    assert set(fake.reconciled) == set(real.reconciled)
+    strip = lambda keys: {k.split("{")[0] for k in keys}  # noqa: E731
+    assert strip(real.growing) <= strip(fake.growing) | {
+        "flink_k8soperator_namespace_resource_JOSDK_Resource_Event_UPDATED_Count"
+    }
+    real_labels = next(
+        line
+        for line in FIXTURE.read_text().splitlines()
+        if line.startswith("flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished")
+    )
+    fake_labels = next(
+        line
+        for line in operator.render().splitlines()
+        if line.startswith("flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished")
+    )
+    assert real_labels.split("{")[1].split("}")[0] == fake_labels.split("{")[1].split("}")[0]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "# TYPE x gauge",
+        "garbage",
+        "x_JOSDK_Reconciliation_finished_Count",
+        'x_JOSDK_Reconciliation_finished_Count{resourcetype="A"',
+        f"{SAMPLE} NaN",
+        f"{SAMPLE} x",
+        "\x00\xff{}}}",
+    ],
+)
+def test_malformed_lines_are_skipped_never_raised(line):
+    scrape = parse(f"{line}\n" + FIXTURE.read_text())
+    assert scrape.reconciled == {CANARY: 7.0}
+
+
+def test_escaped_label_values_and_timestamps():
+    text = (
+        'a_JOSDK_Reconciliation_finished_Count{resourcename="we\\"ird",resourcetype="T",'
+        'resourcens="n",} 3.0 1700000000000\n'
+    )
+    assert parse(text).reconciled == {("T", "n", 'we"ird'): 3.0}
+
+
+def test_a_counter_that_went_down_or_an_endpoint_that_refused_is_a_new_operator():
+    reader = OperatorMetrics("http://127.0.0.1:1/metrics", timeout=1)
+    text = FIXTURE.read_text()
+    reader.last = parse(text)
+    assert reader.restart_seen(parse(text)) is None
+    lower = text.replace("Status_JVM_CPU_Time{", "Status_JVM_CPU_Time_x{").replace(
+        "} 38.0", "} 3.0"
+    )
+    assert reader.restart_seen(parse(lower)) is not None
+    reader._refused_since_answer = True
+    assert reader.restart_seen(parse(text)) is not None
+
+
+# ------------------------------------------------------------- configuration
+
+
+def test_the_url_follows_the_operator_configs_prometheus_reporter(tmp_path):
+    conf = tmp_path / "config.yaml"
+    conf.write_text(
+        "kubernetes.operator:\n"
+        "  metrics.reporter.prom:\n"
+        "    factory.class: org.apache.flink.metrics.prometheus.PrometheusReporterFactory\n"
+        "    port: 9250-9260\n"
+    )
+    settings = load_settings(
+        ["--reconciled-by", "operator-metrics", "--operator-config", str(conf)], {}
+    )
+    assert settings.reconciled_by == "operator-metrics"
+    assert settings.operator_metrics_url == "http://127.0.0.1:9250/metrics"
+    # Flink's default port without a port; a flag or the environment wins.
+    conf.write_text(
+        "kubernetes.operator.metrics.reporter.p.factory.class: "
+        "org.apache.flink.metrics.prometheus.PrometheusReporterFactory\n"
+    )
+    assert load_settings(["--operator-config", str(conf)], {}).operator_metrics_url == (
+        "http://127.0.0.1:9249/metrics"
+    )
+    env = {"CANARYD_OPERATOR_METRICS_URL": "http://op:1234/metrics"}
+    assert load_settings(["--operator-config", str(conf)], env).operator_metrics_url == (
+        "http://op:1234/metrics"
+    )
+
+
+@pytest.mark.parametrize("url", ["localhost:9249", "ftp://x/metrics", "http://", "http://h:99999/"])
+def test_a_bad_metrics_url_is_one_line(url):
+    with pytest.raises(ConfigError, match="operator metrics URL"):
+        load_settings(["--operator-metrics-url", url], {})
+
+
+# ------------------------------------------------------------ the verdicts
+
+
+async def test_a_bump_the_operator_reconciled_is_healthy(kube, kubeconfig):
+    create_canary(kube)
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        canary = await run.until_state(CanaryState.HEALTHY)
+        assert "the operator reconciled generation" in canary.reason
+        # The reconciled stage is measured from the operator's counter too.
+        assert "reconciled" in canary.stages
+        assert run.daemon.scheduler.operator_problem is None
+
+
+async def test_a_wedged_operator_is_unhealthy_where_the_watch_sees_nothing_wrong(kube, kubeconfig):
+    """The operator's informers stall (its metrics still answer): canaryd's own watch
+    still sees every bump, so `watch` mode stays healthy; operator-metrics does not."""
+    create_canary(kube)
+    async with operator_for(kube) as operator:
+        async with running_daemon(kube, kubeconfig) as watch_mode:
+            await watch_mode.until_state(CanaryState.HEALTHY)
+            operator.wedge()
+            bumps = len(watch_mode.bumps())
+            await watch_mode.until_bumps(bumps + 3)
+            assert watch_mode.tracked().state is CanaryState.HEALTHY
+        operator.unwedge()
+        async with running_daemon(kube, kubeconfig, **judged_by(operator)) as run:
+            await run.until_state(CanaryState.HEALTHY)
+            wedged_at = asyncio.get_running_loop().time()
+            operator.wedge()
+            canary = await run.until_state(CanaryState.UNHEALTHY, within=4 * CYCLE + 2)
+            assert asyncio.get_running_loop().time() - wedged_at <= 2 * CYCLE + 1.0
+            assert "finished no reconcile" in canary.reason
+            status, _ = await run.get("/healthz")
+            assert status == 500
+
+
+async def test_a_frozen_operator_counts_once_it_answered_nothing_for_a_cycle(kube, kubeconfig):
+    create_canary(kube)
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        canary = await run.until_state(CanaryState.HEALTHY)
+        operator.freeze()
+        frozen_at = asyncio.get_running_loop().time()
+        canary = await run.until_state(CanaryState.UNHEALTHY, within=5 * CYCLE + 2)
+        waited = asyncio.get_running_loop().time() - frozen_at
+        assert waited >= CYCLE, "judged before a whole cycle without an answer"
+        assert "answered nothing" in canary.reason and "frozen" in canary.reason
+        assert counter(metrics.OPERATOR_SCRAPES, "unanswered") > 0
+
+
+async def test_a_refused_endpoint_is_pending_and_a_restarted_operator_is_checked_afresh(
+    kube, kubeconfig
+):
+    """The sidecar's loop: unhealthy -> the kubelet restarts the operator -> while it is
+    gone, pending (no 500 for the new process to inherit) -> the new process is seen
+    (its counters start over) -> pending "operator restarted at T", a bump at once, and
+    the verdict on a bump written after its start."""
+    create_canary(kube)
+    port = free_port()
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        reconciled_by="operator-metrics",
+        operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
+    ) as run:
+        async with operator_for(kube, port) as first:
+            await run.until_state(CanaryState.HEALTHY)
+            first.wedge()
+            await run.until_state(CanaryState.UNHEALTHY, within=4 * CYCLE + 2)
+        # Gone: nothing listens on the port.
+        canary = await run.until_state(CanaryState.PENDING, within=2 * CYCLE + 1)
+        assert "starting or gone" in canary.reason or "refused" in canary.reason
+        assert (await run.get("/healthz"))[0] == 200
+        restarts = counter(metrics.OPERATOR_RESTARTS)
+        async with operator_for(kube, port) as second:
+            await run.until(
+                lambda: "operator restarted at" in run.tracked().reason,
+                "the restart to be seen",
+                within=2 * CYCLE + 1,
+            )
+            assert counter(metrics.OPERATOR_RESTARTS) == restarts + 1
+            bumps_before = len(run.bumps())
+            seen_at = asyncio.get_running_loop().time()
+            canary = await run.until_state(CanaryState.HEALTHY, within=3 * CYCLE + 2)
+            # The fresh check bumped at once, not a cycle later.
+            first_bump = run.bumps()[bumps_before]
+            assert first_bump.at - seen_at < CYCLE
+            assert second.reconciles("canary") >= 1
+
+
+async def test_an_answer_without_the_canarys_series_is_unknown_with_one_warning(
+    kube, kubeconfig, capsys
+):
+    kube.create_namespace("elsewhere")
+    create_canary(kube, namespace="elsewhere")
+    with json_logs("info"):
+        async with (
+            operator_for(kube, namespaces=["default"]) as operator,
+            running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+        ):
+            canary = await run.until_state(CanaryState.UNKNOWN, namespace="elsewhere", within=3)
+            assert 'resourcens="elsewhere"' in canary.reason
+            count = len(run.bumps())
+            await run.until_bumps(count + 3)
+            assert (await run.get("/healthz"))[0] == 200
+    warnings = [
+        r for r in json_lines(capsys.readouterr().err) if r["event"] == "operator_series_missing"
+    ]
+    assert len(warnings) == 1, warnings
+
+
+async def test_an_endpoint_that_is_not_the_operators_is_named_in_readyz(kube, kubeconfig):
+    create_canary(kube)
+    # canaryd's own /metrics: it answers, but holds no operator series.
+    port = free_port()
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        port=port,
+        reconciled_by="operator-metrics",
+        operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
+    ) as run:
+        await run.until_state(CanaryState.UNKNOWN, within=3)
+        _, body = await run.get("/readyz")
+        assert "not checked" in body and "operator's metrics" in body, body
+
+
+async def test_reads_are_per_interval_not_per_canary(kube, kubeconfig):
+    for i in range(40):
+        create_canary(kube, name=f"c{i}")
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        await run.until(
+            lambda: (
+                len(run.registry) == 40
+                and all(c.state is CanaryState.HEALTHY for c in run.registry.canaries())
+            ),
+            "40 healthy canaries",
+            within=5,
+        )
+        before = counter(metrics.OPERATOR_SCRAPES, "ok")
+        bumps = len(kube.requests_for("patch"))
+        await run.until(
+            lambda: len(kube.requests_for("patch")) >= bumps + 80, "two cycles of bumps"
+        )
+        reads = counter(metrics.OPERATOR_SCRAPES, "ok") - before
+        # 80 bumps judged over about two cycles: at most one read per scrape interval
+        # (a tenth of the cycle), far fewer than one per canary.
+        assert reads <= 2.5 * 10 + 5, reads
+
+
+def test_every_read_result_is_exported_at_zero_in_this_mode():
+    metrics.operator_metrics_exported()
+    families = {m.name: m for m in metrics.REGISTRY.collect()}
+    results = {s.labels["result"] for s in families["canaryd_operator_scrapes"].samples}
+    assert {"ok", "refused", "unanswered", "bad_answer"} <= results
