@@ -241,19 +241,23 @@ def failure_cause(err: KubeError) -> str:
         return "credentials"
     if err.reason == "ConnectTimeout":
         return "timeout"
+    # The whole chain, the most telling cause first: a certificate that failed
+    # verification while the connect timed out is a TLS problem, not a slow network.
+    chain: list[BaseException] = []
     seen: BaseException | None = err.__cause__
-    while seen is not None:
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
         if isinstance(seen, aiohttp.ClientConnectorError):
-            seen = seen.os_error  # what the connector met
-        if isinstance(seen, ssl.SSLError | aiohttp.ClientSSLError):
-            return "tls"
-        if isinstance(seen, ConnectionRefusedError):
-            return "refused"
-        if isinstance(seen, socket.gaierror):
-            return "dns"
-        if isinstance(seen, TimeoutError | aiohttp.ServerTimeoutError):
-            return "timeout"
+            chain.append(seen.os_error)  # what the connector met
         seen = seen.__cause__ or seen.__context__
+    for cause, kinds in (
+        ("tls", (ssl.SSLError, aiohttp.ClientSSLError)),
+        ("refused", (ConnectionRefusedError,)),
+        ("dns", (socket.gaierror,)),
+        ("timeout", (TimeoutError, aiohttp.ServerTimeoutError)),
+    ):
+        if any(isinstance(link, kinds) for link in chain):
+            return cause
     return "connection"
 
 

@@ -6,6 +6,8 @@ the one the operator reads, and the log says which."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import socket
 import ssl
 from collections.abc import Callable
 
@@ -15,6 +17,7 @@ import yaml
 
 from canaryd import metrics
 from canaryd.config import load_settings
+from canaryd.kube import ErrorKind, KubeError, error_from_exception, failure_cause
 from canaryd.testing.apiserver import FakeKube
 from tests.conftest import TOKEN
 from tests.harness import (
@@ -126,11 +129,14 @@ async def test_an_untrusted_certificate_is_named_tls(tmp_path, capsys):
                 assert "CERTIFICATE_VERIFY_FAILED" in text, text
             records = json_lines(capsys.readouterr().err)
     started = events(records, "discovery_failures_started")
-    assert len(started) == 1 and started[0]["cause"] == "tls", started
+    # One episode line for the cause; a loaded machine may also time a handshake out
+    # (the connect timeout of a 0.3 s cycle is short), which is a cause of its own.
+    assert [r["cause"] for r in started].count("tls") == 1, started
+    assert {r["cause"] for r in started} <= {"tls", "timeout"}, started
     assert events(records, "discovery_failed") == []  # per retry: debug only
     # Stopped while it still failed: told as such, never as an end.
     (still,) = events(records, "discovery_failures_still_failing")
-    assert still["failing"] == 1 and still["causes"] == {"tls": 1}, still
+    assert still["failing"] == 1 and set(still["causes"]) <= {"tls", "timeout"}, still
     assert events(records, "discovery_failures_ended") == []
 
 
@@ -188,3 +194,29 @@ async def test_the_start_up_log_names_the_operator_config_file_the_operator_read
         (line,) = ignored
         assert line["level"] == "warning" and line["read"] == str(conf / "flink-conf.yaml")
         assert line["ignored"] == [str(conf / "config.yaml")], line
+
+
+def _chained(*errors: BaseException) -> KubeError:
+    """A KubeError raised from the first error, each error raised while handling the
+    next (the way asyncio.timeout wraps what it interrupted)."""
+    for outer, inner in itertools.pairwise(errors):
+        outer.__context__ = inner
+    failure = error_from_exception(errors[0])
+    failure.__cause__ = errors[0]
+    return failure
+
+
+@pytest.mark.parametrize(
+    ("error", "cause"),
+    [
+        (_chained(ConnectionRefusedError(111, "refused")), "refused"),
+        (_chained(TimeoutError()), "timeout"),
+        (_chained(TimeoutError(), ssl.SSLCertVerificationError("unable to get issuer")), "tls"),
+        (_chained(socket.gaierror(-2, "Name or service not known")), "dns"),
+        (KubeError(ErrorKind.TRANSIENT, "Unauthorized", status=401), "unauthorized"),
+        (KubeError(ErrorKind.TRANSIENT, "boom", status=503), "server_error"),
+        (_chained(OSError("odd")), "connection"),
+    ],
+)
+def test_the_cause_named_is_the_most_telling_one_in_the_chain(error, cause):
+    assert failure_cause(error) == cause
