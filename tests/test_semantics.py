@@ -557,7 +557,7 @@ async def test_namespace_terminating_stops_its_watches_when_namespaces_are_liste
 
 
 async def test_user_and_gitops_labels_and_annotations_are_kept(kube, kubeconfig):
-    """The seed's first reproduction: metadata added after a bump survives later bumps."""
+    """FLINK-41050's first reproduction: metadata added after a bump survives later bumps."""
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
         await run.until_bumps(2)
