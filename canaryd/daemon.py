@@ -1,7 +1,9 @@
 """The daemon: wires watcher, scheduler and health server under one TaskGroup.
 
 When any task fails the others are cancelled and the failure is raised; SIGTERM and
-SIGINT stop everything cleanly; SIGHUP re-reads the operator config file.
+SIGINT stop everything cleanly (the bumps in flight are finished or abandoned first,
+then the tasks stop and a leader releases its lease); SIGHUP re-reads the operator
+config file.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class Daemon:
                     on_stopped_leading=scheduler.standby,
                     on_new_leader=self._new_leader,
                 )
-                scheduler.may_write = self.elector.holds_lease
+                scheduler.write_time_limit = self.elector.write_time_limit
                 scheduler.standby(None)  # until this replica holds the lease
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes
@@ -255,6 +257,10 @@ class Daemon:
         await self._stop.wait()
         log.info("shutting_down")
         self.notifier.notify("STOPPING=1")
+        if self.scheduler is not None:
+            # Every bump finished or abandoned before anything stops: a leader releases
+            # its lease as it stops, and a follower may take it at once.
+            await self.scheduler.finish_writes()
         raise _Shutdown
 
     def _install_signals(self) -> None:

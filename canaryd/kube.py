@@ -413,18 +413,32 @@ class KubeClient:
 
         ``verb`` (get, list, patch, ...) labels the request in the metrics; ``data`` is
         an already serialised JSON body, ``body`` one to serialise; ``time_limit``
-        replaces the request timeout (lists).
+        replaces the request timeout (lists, a leader's writes). Whatever has not been
+        answered within it is abandoned: its connection is closed, so a late answer is
+        never read.
         """
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
+        # One deadline for the whole call (credentials, and the retry after a 401): a
+        # leader's write is abandoned by it, whatever it waited for.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
-            headers = await self._headers()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    headers = await self._headers()
+            except TimeoutError as err:
+                raise error_from_exception(err, "Credentials") from err
             if data is not None:
                 headers["Content-Type"] = content_type
+            left = deadline - loop.time()
+            if left <= 0:
+                count_request(verb, "error")
+                raise KubeError(ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout")
             try:
                 status, payload, retry_after = await self._exchange(
-                    method, path, params, data, headers, time_limit or self._request_timeout
+                    method, path, params, data, headers, left
                 )
             except (
                 aiohttp.ClientError,

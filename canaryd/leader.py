@@ -7,13 +7,19 @@ clock), or when the holder is empty (released). Every write is an update with th
 resourceVersion it read, so two candidates cannot both win: the second gets 409 and
 reads again next round (it never overwrites). The leader renews every retry period;
 if it has not renewed for ``renew_deadline`` it stops being leader at once — before
-any follower can have waited out ``lease_duration`` (greater by construction) — so
-there are never two writers. On shutdown the leader releases the lease (holder
-cleared, duration 1 s), and a follower takes it at its next look.
+any follower can have waited out ``lease_duration`` (greater by construction). On
+shutdown the leader releases the lease (holder cleared, duration 1 s), and a
+follower takes it at its next look.
 
-``holds_lease()`` is what the scheduler asks right before each write: it is true only
-while the last successful renew is younger than the renew deadline, whatever the
-elector task is doing.
+Kubernetes has no fencing token, so one writer at a time comes from time.
+``write_time_limit()`` is what the scheduler asks right before each write: a write is
+sent only while at least ``write_timeout`` of the renew deadline is left after the
+last successful renew (measured from when that renew was sent), and that is its
+client timeout. So every write is answered or abandoned (its connection closed, its
+late answer never read) by the renew deadline, ``lease_duration - renew_deadline``
+(5 s at the defaults) before a follower may take over, whatever the elector task is
+doing. What stays possible is a write the API server received before canaryd gave
+up on it and applies later still: see the README's HA section.
 """
 
 from __future__ import annotations
@@ -91,8 +97,16 @@ class LeaderElector:
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def holds_lease(self) -> bool:
-        return self.leading and self._clock() < self._renewed_at + self.settings.renew_deadline
+    def write_time_limit(self) -> float | None:
+        """The client timeout of a write sent now, or None when none may be sent: while
+        leading, no later than ``renew_deadline - write_timeout`` after the last
+        successful renew, so that it ends by the renew deadline."""
+        if not self.leading:
+            return None
+        timeout = self.settings.write_timeout
+        if self._clock() + timeout > self._renewed_at + self.settings.renew_deadline:
+            return None
+        return timeout
 
     # ------------------------------------------------------------------ the loop
 
@@ -272,9 +286,15 @@ class LeaderElector:
 
     async def _release(self) -> None:
         """Clear the holder so that a follower takes over at its next look (client-go's
-        ReleaseOnCancel). Bounded by the request timeout; a failure is only logged."""
+        ReleaseOnCancel). The daemon has finished or cancelled every bump before this.
+        Bounded by one write timeout in all (so that a stop takes at most two: the
+        bumps in flight, then this); a failure is only logged."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.write_timeout
         try:
-            current = await self.kube.request("get", "GET", self._path)
+            current = await self.kube.request(
+                "get", "GET", self._path, time_limit=deadline - loop.time()
+            )
             spec = current.get("spec")
             spec = spec if isinstance(spec, Mapping) else {}
             if spec.get("holderIdentity") != self.identity:
@@ -289,7 +309,10 @@ class LeaderElector:
                     "leaseTransitions": spec.get("leaseTransitions", 0),
                 },
             }
-            await self.kube.request("update", "PUT", self._path, body=released)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise KubeError(ErrorKind.TRANSIENT, "no time left to release it", reason="Timeout")
+            await self.kube.request("update", "PUT", self._path, body=released, time_limit=left)
             log.info("lease_released", lease=str(self), identity=self.identity)
         except KubeError as err:
             log.warning("lease_release_failed", lease=str(self), error=str(err))
