@@ -436,6 +436,42 @@ async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease
     assert bump.ended_at is not None and bump.ended_at <= release.at
 
 
+async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(kube, kubeconfig):
+    """client-go's optimistic update: a leader renews from the Lease it last wrote, one
+    PUT per retry period instead of a GET and a PUT. When someone else changed the Lease
+    meanwhile (here a label: a new resourceVersion), the PUT meets 409 and the same
+    round reads the Lease and updates it: still the leader, no step down."""
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        elector = run.daemon.elector
+        await run.until(lambda: elector.leading, "the replica to lead")
+
+        def lease_requests(since: int) -> list[tuple[str, int]]:
+            return [(r.verb, r.status) for r in kube.requests[since:] if r.resource == "leases"]
+
+        start = len(kube.requests)
+        await run.until(
+            lambda: len(lease_requests(start)) >= 3, "three renews", within=3 * RETRY + SLACK
+        )
+        assert lease_requests(start)[:3] == [("update", 200)] * 3, lease_requests(start)
+
+        def labelled(old: dict[str, Any]) -> dict[str, Any]:
+            return {**old, "metadata": {**old["metadata"], "labels": {"team": "ops"}}}
+
+        kube.update(LEASES, "default", "canaryd", labelled)
+        changed = len(kube.requests)
+        await run.until(
+            lambda: ("update", 200) in lease_requests(changed), "a renew", within=RETRY + SLACK
+        )
+        assert lease_requests(changed)[:3] == [("update", 409), ("get", 200), ("update", 200)]
+        assert elector.leading
+        held = kube.get(LEASES.plural, "default", "canaryd")
+        assert held is not None and held["spec"]["holderIdentity"] == "solo"
+        assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
+
+
 async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(
     kube, kubeconfig
 ):
