@@ -124,6 +124,15 @@ BAD_HTTP_REQUESTS = Counter(
     "Malformed HTTP requests to the health port (answered 400, logged at most once a cycle).",
     registry=REGISTRY,
 )
+HTTP_CONNECTIONS_DROPPED = Counter(
+    "canaryd_http_connections_dropped_total",
+    "Connections to the health port closed by canaryd: header_timeout (request headers "
+    "not complete in time), headers_too_large, too_many (the oldest connection still "
+    "without a request made room for a new one, or a new one refused), too_long (open "
+    "past the connection lifetime).",
+    ["reason"],
+    registry=REGISTRY,
+)
 LEADER = Gauge(
     "canaryd_leader",
     "1 while this replica writes bumps: always without --leader-elect; with it, while "
@@ -191,6 +200,7 @@ WATCH_RESTART_WHYS = (
     "gone",
 )
 CONFIG_RELOAD_RESULTS = ("changed", "unchanged", "failed")
+HTTP_DROP_REASONS = ("header_timeout", "headers_too_large", "too_many", "too_long")
 
 for _values, _counter in (
     (BUMP_RESULTS, BUMPS),
@@ -198,6 +208,7 @@ for _values, _counter in (
     (DROP_REASONS, DROPPED),
     (ERROR_PLACES, ERRORS),
     (CONFIG_RELOAD_RESULTS, CONFIG_RELOADS),
+    (HTTP_DROP_REASONS, HTTP_CONNECTIONS_DROPPED),
 ):
     for _value in _values:
         _counter.labels(_value)

@@ -2,6 +2,13 @@
 (canaryd's own process), /readyz, /metrics.
 
 ``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
+
+The port is unauthenticated and often reachable from every pod, so no client may hold
+more of canaryd than a request needs (``ConnectionGuard``): one request per
+connection, its head within ``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, the whole
+connection within ``CONNECTION_LIFETIME``, and at most ``MAX_CONNECTIONS`` open; at
+the cap a new connection closes the oldest one still without a request, so slow
+clients cannot lock a probe out.
 """
 
 from __future__ import annotations
@@ -25,6 +32,19 @@ from canaryd.kube import kind_of
 from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
+
+HEADER_TIMEOUT = 5.0
+"""Seconds a connection has to send its request head (request line and headers): a
+probe or a scrape sends it at once; one that trickles it, or never ends it, is closed."""
+CONNECTION_LIFETIME = 30.0
+"""Seconds a connection may stay open in all: it carries one request and its answer
+(a client that does not read the answer is closed)."""
+MAX_CONNECTIONS = 256
+"""Connections open at once, at most (twice the listen backlog: a whole batch of
+accepted connections cannot push out a probe that has not been read yet)."""
+MAX_HEAD_BYTES = 16 * 1024
+"""Bytes a request head may have: a probe's is a few hundred, a scrape's with a bearer
+token a few thousand."""
 
 REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
@@ -121,6 +141,14 @@ async def metrics_page(request: web.Request) -> web.Response:
     return response
 
 
+async def one_request_per_connection(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer closes its connection (``Connection: close``): a connection's whole
+    life is one request, which ``ConnectionGuard`` bounds. Probes open a connection
+    per request anyway (the kubelet does not keep them alive)."""
+    response.force_close()
+    response.headers["Connection"] = "close"  # the headers are made before this hook
+
+
 def build_app(
     registry: Registry,
     not_ready: Callable[[], list[str] | None],
@@ -139,7 +167,158 @@ def build_app(
     app.router.add_get("/livez", live)
     app.router.add_get("/readyz", ready)
     app.router.add_get("/metrics", metrics_page)
+    app.on_response_prepare.append(one_request_per_connection)
     return app
+
+
+class ConnectionGuard:
+    """Bounds what clients of the health port can hold: how many connections, how long
+    each takes to send its request head, how large that head is, and how long a
+    connection lives. Wraps aiohttp's protocol factory, so every byte is seen before
+    aiohttp buffers it."""
+
+    def __init__(
+        self,
+        on_drop: Callable[[str], None],
+        *,
+        header_timeout: float = HEADER_TIMEOUT,
+        lifetime: float = CONNECTION_LIFETIME,
+        max_connections: int = MAX_CONNECTIONS,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+    ) -> None:
+        self.on_drop = on_drop
+        self.header_timeout, self.lifetime = header_timeout, lifetime
+        self.max_connections, self.max_head_bytes = max_connections, max_head_bytes
+        self.open: set[GuardedConnection] = set()
+        self.waiting: dict[GuardedConnection, None] = {}
+        """Open connections that have not sent their request head yet, oldest first."""
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: GuardedConnection(self, factory)
+
+    def admit(self, connection: GuardedConnection) -> bool:
+        """Room for a new connection: at the cap, the oldest one still without a request
+        is closed; when every open one has sent its request, the new one is refused."""
+        if len(self.open) >= self.max_connections:
+            oldest = next(iter(self.waiting), None)
+            if oldest is None:
+                self.on_drop("too_many")
+                return False
+            oldest.drop("too_many")
+        self.open.add(connection)
+        self.waiting[connection] = None
+        return True
+
+    def closed(self, connection: GuardedConnection) -> None:
+        self.open.discard(connection)
+        self.waiting.pop(connection, None)
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection: aiohttp's protocol inside, made only once the connection is
+    admitted; bytes are passed on only while the connection keeps to the limits."""
+
+    def __init__(self, guard: ConnectionGuard, factory: Callable[[], asyncio.Protocol]) -> None:
+        self._guard, self._factory = guard, factory
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._opened = 0.0
+        self._head_bytes = 0
+        self._tail = b""
+        self._head_done = False
+        self._dropped = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        if not self._guard.admit(self):
+            self._dropped = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        loop = asyncio.get_running_loop()
+        self._opened = loop.time()
+        self._timer = loop.call_at(
+            self._opened + self._guard.header_timeout, self.drop, "header_timeout"
+        )
+        self._inner = self._factory()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropped or self._inner is None:
+            return
+        if not self._head_done:
+            self._head_bytes += len(data)
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen or b"\n\n" in seen:
+                self._head_done = True
+                self._guard.waiting.pop(self, None)
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = asyncio.get_running_loop().call_at(
+                    self._opened + self._guard.lifetime, self.drop, "too_long"
+                )
+            elif self._head_bytes > self._guard.max_head_bytes:
+                self.drop("headers_too_large")
+                return
+            else:
+                self._tail = seen[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._dropped or self._inner is None:
+            return None
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._guard.closed(self)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def drop(self, reason: str) -> None:
+        """Close it now (an abort: nothing more is read or written)."""
+        if self._dropped:
+            return
+        self._dropped = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._guard.waiting.pop(self, None)
+        self._guard.on_drop(reason)
+        if self._transport is not None:
+            self._transport.abort()  # type: ignore[attr-defined]
+
+
+class DroppedConnectionLog:
+    """Counts connections the guard closed, and tells them in at most one line per
+    interval (by reason since the last line): an attack is not a line per connection."""
+
+    def __init__(self, interval: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+        self._interval, self._clock = interval, clock
+        self._told_at: float | None = None
+        self._untold: dict[str, int] = {}
+
+    def __call__(self, reason: str) -> None:
+        metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
+        self._untold[reason] = self._untold.get(reason, 0) + 1
+        now = self._clock()
+        if self._told_at is None or now - self._told_at >= self._interval():
+            log.warning(
+                "http_connections_dropped",
+                by_reason=dict(self._untold),
+                next_line_in=round(self._interval(), 3),
+            )
+            self._told_at, self._untold = now, {}
 
 
 class RequestErrorLog:
@@ -201,6 +380,8 @@ class HealthServer:
         self.app = build_app(registry, not_ready, role, stuck, not_covered)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
@@ -211,12 +392,19 @@ class HealthServer:
             logger=RequestErrorLog(lambda: self.settings.timeout),
         )
         await self._runner.setup()
+        assert self._runner.server is not None
         try:
-            await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                self.guard.wrap(self._runner.server),
+                self.settings.host,
+                self.settings.port,
+                backlog=MAX_CONNECTIONS // 2,
+                reuse_address=True,
+            )
         except OSError:
             await self._runner.cleanup()
             raise
-        self.port = self._runner.addresses[0][1]
+        self.port = self._listener.sockets[0].getsockname()[1]
         log.info("health_server_listening", host=self.settings.host, port=self.port)
 
     async def run(self) -> None:
@@ -227,4 +415,6 @@ class HealthServer:
             log.info("health_server_stopped", why="cancelled")
             raise
         finally:
+            if self._listener is not None:
+                self._listener.close()
             await self._runner.cleanup()
