@@ -613,6 +613,19 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
                 f"{' and/or '.join(DEFAULT_KINDS)}, or any namespaced custom resource as "
                 "PLURAL.GROUP/VERSION (e.g. widgets.example.com/v1)"
             )
+        versions: dict[str, list[str]] = {}
+        for key in parsed:
+            resource, _, version = key.partition("/")
+            if key in KNOWN_KINDS:
+                resource, version = f"{key}.flink.apache.org", "v1beta1"
+            versions.setdefault(resource, []).append(version)
+        twice = {resource: found for resource, found in versions.items() if len(found) > 1}
+        if twice:
+            resource, found = sorted(twice.items())[0]
+            raise ConfigError(
+                f"kind {resource} given twice, as {' and '.join(found)}: give one version "
+                "(every version serves the same objects, which would be bumped twice a cycle)"
+            )
         changes["kinds"] = parsed
 
     reconciled_by = pick(args.reconciled_by, "CANARYD_RECONCILED_BY")

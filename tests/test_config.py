@@ -153,6 +153,17 @@ def test_kinds_and_label():
         (["--port", "70000"], {}, "0-65535"),
         ([], {"CANARYD_PORT": "http"}, "port"),
         (["--kind", "pods"], {}, "invalid kind pods"),
+        # One kind in two versions is the same objects: bumped twice a cycle.
+        (
+            ["--kind", "widgets.example.com/v1,widgets.example.com/v1beta1"],
+            {},
+            "kind widgets.example.com given twice, as v1 and v1beta1: give one version",
+        ),
+        (
+            [],
+            {"CANARYD_KINDS": "flinkdeployments,flinkdeployments.flink.apache.org/v1beta2"},
+            "kind flinkdeployments.flink.apache.org given twice, as v1beta1 and v1beta2",
+        ),
         (["--namespace", "Bad_Name"], {}, "invalid namespace"),
         (["--log-format", "xml"], {}, "log format"),
         (["--log-level", "loud"], {}, "log level"),
