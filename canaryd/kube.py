@@ -680,12 +680,26 @@ async def load_configuration(
     return configuration, reload, loader
 
 
+@dataclass
+class Discovery:
+    """What discovery found for the wanted kinds."""
+
+    kinds: list[Kind]
+    """The wanted kinds that are served, in the order wanted."""
+    failed: dict[str, str]
+    """Wanted kinds whose group could not be read (an error other than 404), with the
+    error: not known to be served or not, so retried; the other kinds go on."""
+
+
 async def discover_kinds(
     kube: KubeClient, wanted: tuple[str, ...], *, quiet: bool = False
-) -> list[Kind]:
+) -> Discovery:
     """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
-    (at debug level when ``quiet``, for the periodic re-discovery)."""
+    (at debug level when ``quiet``, for the periodic re-discovery). Each group version is
+    read on its own: one that fails (a 503 from an aggregated API, a 403) leaves its
+    kinds in ``failed`` and does not hold up the others."""
     served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
+    errors: dict[tuple[str, str], str] = {}
     for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
         group, version = group_version
         try:
@@ -695,11 +709,16 @@ async def discover_kinds(
             }
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
-                raise
+                errors[group_version] = str(err)
+                continue
             served[group_version] = {}
     kinds = []
+    failed = {}
     for key in wanted:
         kind = kind_of(key)
+        if (kind.group, kind.version) in errors:
+            failed[key] = errors[(kind.group, kind.version)]
+            continue
         resource = served[(kind.group, kind.version)].get(kind.plural)
         if resource is not None and resource.get("namespaced") is True:
             name = resource.get("kind")
@@ -717,4 +736,4 @@ async def discover_kinds(
         (log.debug if quiet else log.warning)(
             "crd_missing", kind=key, group=f"{kind.group}/{kind.version}", detail=detail
         )
-    return kinds
+    return Discovery(kinds, failed)

@@ -245,6 +245,9 @@ class Fault:
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None
+    path: str | None = None
+    """Only requests to this path (``verb="discovery"``: one group version's, e.g.
+    ``/apis/example.com/v1``)."""
     hits: int = 0
 
     def matches(self, req: Request) -> bool:
@@ -978,7 +981,14 @@ class FakeKube:
             # replica briefly not serving a group answers 404).
             probe = Request(verb="discovery", rtype=None)
             fault = next(
-                (f for f in self.faults if f.verb == "discovery" and f.matches(probe)), None
+                (
+                    f
+                    for f in self.faults
+                    if f.verb == "discovery"
+                    and f.matches(probe)
+                    and f.path in (None, request.path.rstrip("/"))
+                ),
+                None,
             )
             if fault is not None:
                 fault.hits += 1
