@@ -81,6 +81,8 @@ class LeaderElector:
         """When the other holder's lease runs out, as this replica last saw it."""
         self._renewed_at = float("-inf")
         """When the last successful acquire or renew started (our clock)."""
+        self._seen_a_record = False
+        """Whether any Lease record was seen yet: the first holder seen is no transition."""
         self._written: Mapping[str, Any] | None = None
         """The Lease as this replica last wrote it: a leader renews from it without
         reading first (client-go's optimistic update)."""
@@ -187,8 +189,10 @@ class LeaderElector:
             self._observed_spec, self._observed_at = raw, at
         holder = spec.get("holderIdentity") or None
         holder = str(holder) if holder is not None else None
+        seen_before, self._seen_a_record = self._seen_a_record, True
         if holder != self.leader:
-            if holder is not None:
+            if holder is not None and seen_before:
+                # A passing this replica saw; the holder found at start is none.
                 metrics.LEADER_TRANSITIONS.inc()
             log.info("leader_observed", lease=str(self), leader=holder, was=self.leader)
             self.leader = holder

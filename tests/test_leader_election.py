@@ -472,6 +472,26 @@ async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(
         assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
 
 
+async def test_leader_transitions_count_a_new_holder_not_the_one_seen_at_start(kube, kubeconfig):
+    """canaryd_leader_transitions_total: times this replica saw the Lease pass to a new
+    holder. The holder it finds at start passed to nobody in its sight (a rollout
+    restarting every replica must not look like a flapping election)."""
+    from canaryd import metrics
+
+    create_canary(kube)
+    kube.create(LEASES, "default", lease("other"))
+    before = counter(metrics.LEADER_TRANSITIONS)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="me", lease_namespace="default"
+    ) as run:
+        elector = run.daemon.elector
+        await run.until(lambda: elector.leader == "other", "the holder seen at start")
+        assert counter(metrics.LEADER_TRANSITIONS) == before
+        kube.update(LEASES, "default", "canaryd", lambda old: {**old, **lease("")})  # released
+        await run.until(lambda: elector.leading, "the lease taken", within=2 * RETRY + SLACK)
+        assert counter(metrics.LEADER_TRANSITIONS) == before + 1
+
+
 async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(
     kube, kubeconfig
 ):
