@@ -482,19 +482,17 @@ class Watcher:
         while True:
             try:
                 found = await discover_kinds(self.kube, self.settings.kinds)
-                if len(found.failed) == len(self.settings.kinds):
-                    error = next(iter(found.failed.values()))
-                    raise KubeError(ErrorKind.TRANSIENT, error, reason="DiscoveryFailed")
-            except KubeError as err:
-                delay = backoff.next()
-                log.warning("discovery_failed", error=str(err), retry_in=round(delay, 3))
-                await asyncio.sleep(delay)
-                continue
             except Exception:
                 # A bug must not stop the daemon: say so, count it, try again.
                 delay = backoff.next()
                 metrics.ERRORS.labels("discovery").inc()
                 log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
+                await asyncio.sleep(delay)
+                continue
+            if len(found.failed) == len(self.settings.kinds):
+                delay = backoff.next()
+                error = next(iter(found.failed.values()))
+                log.warning("discovery_failed", error=error, retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
             self.discovery_failed = dict(found.failed)
