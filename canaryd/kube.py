@@ -656,6 +656,13 @@ def kubeconfig_path(kubeconfig: str | None) -> str:
     return kubeconfig or os.path.expanduser("~/.kube/config")
 
 
+def kubeconfig_files(value: str) -> list[str]:
+    """The files of a kubeconfig value: several separated by ':' (';' on Windows), as
+    KUBECONFIG lists them; kubectl merges them, and kubernetes-asyncio's loader does
+    too (KubeConfigMerger: the first file to name a cluster, user or context wins)."""
+    return [os.path.expanduser(path) for path in value.split(os.pathsep) if path]
+
+
 async def load_configuration(
     kubeconfig: str | None, context: str | None
 ) -> tuple[k8s_client.Configuration, Any, Any]:
