@@ -313,7 +313,10 @@ def read_operator_config(path: Path) -> dict[str, Any]:
 
 
 def parse_namespaces(value: Any) -> frozenset[str] | None:
-    """Comma-separated namespaces; empty or JOSDK_ALL_NAMESPACES means all (None)."""
+    """Comma-separated namespaces; empty, null (a YAML key with no value) or
+    JOSDK_ALL_NAMESPACES means all (None), as in the operator."""
+    if value is None:
+        return None
     items = value if isinstance(value, list | tuple) else str(value).split(",")
     names = {str(item).strip() for item in items if str(item).strip()}
     if not names or ALL_NAMESPACES_VALUE in names:
