@@ -126,10 +126,10 @@ BAD_HTTP_REQUESTS = Counter(
 )
 HTTP_CONNECTIONS_DROPPED = Counter(
     "canaryd_http_connections_dropped_total",
-    "Connections to the health port closed by canaryd: header_timeout (request headers "
-    "not complete in time), headers_too_large, too_many (the oldest connection still "
-    "without a request made room for a new one, or a new one refused), too_long (open "
-    "past the connection lifetime).",
+    "Connections to the health port closed by canaryd: header_timeout (a request head "
+    "not complete in time), headers_too_large (answered 431), chunked_body (answered "
+    "411), too_many (closed to make room for a new one at the cap, or a new one "
+    "refused), answer_unread (no next request long after the last: its answer not read).",
     ["reason"],
     registry=REGISTRY,
 )
@@ -200,7 +200,13 @@ WATCH_RESTART_WHYS = (
     "gone",
 )
 CONFIG_RELOAD_RESULTS = ("changed", "unchanged", "failed")
-HTTP_DROP_REASONS = ("header_timeout", "headers_too_large", "too_many", "too_long")
+HTTP_DROP_REASONS = (
+    "header_timeout",
+    "headers_too_large",
+    "chunked_body",
+    "too_many",
+    "answer_unread",
+)
 
 for _values, _counter in (
     (BUMP_RESULTS, BUMPS),

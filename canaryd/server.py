@@ -4,18 +4,20 @@
 ``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
 
 The port is unauthenticated and often reachable from every pod, so no client may hold
-more of canaryd than a request needs (``ConnectionGuard``): one request per
-connection, its head within ``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, the whole
-connection within ``CONNECTION_LIFETIME``, and at most ``MAX_CONNECTIONS`` open; at
-the cap a new connection closes the oldest one still without a request, so slow
-clients cannot lock a probe out.
+more of canaryd than a request needs (``ConnectionGuard``): every request head within
+``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, every answer read within
+``ANSWER_TIMEOUT``, an idle keep-alive connection closed after ``IDLE_TIMEOUT``,
+and at most ``MAX_CONNECTIONS`` open; at the cap a new connection closes the oldest
+one that is sending a head (or idle), so slow clients cannot lock a probe out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -34,17 +36,27 @@ from canaryd.registry import Canary, Registry, one_line
 log = structlog.get_logger("canaryd.server")
 
 HEADER_TIMEOUT = 5.0
-"""Seconds a connection has to send its request head (request line and headers): a
-probe or a scrape sends it at once; one that trickles it, or never ends it, is closed."""
-CONNECTION_LIFETIME = 30.0
-"""Seconds a connection may stay open in all: it carries one request and its answer
-(a client that does not read the answer is closed)."""
+"""Seconds a request head (request line and headers) may take from its first byte (a
+new connection: from its accept). A probe or a scrape sends its head at once; one
+that trickles it is closed."""
+IDLE_TIMEOUT = HEADER_TIMEOUT + 1.0
+"""Seconds a kept-alive connection may idle after an answer (aiohttp's keep-alive
+timeout, an hour by default): closed as usual, not counted as dropped. Longer than
+the header timeout, so that a head that never ends is told as such."""
+ANSWER_TIMEOUT = 30.0
+"""Seconds after a request head within which the next one must begin: an answer that
+is not read (a client that stopped reading) does not hold its connection longer."""
 MAX_CONNECTIONS = 256
 """Connections open at once, at most (twice the listen backlog: a whole batch of
 accepted connections cannot push out a probe that has not been read yet)."""
 MAX_HEAD_BYTES = 16 * 1024
 """Bytes a request head may have: a probe's is a few hundred, a scrape's with a bearer
 token a few thousand."""
+SWEEP_INTERVAL = 0.25
+"""How often the deadlines above are checked while connections are open (seconds)."""
+ANSWERING_GRACE = 1.0
+"""At the cap, a connection whose request head ended less than this ago is being
+answered and is not closed to make room (answers take milliseconds)."""
 
 REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
@@ -141,14 +153,6 @@ async def metrics_page(request: web.Request) -> web.Response:
     return response
 
 
-async def one_request_per_connection(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer closes its connection (``Connection: close``): a connection's whole
-    life is one request, which ``ConnectionGuard`` bounds. Probes open a connection
-    per request anyway (the kubelet does not keep them alive)."""
-    response.force_close()
-    response.headers["Connection"] = "close"  # the headers are made before this hook
-
-
 def build_app(
     registry: Registry,
     not_ready: Callable[[], list[str] | None],
@@ -167,102 +171,191 @@ def build_app(
     app.router.add_get("/livez", live)
     app.router.add_get("/readyz", ready)
     app.router.add_get("/metrics", metrics_page)
-    app.on_response_prepare.append(one_request_per_connection)
     return app
 
 
 class ConnectionGuard:
     """Bounds what clients of the health port can hold: how many connections, how long
-    each takes to send its request head, how large that head is, and how long a
-    connection lives. Wraps aiohttp's protocol factory, so every byte is seen before
-    aiohttp buffers it."""
+    a request head may take and how large it may be, how long an answer may go unread.
+    Wraps aiohttp's protocol factory, so every byte is seen before aiohttp buffers it;
+    aiohttp's own keep-alive timeout closes idle connections (``IDLE_TIMEOUT``).
+
+    Deadlines are kept in two insertion-ordered maps (by when a head began, by when it
+    ended) and swept a few times a second while connections are open: no timer per
+    request on the probe's path."""
 
     def __init__(
         self,
         on_drop: Callable[[str], None],
         *,
         header_timeout: float = HEADER_TIMEOUT,
-        lifetime: float = CONNECTION_LIFETIME,
+        answer_timeout: float = ANSWER_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
         max_head_bytes: int = MAX_HEAD_BYTES,
+        answering_grace: float = ANSWERING_GRACE,
+        sweep_interval: float = SWEEP_INTERVAL,
     ) -> None:
         self.on_drop = on_drop
-        self.header_timeout, self.lifetime = header_timeout, lifetime
+        self.header_timeout, self.answer_timeout = header_timeout, answer_timeout
         self.max_connections, self.max_head_bytes = max_connections, max_head_bytes
+        self.answering_grace, self.sweep_interval = answering_grace, sweep_interval
         self.open: set[GuardedConnection] = set()
-        self.waiting: dict[GuardedConnection, None] = {}
-        """Open connections that have not sent their request head yet, oldest first."""
+        self.in_head: dict[GuardedConnection, float] = {}
+        """Connections sending a request head (a new one included), with when it began
+        (a new connection: its accept), oldest first."""
+        self.headed: dict[GuardedConnection, float] = {}
+        """The others, with when their last head ended, oldest first."""
+        self._sweep: asyncio.TimerHandle | None = None
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: GuardedConnection(self, factory)
 
-    def admit(self, connection: GuardedConnection) -> bool:
-        """Room for a new connection: at the cap, the oldest one still without a request
-        is closed; when every open one has sent its request, the new one is refused."""
+    def admit(self, connection: GuardedConnection, now: float) -> bool:
+        """Room for a new connection: at the cap, the oldest one sending a head is
+        closed, else the one idle longest (not one being answered); when all are being
+        answered, the new one is refused."""
         if len(self.open) >= self.max_connections:
-            oldest = next(iter(self.waiting), None)
-            if oldest is None:
+            victim = next(iter(self.in_head), None)
+            if victim is None:
+                oldest = next(iter(self.headed.items()), None)
+                if oldest is not None and now - oldest[1] >= self.answering_grace:
+                    victim = oldest[0]
+            if victim is None:
                 self.on_drop("too_many")
                 return False
-            oldest.drop("too_many")
+            victim.drop("too_many")
         self.open.add(connection)
-        self.waiting[connection] = None
+        self.in_head[connection] = now
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
         return True
+
+    def head_begins(self, connection: GuardedConnection, now: float) -> None:
+        del self.headed[connection]
+        self.in_head[connection] = now
+
+    def head_ended(self, connection: GuardedConnection, now: float) -> None:
+        del self.in_head[connection]
+        self.headed[connection] = now
 
     def closed(self, connection: GuardedConnection) -> None:
         self.open.discard(connection)
-        self.waiting.pop(connection, None)
+        self.in_head.pop(connection, None)
+        self.headed.pop(connection, None)
+
+    def sweep(self) -> None:
+        """Close what is past its deadline: a head begun ``header_timeout`` ago, an
+        answer ``answer_timeout`` ago with no next request."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        for waiting, limit, reason in (
+            (self.in_head, self.header_timeout, "header_timeout"),
+            (self.headed, self.answer_timeout, "answer_unread"),
+        ):
+            while waiting:
+                connection, since = next(iter(waiting.items()))
+                if now - since < limit:
+                    break
+                connection.drop(reason)  # leaves ``waiting``
+        if self.open:
+            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
+
+    def stop(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+
+
+def _refusal(status: bytes, text: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (status, len(text), text)
+    )
+
+
+REFUSALS = {
+    "headers_too_large": _refusal(
+        b"431 Request Header Fields Too Large", b"request head over %d bytes" % MAX_HEAD_BYTES
+    ),
+    "chunked_body": _refusal(b"411 Length Required", b"no chunked request bodies here"),
+}
+"""What a connection closed for its request's form is told first."""
+BODY_HEADER = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*)", re.I)
+"""A request head's body headers (the request line is never one)."""
 
 
 class GuardedConnection(asyncio.Protocol):
     """One connection: aiohttp's protocol inside, made only once the connection is
-    admitted; bytes are passed on only while the connection keeps to the limits."""
+    admitted; bytes are passed on only while the connection keeps to the limits. It
+    follows request heads by their blank line, and skips a body by its Content-Length
+    (the health port takes no chunked body: 411, closed)."""
 
     def __init__(self, guard: ConnectionGuard, factory: Callable[[], asyncio.Protocol]) -> None:
         self._guard, self._factory = guard, factory
         self._inner: asyncio.Protocol | None = None
         self._transport: asyncio.BaseTransport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._opened = 0.0
-        self._head_bytes = 0
-        self._tail = b""
-        self._head_done = False
+        self._head = b""
+        """The current head's bytes so far, when it came in more than one piece."""
+        self._in_head = True
+        self._body_left = 0
         self._dropped = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
-        if not self._guard.admit(self):
+        if not self._guard.admit(self, asyncio.get_running_loop().time()):
             self._dropped = True
             transport.abort()  # type: ignore[attr-defined]
             return
-        loop = asyncio.get_running_loop()
-        self._opened = loop.time()
-        self._timer = loop.call_at(
-            self._opened + self._guard.header_timeout, self.drop, "header_timeout"
-        )
         self._inner = self._factory()
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._dropped or self._inner is None:
             return
-        if not self._head_done:
-            self._head_bytes += len(data)
-            seen = self._tail + data
-            if b"\r\n\r\n" in seen or b"\n\n" in seen:
-                self._head_done = True
-                self._guard.waiting.pop(self, None)
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = asyncio.get_running_loop().call_at(
-                    self._opened + self._guard.lifetime, self.drop, "too_long"
-                )
-            elif self._head_bytes > self._guard.max_head_bytes:
-                self.drop("headers_too_large")
-                return
-            else:
-                self._tail = seen[-3:]
+        if not self._follow_heads(data):
+            return
         self._inner.data_received(data)
+
+    def _follow_heads(self, data: bytes) -> bool:
+        """Track request heads through ``data``; False when the connection was closed."""
+        pos, size = 0, len(data)
+        while pos < size:
+            if self._body_left:
+                taken = min(self._body_left, size - pos)
+                self._body_left -= taken
+                pos += taken
+                continue
+            if not self._in_head:  # the next request begins
+                self._in_head = True
+                self._guard.head_begins(self, asyncio.get_running_loop().time())
+            known = len(self._head)
+            buffer = self._head + data[pos:] if known else (data[pos:] if pos else data)
+            ends = [
+                (index, len(blank))
+                for blank, back in ((b"\r\n\r\n", 3), (b"\n\n", 1))
+                if (index := buffer.find(blank, max(0, known - back))) >= 0
+            ]
+            if not ends:
+                if len(buffer) > self._guard.max_head_bytes:
+                    self.drop("headers_too_large")
+                    return False
+                self._head = buffer
+                return True
+            index, blank = min(ends)
+            head = buffer[: index + blank]
+            if len(head) > self._guard.max_head_bytes:
+                self.drop("headers_too_large")
+                return False
+            pos += len(head) - known
+            self._head, self._in_head = b"", False
+            self._guard.head_ended(self, asyncio.get_running_loop().time())
+            for name, value in BODY_HEADER.findall(head):
+                if name.lower() == b"transfer-encoding":
+                    self.drop("chunked_body")
+                    return False
+                with contextlib.suppress(ValueError):  # aiohttp answers a bad one 400
+                    self._body_left = max(0, int(value.strip()))
+        return True
 
     def eof_received(self) -> bool | None:
         if self._dropped or self._inner is None:
@@ -270,9 +363,6 @@ class GuardedConnection(asyncio.Protocol):
         return self._inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._guard.closed(self)
         if self._inner is not None:
             self._inner.connection_lost(exc)
@@ -286,16 +376,21 @@ class GuardedConnection(asyncio.Protocol):
             self._inner.resume_writing()
 
     def drop(self, reason: str) -> None:
-        """Close it now (an abort: nothing more is read or written)."""
+        """Close it now: nothing more is read. A request refused for its form is told
+        why (431 for a head too large, as aiohttp answers a header line past its limit;
+        411 for a chunked body); the others are aborted."""
         if self._dropped:
             return
         self._dropped = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._guard.waiting.pop(self, None)
+        self._guard.closed(self)
         self._guard.on_drop(reason)
-        if self._transport is not None:
+        if self._transport is None:
+            return
+        answer = REFUSALS.get(reason)
+        if answer is not None:
+            self._transport.write(answer)  # type: ignore[attr-defined]
+            self._transport.close()
+        else:
             self._transport.abort()  # type: ignore[attr-defined]
 
 
@@ -390,6 +485,7 @@ class HealthServer:
             access_log=None,
             shutdown_timeout=1.0,
             logger=RequestErrorLog(lambda: self.settings.timeout),
+            keepalive_timeout=IDLE_TIMEOUT,
         )
         await self._runner.setup()
         assert self._runner.server is not None
@@ -418,3 +514,4 @@ class HealthServer:
             if self._listener is not None:
                 self._listener.close()
             await self._runner.cleanup()
+            self.guard.stop()

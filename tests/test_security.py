@@ -179,10 +179,10 @@ async def _metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
 
 
 async def test_a_request_head_that_never_ends_is_closed_after_the_header_timeout(kube, kubeconfig):
-    """A slow client (headers trickled, never finished) is closed after HEADER_TIMEOUT,
-    one whose head grows past MAX_HEAD_BYTES at once; every answer closes its
-    connection (one request per connection). aiohttp alone holds such a client for its
-    keep-alive timeout: an hour."""
+    """A slow client (a request head trickled, never finished) is closed HEADER_TIMEOUT
+    after its head began: on a new connection, and on a kept-alive one after an
+    answered request; one whose head grows past MAX_HEAD_BYTES at once. aiohttp alone
+    holds such a client for its keep-alive timeout: an hour."""
     from canaryd import metrics
     from canaryd.server import HEADER_TIMEOUT, MAX_HEAD_BYTES
     from tests.harness import counter
@@ -190,25 +190,112 @@ async def test_a_request_head_that_never_ends_is_closed_after_the_header_timeout
     async with running_daemon(kube, kubeconfig) as run:
         port = run.daemon.server.port
         loop = asyncio.get_running_loop()
+        timed_out = counter(metrics.HTTP_CONNECTIONS_DROPPED, "header_timeout")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\nX-Slow: ")
         opened = loop.time()
         async with asyncio.timeout(HEADER_TIMEOUT + 2):
             assert await reader.read() == b""  # closed by canaryd, never answered
         assert loop.time() - opened >= HEADER_TIMEOUT - 0.5, loop.time() - opened
-        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "header_timeout") == 1
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "header_timeout") == timed_out + 1
         writer.close()
 
+        # Keep-alive: two requests answered on one connection, then a third head that
+        # never ends.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(2):
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n")
+            async with asyncio.timeout(2):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                assert await reader.readexactly(2) == b"OK"
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\nX-Slow: ")
+        began = loop.time()
+        async with asyncio.timeout(HEADER_TIMEOUT + 2):
+            assert await reader.read() == b""
+        assert loop.time() - began <= HEADER_TIMEOUT + 1
+        writer.close()
+
+        too_large = counter(metrics.HTTP_CONNECTIONS_DROPPED, "headers_too_large")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\n" + b"X-Big: " + b"a" * MAX_HEAD_BYTES)
         async with asyncio.timeout(2):
-            assert await reader.read() == b""
-        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "headers_too_large") == 1
+            answer = await reader.read()  # told, then closed
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "headers_too_large") == too_large + 1
         writer.close()
 
-        async with run.http.get(run.url + "/healthz") as response:
-            assert response.status == 200
-            assert response.headers["Connection"].lower() == "close"
+        # A body is skipped by its Content-Length (not taken for the next head, however
+        # large); a chunked one is refused (411), as the health port takes no bodies.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"x" * (2 * MAX_HEAD_BYTES)
+        writer.write(
+            b"POST /healthz HTTP/1.1\r\nHost: canaryd\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+            + b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n"
+        )
+        async with asyncio.timeout(2):
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 405")
+            await reader.readuntil(b"\r\n\r\n")
+            assert (await reader.readuntil(b"OK")).count(b"HTTP/1.1 200 OK") == 1
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n")
+        async with asyncio.timeout(2):
+            assert (await reader.read()).startswith(b"HTTP/1.1 411 ")
+        writer.close()
+        assert await run.get("/healthz") == (200, "OK")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_at_the_cap_a_slow_head_makes_room_then_an_idle_connection_never_an_answer():
+    """Which connection the guard closes for a new one at MAX_CONNECTIONS: the oldest
+    still sending a head; else the longest idle after its answer (past the answering
+    grace); a connection being answered never: then the new one is refused. And an
+    answer not followed by another request is closed after the answer timeout."""
+    from canaryd.server import ConnectionGuard, GuardedConnection
+
+    dropped: list[str] = []
+
+    def connect(guard: ConnectionGuard, head: bytes = b"") -> tuple[Any, _Transport]:
+        connection = GuardedConnection(guard, asyncio.Protocol)
+        transport = _Transport()
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        if head:
+            connection.data_received(head)
+        return connection, transport
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n"
+    guard = ConnectionGuard(dropped.append, max_connections=2)
+    _, answering = connect(guard, request)
+    _, slow = connect(guard, b"GET /healthz HTTP/1.1\r\n")
+    _, new = connect(guard)
+    assert slow.aborted and not answering.aborted and not new.aborted
+    assert dropped == ["too_many"]
+    connect(guard, request[:10])[0].data_received(request[10:])  # refused: both answering
+    assert dropped == ["too_many", "too_many"] and len(guard.open) == 2
+    guard.stop()
+
+    dropped.clear()
+    idle = ConnectionGuard(dropped.append, max_connections=1, answering_grace=0.0)
+    _, first = connect(idle, request)
+    _, second = connect(idle)
+    assert first.aborted and not second.aborted and dropped == ["too_many"]
+    idle.stop()
+
+    dropped.clear()
+    unread = ConnectionGuard(dropped.append, answer_timeout=0.0)
+    _, served = connect(unread, request + request[:5])  # pipelined: a second head begins
+    _, kept = connect(unread, request)
+    unread.sweep()
+    assert kept.aborted and not served.aborted and dropped == ["answer_unread"]
+    unread.stop()
 
 
 SLOW_CONNECTIONS = 10_000
