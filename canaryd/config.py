@@ -31,6 +31,9 @@ CUSTOM_KIND = re.compile(
 RECONCILED_BY = ("watch", "observed-generation", "operator-metrics")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIN_TIMEOUT = 0.1
+MIN_WRITE_TIMEOUT = 1.0
+"""The shortest write timeout the lease timings may leave a leader (seconds): a bump
+that must be answered sooner than this fails on any ordinary delay."""
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
 cannot keep pace and verdicts flap. Below a second is for tests."""
 DURATION_FLAGS = (
@@ -142,6 +145,19 @@ class Settings:
     def request_timeout(self) -> float:
         """One bump or re-read: 10 s, at most half the cycle (the bump's retry window)."""
         return min(10.0, self.timeout / 2)
+
+    @property
+    def write_timeout(self) -> float:
+        """One bump's PATCH: the request timeout; under --leader-elect at most the renew
+        deadline less two retry periods (6 s at the defaults). A leader sends a write
+        only while it has that much of its renew deadline left after its last renew,
+        so every write it sends is answered or abandoned by its renew deadline, before
+        any follower may take the lease; and a leader that renews every retry period
+        (plus the renew's own round trip, with one retry period to spare) is never
+        without that window."""
+        if not self.leader_elect:
+            return self.request_timeout
+        return min(self.request_timeout, lease_write_budget(self))
 
     @property
     def connect_timeout(self) -> float:
@@ -346,7 +362,10 @@ def read_operator_config(path: Path) -> dict[str, Any]:
 
 
 def parse_namespaces(value: Any) -> frozenset[str] | None:
-    """Comma-separated namespaces; empty or JOSDK_ALL_NAMESPACES means all (None)."""
+    """Comma-separated namespaces; empty, null (a YAML key with no value) or
+    JOSDK_ALL_NAMESPACES means all (None), as in the operator."""
+    if value is None:
+        return None
     items = value if isinstance(value, list | tuple) else str(value).split(",")
     names = {str(item).strip() for item in items if str(item).strip()}
     if not names or ALL_NAMESPACES_VALUE in names:
@@ -701,6 +720,19 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
                 f"{' and/or '.join(DEFAULT_KINDS)}, or any namespaced custom resource as "
                 "PLURAL.GROUP/VERSION (e.g. widgets.example.com/v1)"
             )
+        versions: dict[str, list[str]] = {}
+        for key in parsed:
+            resource, _, version = key.partition("/")
+            if key in KNOWN_KINDS:
+                resource, version = f"{key}.flink.apache.org", "v1beta1"
+            versions.setdefault(resource, []).append(version)
+        twice = {resource: found for resource, found in versions.items() if len(found) > 1}
+        if twice:
+            resource, found = sorted(twice.items())[0]
+            raise ConfigError(
+                f"kind {resource} given twice, as {' and '.join(found)}: give one version "
+                "(every version serves the same objects, which would be bumped twice a cycle)"
+            )
         changes["kinds"] = parsed
 
     reconciled_by = pick(args.reconciled_by, "CANARYD_RECONCILED_BY")
@@ -819,7 +851,22 @@ def _leader_election(
         )
     if not timings["renew_deadline"] > 1.2 * timings["retry_period"]:
         raise ConfigError("renew deadline must be greater than 1.2 x the retry period")
+    if elect:
+        budget = timings["renew_deadline"] - 2 * timings["retry_period"]
+        if budget < MIN_WRITE_TIMEOUT:
+            raise ConfigError(
+                f"renew deadline {timings['renew_deadline']:g}s less twice the retry period "
+                f"{timings['retry_period']:g}s leaves {budget:g}s for a write, below "
+                f"{MIN_WRITE_TIMEOUT:g}s: a leader sends a bump only while that much of its "
+                "renew deadline is left (raise --renew-deadline or lower --retry-period)"
+            )
     return changes
+
+
+def lease_write_budget(settings: Settings) -> float:
+    """What the lease timings leave for one write: the renew deadline less two retry
+    periods (the next renew, its round trip and one retry to spare)."""
+    return settings.renew_deadline - 2 * settings.retry_period
 
 
 def lease_seconds(lease_duration: float) -> int:

@@ -1,7 +1,9 @@
 """The daemon: wires watcher, scheduler and health server under one TaskGroup.
 
 When any task fails the others are cancelled and the failure is raised; SIGTERM and
-SIGINT stop everything cleanly; SIGHUP re-reads the operator config file.
+SIGINT stop everything cleanly (the bumps in flight are finished or abandoned first,
+then the tasks stop and a leader releases its lease); SIGHUP re-reads the operator
+config file.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import yaml
@@ -27,7 +30,13 @@ from canaryd.config import (
     operator_config_files,
     read_operator_config,
 )
-from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
+from canaryd.kube import (
+    KubeClient,
+    kubeconfig_files,
+    kubeconfig_path,
+    load_configuration,
+    server_url_problem,
+)
 from canaryd.leader import LeaderElector
 from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry
@@ -39,15 +48,29 @@ from canaryd.watcher import Watcher
 log = structlog.get_logger("canaryd.daemon")
 
 
-def check_kubeconfig_file(path: str) -> None:
-    """A kubeconfig that is missing, unreadable or not a mapping gets one clear line,
-    not the loader's internals ("list indices must be integers", a NoneType)."""
-    file = Path(path)
-    if not file.exists():
+def check_kubeconfig(value: str) -> str | None:
+    """The kubeconfig's files as kubectl reads KUBECONFIG (several separated by ':',
+    missing ones skipped), each checked: one that is unreadable or not a mapping, or
+    none there at all, gets one clear line, not the loader's internals ("list indices
+    must be integers", a NoneType). Returns the current context kubectl would use: the
+    first file's that sets one (kubernetes-asyncio's merge takes the last file's)."""
+    files = kubeconfig_files(value)
+    present = [path for path in files if Path(path).exists()]
+    if not present:
         raise ConfigError(
-            f"no kubeconfig at {path}: pass --kubeconfig or set KUBECONFIG "
-            "(in a pod, canaryd uses its service account)"
+            f"no kubeconfig at {' or '.join(files) or repr(value)}: pass --kubeconfig or "
+            "set KUBECONFIG (in a pod, canaryd uses its service account)"
         )
+    current = None
+    for path in present:
+        data = read_kubeconfig_file(path)
+        if current is None and data.get("current-context"):
+            current = str(data["current-context"])
+    return current
+
+
+def read_kubeconfig_file(path: str) -> dict[str, Any]:
+    file = Path(path)
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:
@@ -60,6 +83,7 @@ def check_kubeconfig_file(path: str) -> None:
             f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
             "users, contexts and current-context)"
         )
+    return data
 
 
 class _Shutdown(Exception):
@@ -107,12 +131,11 @@ class Daemon:
         settings = self.settings
         in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
         where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
+        context = settings.context
         if not in_cluster:
-            check_kubeconfig_file(where)
+            context = context or check_kubeconfig(where)
         try:
-            configuration, reload, loader = await load_configuration(
-                settings.kubeconfig, settings.context
-            )
+            configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
         except Exception as err:  # any loader failure is a configuration problem
             detail = logs.scrub(str(err)) or type(err).__name__
             raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
@@ -147,7 +170,7 @@ class Daemon:
                     on_stopped_leading=scheduler.standby,
                     on_new_leader=self._new_leader,
                 )
-                scheduler.may_write = self.elector.holds_lease
+                scheduler.write_time_limit = self.elector.write_time_limit
                 scheduler.standby(None)  # until this replica holds the lease
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes
@@ -307,6 +330,10 @@ class Daemon:
         await self._stop.wait()
         log.info("shutting_down")
         self.notifier.notify("STOPPING=1")
+        if self.scheduler is not None:
+            # Every bump finished or abandoned before anything stops: a leader releases
+            # its lease as it stops, and a follower may take it at once.
+            await self.scheduler.finish_writes()
         raise _Shutdown
 
     def _install_signals(self) -> None:

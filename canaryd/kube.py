@@ -452,18 +452,32 @@ class KubeClient:
 
         ``verb`` (get, list, patch, ...) labels the request in the metrics; ``data`` is
         an already serialised JSON body, ``body`` one to serialise; ``time_limit``
-        replaces the request timeout (lists).
+        replaces the request timeout (lists, a leader's writes). Whatever has not been
+        answered within it is abandoned: its connection is closed, so a late answer is
+        never read.
         """
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
+        # One deadline for the whole call (credentials, and the retry after a 401): a
+        # leader's write is abandoned by it, whatever it waited for.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
-            headers = await self._headers()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    headers = await self._headers()
+            except TimeoutError as err:
+                raise error_from_exception(err, "Credentials") from err
             if data is not None:
                 headers["Content-Type"] = content_type
+            left = deadline - loop.time()
+            if left <= 0:
+                count_request(verb, "error")
+                raise KubeError(ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout")
             try:
                 status, payload, retry_after = await self._exchange(
-                    method, path, params, data, headers, time_limit or self._request_timeout
+                    method, path, params, data, headers, left
                 )
             except (
                 aiohttp.ClientError,
@@ -684,6 +698,13 @@ def kubeconfig_path(kubeconfig: str | None) -> str:
     return kubeconfig or os.path.expanduser("~/.kube/config")
 
 
+def kubeconfig_files(value: str) -> list[str]:
+    """The files of a kubeconfig value: several separated by ':' (';' on Windows), as
+    KUBECONFIG lists them; kubectl merges them, and kubernetes-asyncio's loader does
+    too (KubeConfigMerger: the first file to name a cluster, user or context wins)."""
+    return [os.path.expanduser(path) for path in value.split(os.pathsep) if path]
+
+
 async def load_configuration(
     kubeconfig: str | None, context: str | None
 ) -> tuple[k8s_client.Configuration, Any, Any]:
@@ -708,12 +729,29 @@ async def load_configuration(
     return configuration, reload, loader
 
 
+@dataclass
+class Discovery:
+    """What discovery found for the wanted kinds."""
+
+    kinds: list[Kind]
+    """The wanted kinds that are served, in the order wanted."""
+    failed: dict[str, str]
+    """Wanted kinds whose group could not be read (an error other than 404), with the
+    error: not known to be served or not, so retried; the other kinds go on."""
+    first_error: KubeError | None = None
+    """The first of those errors, for naming its cause (refused, unauthorized, tls...)."""
+
+
 async def discover_kinds(
     kube: KubeClient, wanted: tuple[str, ...], *, quiet: bool = False
-) -> list[Kind]:
+) -> Discovery:
     """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
-    (at debug level when ``quiet``, for the periodic re-discovery)."""
+    (at debug level when ``quiet``, for the periodic re-discovery). Each group version is
+    read on its own: one that fails (a 503 from an aggregated API, a 403) leaves its
+    kinds in ``failed`` and does not hold up the others."""
     served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
+    errors: dict[tuple[str, str], str] = {}
+    first_error: KubeError | None = None
     for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
         group, version = group_version
         try:
@@ -723,11 +761,17 @@ async def discover_kinds(
             }
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
-                raise
+                errors[group_version] = str(err)
+                first_error = first_error or err
+                continue
             served[group_version] = {}
     kinds = []
+    failed = {}
     for key in wanted:
         kind = kind_of(key)
+        if (kind.group, kind.version) in errors:
+            failed[key] = errors[(kind.group, kind.version)]
+            continue
         resource = served[(kind.group, kind.version)].get(kind.plural)
         if resource is not None and resource.get("namespaced") is True:
             name = resource.get("kind")
@@ -745,4 +789,4 @@ async def discover_kinds(
         (log.debug if quiet else log.warning)(
             "crd_missing", kind=key, group=f"{kind.group}/{kind.version}", detail=detail
         )
-    return kinds
+    return Discovery(kinds, failed, first_error)

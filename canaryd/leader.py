@@ -5,15 +5,23 @@ clock: a candidate takes the lease only when it has itself seen the holder's rec
 unchanged for the record's whole lease duration (measured on its own monotonic
 clock), or when the holder is empty (released). Every write is an update with the
 resourceVersion it read, so two candidates cannot both win: the second gets 409 and
-reads again next round (it never overwrites). The leader renews every retry period;
+reads again next round (it never overwrites). A leader renews with one update from
+the copy it last wrote (client-go's optimistic update); a 409 or any failure falls
+back to a read and an update in the same round. The leader renews every retry period;
 if it has not renewed for ``renew_deadline`` it stops being leader at once — before
-any follower can have waited out ``lease_duration`` (greater by construction) — so
-there are never two writers. On shutdown the leader releases the lease (holder
-cleared, duration 1 s), and a follower takes it at its next look.
+any follower can have waited out ``lease_duration`` (greater by construction). On
+shutdown the leader releases the lease (holder cleared, duration 1 s), and a
+follower takes it at its next look.
 
-``holds_lease()`` is what the scheduler asks right before each write: it is true only
-while the last successful renew is younger than the renew deadline, whatever the
-elector task is doing.
+Kubernetes has no fencing token, so one writer at a time comes from time.
+``write_time_limit()`` is what the scheduler asks right before each write: a write is
+sent only while at least ``write_timeout`` of the renew deadline is left after the
+last successful renew (measured from when that renew was sent), and that is its
+client timeout. So every write is answered or abandoned (its connection closed, its
+late answer never read) by the renew deadline, ``lease_duration - renew_deadline``
+(5 s at the defaults) before a follower may take over, whatever the elector task is
+doing. What stays possible is a write the API server received before canaryd gave
+up on it and applies later still: see the README's HA section.
 """
 
 from __future__ import annotations
@@ -73,6 +81,11 @@ class LeaderElector:
         """When the other holder's lease runs out, as this replica last saw it."""
         self._renewed_at = float("-inf")
         """When the last successful acquire or renew started (our clock)."""
+        self._seen_a_record = False
+        """Whether any Lease record was seen yet: the first holder seen is no transition."""
+        self._written: Mapping[str, Any] | None = None
+        """The Lease as this replica last wrote it: a leader renews from it without
+        reading first (client-go's optimistic update)."""
         self.problem: str | None = None
         """Why the last round could not read or write the lease (not a lost race): a
         warning episode, and /readyz names it."""
@@ -91,8 +104,16 @@ class LeaderElector:
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def holds_lease(self) -> bool:
-        return self.leading and self._clock() < self._renewed_at + self.settings.renew_deadline
+    def write_time_limit(self) -> float | None:
+        """The client timeout of a write sent now, or None when none may be sent: while
+        leading, no later than ``renew_deadline - write_timeout`` after the last
+        successful renew, so that it ends by the renew deadline."""
+        if not self.leading:
+            return None
+        timeout = self.settings.write_timeout
+        if self._clock() + timeout > self._renewed_at + self.settings.renew_deadline:
+            return None
+        return timeout
 
     # ------------------------------------------------------------------ the loop
 
@@ -168,8 +189,10 @@ class LeaderElector:
             self._observed_spec, self._observed_at = raw, at
         holder = spec.get("holderIdentity") or None
         holder = str(holder) if holder is not None else None
+        seen_before, self._seen_a_record = self._seen_a_record, True
         if holder != self.leader:
-            if holder is not None:
+            if holder is not None and seen_before:
+                # A passing this replica saw; the holder found at start is none.
                 metrics.LEADER_TRANSITIONS.inc()
             log.info("leader_observed", lease=str(self), leader=holder, was=self.leader)
             self.leader = holder
@@ -207,6 +230,14 @@ class LeaderElector:
         started = self._clock()
         self._expires_at = float("inf")  # known again only if the lease is held
         self._round_problem = None
+        if self.leading and self._written is not None:
+            # The fast path: one request per renew when nothing changed. A 409 (someone
+            # else wrote the Lease) or any failure falls back to a read and an update.
+            if await self._renew_optimistically(time_limit, started):
+                return True
+            time_limit -= self._clock() - started
+            if time_limit <= 0:
+                return False
         try:
             current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
         except KubeError as err:
@@ -250,6 +281,36 @@ class LeaderElector:
         # 409: another replica wrote first; read again next round, never overwrite.
         return await self._write("update", "PUT", self._path, update, time_limit, started)
 
+    async def _renew_optimistically(self, time_limit: float, started: float) -> bool:
+        """Update the Lease from the copy this replica last wrote, its resourceVersion as
+        the precondition (client-go: "fast path for the leader to update optimistically
+        assuming that the record observed last time is the current version")."""
+        assert self._written is not None
+        spec = self._written.get("spec")
+        spec = spec if isinstance(spec, Mapping) else {}
+        transitions = spec.get("leaseTransitions")
+        update = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": self._written.get("metadata") or {},
+            "spec": self._record(
+                transitions if isinstance(transitions, int) else 0,
+                str(spec.get("acquireTime") or micro_time()),
+            ),
+        }
+        try:
+            written = await self.kube.request(
+                "update", "PUT", self._path, body=update, time_limit=time_limit
+            )
+        except KubeError as err:
+            self._written = None
+            log.debug("lease_optimistic_update_failed", lease=str(self), error=str(err))
+            return False
+        self._observe(written, self._clock())
+        self._renewed_at = started
+        self._written = written
+        return True
+
     async def _write(
         self,
         verb: str,
@@ -268,13 +329,20 @@ class LeaderElector:
             return False
         self._observe(written, self._clock())
         self._renewed_at = started  # the deadline runs from the write's start: early, safe
+        self._written = written
         return True
 
     async def _release(self) -> None:
         """Clear the holder so that a follower takes over at its next look (client-go's
-        ReleaseOnCancel). Bounded by the request timeout; a failure is only logged."""
+        ReleaseOnCancel). The daemon has finished or cancelled every bump before this.
+        Bounded by one write timeout in all (so that a stop takes at most two: the
+        bumps in flight, then this); a failure is only logged."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.write_timeout
         try:
-            current = await self.kube.request("get", "GET", self._path)
+            current = await self.kube.request(
+                "get", "GET", self._path, time_limit=deadline - loop.time()
+            )
             spec = current.get("spec")
             spec = spec if isinstance(spec, Mapping) else {}
             if spec.get("holderIdentity") != self.identity:
@@ -289,7 +357,10 @@ class LeaderElector:
                     "leaseTransitions": spec.get("leaseTransitions", 0),
                 },
             }
-            await self.kube.request("update", "PUT", self._path, body=released)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise KubeError(ErrorKind.TRANSIENT, "no time left to release it", reason="Timeout")
+            await self.kube.request("update", "PUT", self._path, body=released, time_limit=left)
             log.info("lease_released", lease=str(self), identity=self.identity)
         except KubeError as err:
             log.warning("lease_release_failed", lease=str(self), error=str(err))

@@ -124,6 +124,15 @@ BAD_HTTP_REQUESTS = Counter(
     "Malformed HTTP requests to the health port (answered 400, logged at most once a cycle).",
     registry=REGISTRY,
 )
+HTTP_CONNECTIONS_DROPPED = Counter(
+    "canaryd_http_connections_dropped_total",
+    "Connections to the health port closed by canaryd: header_timeout (a request head "
+    "not complete in time), headers_too_large (answered 431), chunked_body (answered "
+    "411), too_many (closed to make room for a new one at the cap, or a new one "
+    "refused), answer_unread (no next request long after the last: its answer not read).",
+    ["reason"],
+    registry=REGISTRY,
+)
 LEADER = Gauge(
     "canaryd_leader",
     "1 while this replica writes bumps: always without --leader-elect; with it, while "
@@ -222,6 +231,13 @@ WATCH_RESTART_WHYS = (
     "gone",
 )
 CONFIG_RELOAD_RESULTS = ("changed", "unchanged", "failed")
+HTTP_DROP_REASONS = (
+    "header_timeout",
+    "headers_too_large",
+    "chunked_body",
+    "too_many",
+    "answer_unread",
+)
 
 for _values, _counter in (
     (BUMP_RESULTS, BUMPS),
@@ -229,6 +245,7 @@ for _values, _counter in (
     (DROP_REASONS, DROPPED),
     (ERROR_PLACES, ERRORS),
     (CONFIG_RELOAD_RESULTS, CONFIG_RELOADS),
+    (HTTP_DROP_REASONS, HTTP_CONNECTIONS_DROPPED),
 ):
     for _value in _values:
         _counter.labels(_value)

@@ -143,6 +143,14 @@ class Scheduler:
                 settings.operator_metrics_url, timeout=settings.scrape_timeout, clock=clock
             )
             metrics.operator_metrics_exported()
+        self.write_time_limit: Callable[[], float | None] = lambda: settings.write_timeout
+        """Asked right before every write: its client timeout, or None when no write may
+        be sent now (the leader elector's ``write_time_limit``)."""
+        self._stopping = False
+        """Set by ``finish_writes``: canaryd is stopping, no write is sent any more."""
+        self._writes_in_flight = 0
+        self._no_writes_in_flight = asyncio.Event()
+        self._no_writes_in_flight.set()
         registry.on_added = self.schedule_first
         registry.on_resumed = self.scope_resumed
         registry.on_forgotten = self.failures.recovered
@@ -220,6 +228,16 @@ class Scheduler:
                     canary, CanaryState.PENDING, "waiting for the first bump to be judged"
                 )
             self.schedule_first(canary)
+
+    async def finish_writes(self) -> None:
+        """Stopping: send no more writes and wait for the ones in flight to be answered
+        or abandoned. Each ends within its own time limit (the write timeout), so the
+        lease can be released after this without a write of this replica still on its
+        way."""
+        self._stopping = True
+        if self._writes_in_flight:
+            log.info("finishing_writes", in_flight=self._writes_in_flight)
+        await self._no_writes_in_flight.wait()
 
     # ------------------------------------------------------------ the heap
 
@@ -754,14 +772,17 @@ class Scheduler:
                         metrics.BUMPS.labels("not_canary").inc()
                         return None
                     reread = False
-                if self.standby_reason is not None or not self.may_write():
-                    return None  # no longer the leader: only the leader writes
+                time_limit = None if self._stopping else self.write_time_limit()
+                if self.standby_reason is not None or time_limit is None:
+                    return None  # not the leader (or not for long enough), or stopping
                 repairing = canary.nonce_problem
                 nonce = 1 if repairing else canary.nonce + 1
                 # What the generation was before this write: the watch may deliver the
                 # write's own event before its answer arrives.
                 before = max(canary.generation, canary.last_bumped_generation or 0)
                 sent = self._clock()
+                self._writes_in_flight += 1
+                self._no_writes_in_flight.clear()
                 try:
                     written = await self.kube.request(
                         "patch",
@@ -769,11 +790,16 @@ class Scheduler:
                         path,
                         data=bump_body(canary.resource_version, nonce),
                         content_type=MERGE_PATCH,
+                        time_limit=time_limit,
                     )
                 except KubeError as err:
                     if err.status is not None:  # answered; a timeout is overload, not latency
                         self._note_latency(self._clock() - sent)
                     raise
+                finally:
+                    self._writes_in_flight -= 1
+                    if not self._writes_in_flight:
+                        self._no_writes_in_flight.set()
                 self._note_latency(self._clock() - sent)
             except KubeError as err:
                 if not self.registry.owns(canary):

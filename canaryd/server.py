@@ -2,13 +2,22 @@
 (canaryd's own process), /readyz, /metrics.
 
 ``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
+
+The port is unauthenticated and often reachable from every pod, so no client may hold
+more of canaryd than a request needs (``ConnectionGuard``): every request head within
+``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, every answer read within
+``ANSWER_TIMEOUT``, an idle keep-alive connection closed after ``IDLE_TIMEOUT``,
+and at most ``MAX_CONNECTIONS`` open; at the cap a new connection closes the oldest
+one that is sending a head (or idle), so slow clients cannot lock a probe out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -25,6 +34,29 @@ from canaryd.kube import kind_of
 from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
+
+HEADER_TIMEOUT = 5.0
+"""Seconds a request head (request line and headers) may take from its first byte (a
+new connection: from its accept). A probe or a scrape sends its head at once; one
+that trickles it is closed."""
+IDLE_TIMEOUT = HEADER_TIMEOUT + 1.0
+"""Seconds a kept-alive connection may idle after an answer (aiohttp's keep-alive
+timeout, an hour by default): closed as usual, not counted as dropped. Longer than
+the header timeout, so that a head that never ends is told as such."""
+ANSWER_TIMEOUT = 30.0
+"""Seconds after a request head within which the next one must begin: an answer that
+is not read (a client that stopped reading) does not hold its connection longer."""
+MAX_CONNECTIONS = 256
+"""Connections open at once, at most (twice the listen backlog: a whole batch of
+accepted connections cannot push out a probe that has not been read yet)."""
+MAX_HEAD_BYTES = 16 * 1024
+"""Bytes a request head may have: a probe's is a few hundred, a scrape's with a bearer
+token a few thousand."""
+SWEEP_INTERVAL = 0.25
+"""How often the deadlines above are checked while connections are open (seconds)."""
+ANSWERING_GRACE = 1.0
+"""At the cap, a connection whose request head ended less than this ago is being
+answered and is not closed to make room (answers take milliseconds)."""
 
 REGISTRY = web.AppKey("registry", Registry)
 NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
@@ -142,6 +174,248 @@ def build_app(
     return app
 
 
+class ConnectionGuard:
+    """Bounds what clients of the health port can hold: how many connections, how long
+    a request head may take and how large it may be, how long an answer may go unread.
+    Wraps aiohttp's protocol factory, so every byte is seen before aiohttp buffers it;
+    aiohttp's own keep-alive timeout closes idle connections (``IDLE_TIMEOUT``).
+
+    Deadlines are kept in two insertion-ordered maps (by when a head began, by when it
+    ended) and swept a few times a second while connections are open: no timer per
+    request on the probe's path."""
+
+    def __init__(
+        self,
+        on_drop: Callable[[str], None],
+        *,
+        header_timeout: float = HEADER_TIMEOUT,
+        answer_timeout: float = ANSWER_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        answering_grace: float = ANSWERING_GRACE,
+        sweep_interval: float = SWEEP_INTERVAL,
+    ) -> None:
+        self.on_drop = on_drop
+        self.header_timeout, self.answer_timeout = header_timeout, answer_timeout
+        self.max_connections, self.max_head_bytes = max_connections, max_head_bytes
+        self.answering_grace, self.sweep_interval = answering_grace, sweep_interval
+        self.open: set[GuardedConnection] = set()
+        self.in_head: dict[GuardedConnection, float] = {}
+        """Connections sending a request head (a new one included), with when it began
+        (a new connection: its accept), oldest first."""
+        self.headed: dict[GuardedConnection, float] = {}
+        """The others, with when their last head ended, oldest first."""
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: GuardedConnection(self, factory)
+
+    def admit(self, connection: GuardedConnection, now: float) -> bool:
+        """Room for a new connection: at the cap, the oldest one sending a head is
+        closed, else the one idle longest (not one being answered); when all are being
+        answered, the new one is refused."""
+        if len(self.open) >= self.max_connections:
+            victim = next(iter(self.in_head), None)
+            if victim is None:
+                oldest = next(iter(self.headed.items()), None)
+                if oldest is not None and now - oldest[1] >= self.answering_grace:
+                    victim = oldest[0]
+            if victim is None:
+                self.on_drop("too_many")
+                return False
+            victim.drop("too_many")
+        self.open.add(connection)
+        self.in_head[connection] = now
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
+        return True
+
+    def head_begins(self, connection: GuardedConnection, now: float) -> None:
+        del self.headed[connection]
+        self.in_head[connection] = now
+
+    def head_ended(self, connection: GuardedConnection, now: float) -> None:
+        del self.in_head[connection]
+        self.headed[connection] = now
+
+    def closed(self, connection: GuardedConnection) -> None:
+        self.open.discard(connection)
+        self.in_head.pop(connection, None)
+        self.headed.pop(connection, None)
+
+    def sweep(self) -> None:
+        """Close what is past its deadline: a head begun ``header_timeout`` ago, an
+        answer ``answer_timeout`` ago with no next request."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        for waiting, limit, reason in (
+            (self.in_head, self.header_timeout, "header_timeout"),
+            (self.headed, self.answer_timeout, "answer_unread"),
+        ):
+            while waiting:
+                connection, since = next(iter(waiting.items()))
+                if now - since < limit:
+                    break
+                connection.drop(reason)  # leaves ``waiting``
+        if self.open:
+            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
+
+    def stop(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+
+
+def _refusal(status: bytes, text: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (status, len(text), text)
+    )
+
+
+REFUSALS = {
+    "headers_too_large": _refusal(
+        b"431 Request Header Fields Too Large", b"request head over %d bytes" % MAX_HEAD_BYTES
+    ),
+    "chunked_body": _refusal(b"411 Length Required", b"no chunked request bodies here"),
+}
+"""What a connection closed for its request's form is told first."""
+BODY_HEADER = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*)", re.I)
+"""A request head's body headers (the request line is never one)."""
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection: aiohttp's protocol inside, made only once the connection is
+    admitted; bytes are passed on only while the connection keeps to the limits. It
+    follows request heads by their blank line, and skips a body by its Content-Length
+    (the health port takes no chunked body: 411, closed)."""
+
+    def __init__(self, guard: ConnectionGuard, factory: Callable[[], asyncio.Protocol]) -> None:
+        self._guard, self._factory = guard, factory
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        self._head = b""
+        """The current head's bytes so far, when it came in more than one piece."""
+        self._in_head = True
+        self._body_left = 0
+        self._dropped = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        if not self._guard.admit(self, asyncio.get_running_loop().time()):
+            self._dropped = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self._inner = self._factory()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropped or self._inner is None:
+            return
+        if not self._follow_heads(data):
+            return
+        self._inner.data_received(data)
+
+    def _follow_heads(self, data: bytes) -> bool:
+        """Track request heads through ``data``; False when the connection was closed."""
+        pos, size = 0, len(data)
+        while pos < size:
+            if self._body_left:
+                taken = min(self._body_left, size - pos)
+                self._body_left -= taken
+                pos += taken
+                continue
+            if not self._in_head:  # the next request begins
+                self._in_head = True
+                self._guard.head_begins(self, asyncio.get_running_loop().time())
+            known = len(self._head)
+            buffer = self._head + data[pos:] if known else (data[pos:] if pos else data)
+            ends = [
+                (index, len(blank))
+                for blank, back in ((b"\r\n\r\n", 3), (b"\n\n", 1))
+                if (index := buffer.find(blank, max(0, known - back))) >= 0
+            ]
+            if not ends:
+                if len(buffer) > self._guard.max_head_bytes:
+                    self.drop("headers_too_large")
+                    return False
+                self._head = buffer
+                return True
+            index, blank = min(ends)
+            head = buffer[: index + blank]
+            if len(head) > self._guard.max_head_bytes:
+                self.drop("headers_too_large")
+                return False
+            pos += len(head) - known
+            self._head, self._in_head = b"", False
+            self._guard.head_ended(self, asyncio.get_running_loop().time())
+            for name, value in BODY_HEADER.findall(head):
+                if name.lower() == b"transfer-encoding":
+                    self.drop("chunked_body")
+                    return False
+                with contextlib.suppress(ValueError):  # aiohttp answers a bad one 400
+                    self._body_left = max(0, int(value.strip()))
+        return True
+
+    def eof_received(self) -> bool | None:
+        if self._dropped or self._inner is None:
+            return None
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard.closed(self)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def drop(self, reason: str) -> None:
+        """Close it now: nothing more is read. A request refused for its form is told
+        why (431 for a head too large, as aiohttp answers a header line past its limit;
+        411 for a chunked body); the others are aborted."""
+        if self._dropped:
+            return
+        self._dropped = True
+        self._guard.closed(self)
+        self._guard.on_drop(reason)
+        if self._transport is None:
+            return
+        answer = REFUSALS.get(reason)
+        if answer is not None:
+            self._transport.write(answer)  # type: ignore[attr-defined]
+            self._transport.close()
+        else:
+            self._transport.abort()  # type: ignore[attr-defined]
+
+
+class DroppedConnectionLog:
+    """Counts connections the guard closed, and tells them in at most one line per
+    interval (by reason since the last line): an attack is not a line per connection."""
+
+    def __init__(self, interval: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+        self._interval, self._clock = interval, clock
+        self._told_at: float | None = None
+        self._untold: dict[str, int] = {}
+
+    def __call__(self, reason: str) -> None:
+        metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
+        self._untold[reason] = self._untold.get(reason, 0) + 1
+        now = self._clock()
+        if self._told_at is None or now - self._told_at >= self._interval():
+            log.warning(
+                "http_connections_dropped",
+                by_reason=dict(self._untold),
+                next_line_in=round(self._interval(), 3),
+            )
+            self._told_at, self._untold = now, {}
+
+
 class RequestErrorLog:
     """aiohttp's server logger for the health port. A malformed request (anyone may
     send one: the port is unauthenticated, on 0.0.0.0 by default) is counted in
@@ -201,6 +475,8 @@ class HealthServer:
         self.app = build_app(registry, not_ready, role, stuck, not_covered)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
@@ -209,14 +485,22 @@ class HealthServer:
             access_log=None,
             shutdown_timeout=1.0,
             logger=RequestErrorLog(lambda: self.settings.timeout),
+            keepalive_timeout=IDLE_TIMEOUT,
         )
         await self._runner.setup()
+        assert self._runner.server is not None
         try:
-            await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                self.guard.wrap(self._runner.server),
+                self.settings.host,
+                self.settings.port,
+                backlog=MAX_CONNECTIONS // 2,
+                reuse_address=True,
+            )
         except OSError:
             await self._runner.cleanup()
             raise
-        self.port = self._runner.addresses[0][1]
+        self.port = self._listener.sockets[0].getsockname()[1]
         log.info("health_server_listening", host=self.settings.host, port=self.port)
 
     async def run(self) -> None:
@@ -227,4 +511,7 @@ class HealthServer:
             log.info("health_server_stopped", why="cancelled")
             raise
         finally:
+            if self._listener is not None:
+                self._listener.close()
             await self._runner.cleanup()
+            self.guard.stop()

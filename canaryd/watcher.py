@@ -386,6 +386,9 @@ class Watcher:
         )
         self.discovery_problem: str | None = None
         """Why the last discovery failed ("refused: ..."), None when it worked."""
+        self.discovery_failed: dict[str, str] = {}
+        """Wanted kinds whose discovery failed (not a 404), with the error: retried with
+        backoff, named in /readyz; the other kinds are watched meanwhile."""
 
     @property
     def ready(self) -> bool:
@@ -409,6 +412,7 @@ class Watcher:
                 counts["listed" if lw.sync.ready else "waiting"] += 1
         per_kind = 1 if self.namespaces is None else len(self.namespaces)
         counts["kind_not_served"] = per_kind * len(self._kinds_not_served())
+        counts["waiting"] += per_kind * len(self.discovery_failed)
         counts["namespace_missing"] = len(self.kinds) * len(self._namespaces_missing())
         return counts
 
@@ -434,7 +438,11 @@ class Watcher:
         if not self.discovered.is_set():
             return []
         served = {kind.key for kind in self.kinds}
-        return [key for key in self.settings.kinds if key not in served]
+        return [
+            key
+            for key in self.settings.kinds
+            if key not in served and key not in self.discovery_failed
+        ]
 
     def _namespaces_missing(self) -> set[str]:
         if self.namespaces is None or not self._namespaces_known:
@@ -449,6 +457,10 @@ class Watcher:
             str(scope) for scope, (lw, _) in self._watches.items() if not lw.sync.ready
         )
         problems = [self._files_problem] if self._files_problem is not None else []
+        problems += [
+            f"discovery of {key} failed (retrying): {error}"
+            for key, error in sorted(self.discovery_failed.items())
+        ]
         if waiting:
             more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
             problems.append(f"not listed or not connected: {', '.join(waiting[:20])}{more}")
@@ -462,6 +474,7 @@ class Watcher:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
+                group.create_task(self._retry_failed_discovery(), name="discovery retry")
                 await self._rediscover()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
@@ -474,18 +487,15 @@ class Watcher:
             self._watches.clear()
 
     async def _discover(self) -> list[Kind]:
-        """Discovery at start, retried until it works. An API server that cannot be
-        reached, or that refuses the credentials, is one episode (its cause in the first
-        line and in /readyz), not a warning per retry."""
+        """The first discovery, retried while no wanted kind's group could be read at all
+        (the API server is away, or refuses the credentials): one episode, its cause in
+        the first line and in /readyz, not a warning per retry. Once one group could be
+        read, the kinds whose groups failed are left to ``_retry_failed_discovery`` and
+        the others are watched."""
         backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
         while True:
             try:
-                kinds = await discover_kinds(self.kube, self.settings.kinds)
-            except KubeError as err:
-                delay = backoff.next()
-                self._discovery_failed(err, f"retry in {delay:.3f}s")
-                await asyncio.sleep(delay)
-                continue
+                found = await discover_kinds(self.kube, self.settings.kinds)
             except Exception:
                 # A bug must not stop the daemon: say so, count it, try again.
                 delay = backoff.next()
@@ -493,9 +503,51 @@ class Watcher:
                 log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
+            if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
+                delay = backoff.next()
+                self._discovery_failed(found.first_error, f"retry in {delay:.3f}s")
+                await asyncio.sleep(delay)
+                continue
             self._discovery_works()
-            log.info("discovered", kinds=[k.key for k in kinds])
-            return kinds
+            self.discovery_failed = dict(found.failed)
+            if found.failed:
+                log.warning(
+                    "discovery_failed",
+                    kinds=sorted(found.failed),
+                    error=next(iter(found.failed.values())),
+                    watching=[k.key for k in found.kinds],
+                )
+            log.info("discovered", kinds=[k.key for k in found.kinds])
+            return found.kinds
+
+    async def _retry_failed_discovery(self) -> None:
+        """Kinds whose group failed the first discovery are asked again, with backoff,
+        until their group answers: served, they get their watches; 404, they are not
+        served (and the periodic re-discovery looks again, as for any kind)."""
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
+        while self.discovery_failed:
+            await asyncio.sleep(backoff.next())
+            wanted = tuple(self.discovery_failed)
+            try:
+                found = await discover_kinds(self.kube, wanted)
+            except Exception:
+                # A bug must not stop the retries: say so, count it, try again.
+                metrics.ERRORS.labels("discovery").inc()
+                log.exception("discovery_failed_unexpectedly", kinds=list(wanted))
+                continue
+            for key in wanted:
+                if key not in found.failed:
+                    self.discovery_failed.pop(key, None)
+                elif found.failed[key] != self.discovery_failed.get(key):
+                    log.warning("discovery_failed", kinds=[key], error=found.failed[key])
+                    self.discovery_failed[key] = found.failed[key]
+            new = [k for k in found.kinds if k.key not in {have.key for have in self.kinds}]
+            if new or len(found.failed) < len(wanted):
+                log.info("discovered", kinds=[k.key for k in found.kinds], retried=list(wanted))
+            if new:
+                kinds = [*self.kinds, *new]
+                kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
+                self._follow_kinds(kinds)
 
     def _discovery_failed(self, err: KubeError, then: str) -> None:
         cause = failure_cause(err)
@@ -514,19 +566,26 @@ class Watcher:
         while True:
             await asyncio.sleep(self.settings.config_check_interval)
             try:
-                kinds = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                found = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                # A group that failed to answer this time keeps the kinds it had.
+                kinds = [
+                    *found.kinds,
+                    *(k for k in self.kinds if k.key in found.failed),
+                ]
                 lost = {k.key for k in self.kinds} - {k.key for k in kinds}
                 if lost:
                     await asyncio.sleep(self.settings.backoff_max)
-                    again = {
-                        k.key
-                        for k in await discover_kinds(self.kube, self.settings.kinds, quiet=True)
-                    }
-                    kinds += [k for k in self.kinds if k.key in lost and k.key in again]
-                    kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
+                    again = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
+                    confirmed = {k.key for k in again.kinds} | set(again.failed)
+                    kinds += [k for k in self.kinds if k.key in lost and k.key in confirmed]
+                kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
                 if kinds != self.kinds:
                     self._follow_kinds(kinds)
-                self._discovery_works()
+                if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
+                    kept = ", ".join(k.key for k in self.kinds)
+                    self._discovery_failed(found.first_error, f"keeping {kept}")
+                else:
+                    self._discovery_works()
             except KubeError as err:
                 self._discovery_failed(err, f"keeping {', '.join(k.key for k in self.kinds)}")
             except Exception:
@@ -536,6 +595,8 @@ class Watcher:
 
     def _follow_kinds(self, kinds: list[Kind]) -> None:
         log.info("kinds_changed", was=[k.key for k in self.kinds], now=[k.key for k in kinds])
+        for kind in kinds:
+            self.discovery_failed.pop(kind.key, None)
         removed = {k.key for k in self.kinds} - {k.key for k in kinds}
         self.registry.forget_where(
             lambda key: key.kind in removed, "gone", "its CRD is no longer served"

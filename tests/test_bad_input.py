@@ -310,6 +310,13 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
             "lease duration 1.4s is stored in the Lease as 1 s (whole seconds), which must "
             "be greater than the renew deadline 1.3s",
         ),
+        # client-go's rule passes (5 > 1.2 x 2.5), but a leader renewing every 2.5 s
+        # would have no time left to send a write that ends by its renew deadline.
+        (
+            ["--renew-deadline", "5s", "--retry-period", "2.5s"],
+            {},
+            "renew deadline 5s less twice the retry period 2.5s leaves 0s for a write, below 1s",
+        ),
     ],
 )
 def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch, args, env, says):
@@ -383,3 +390,17 @@ def test_true_and_false_in_any_case_are_taken_everywhere(tmp_path, value, wanted
         f"    dynamic.namespaces.enabled: {value}\n"
     )
     assert load_settings(["--operator-config", str(conf)], {}).dynamic_namespaces is wanted
+
+
+def test_a_leaders_write_timeout_leaves_its_renew_deadline_room():
+    """Under --leader-elect a write is sent only while write_timeout of the renew
+    deadline is left after the last renew: the timeout is the request timeout, at most
+    the renew deadline less two retry periods; the same timings without election are
+    not refused."""
+    plain = load_settings([], {})
+    assert plain.write_timeout == plain.request_timeout == 10.0
+    elected = load_settings(["--leader-elect"], {})
+    assert elected.write_timeout == 10.0 - 2 * 2.0
+    short = load_settings(["--leader-elect", "--timeout", "2s"], {})
+    assert short.write_timeout == short.request_timeout == 1.0
+    assert load_settings(["--renew-deadline", "5s", "--retry-period", "2.5s"], {}).write_timeout

@@ -140,6 +140,24 @@ def test_all_namespaces_values(tmp_path, value):
     assert load_settings(["--operator-config", str(path)], {}).namespaces is None
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kubernetes.operator.watched.namespaces:\n",
+        "kubernetes.operator.watched.namespaces: null\n",
+        "kubernetes:\n  operator:\n    watched:\n      namespaces: ~\n",
+    ],
+    ids=["empty", "null", "nested-tilde"],
+)
+def test_a_null_watched_namespaces_means_all_namespaces(tmp_path, text):
+    """As in the operator (an unset key is all namespaces), not "invalid namespace name
+    'None'"."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "kubernetes.operator.dynamic.namespaces.enabled: true\n")
+    settings = load_settings(["--operator-config", str(path)], {})
+    assert settings.namespaces is None and settings.namespaces_from_file
+
+
 def test_kinds_and_label():
     settings = load_settings(["--kind", "FlinkSessionJobs", "--label", "example.com/canary"], {})
     assert settings.kinds == ("flinksessionjobs",)
@@ -155,6 +173,17 @@ def test_kinds_and_label():
         (["--port", "70000"], {}, "0-65535"),
         ([], {"CANARYD_PORT": "http"}, "port"),
         (["--kind", "pods"], {}, "invalid kind pods"),
+        # One kind in two versions is the same objects: bumped twice a cycle.
+        (
+            ["--kind", "widgets.example.com/v1,widgets.example.com/v1beta1"],
+            {},
+            "kind widgets.example.com given twice, as v1 and v1beta1: give one version",
+        ),
+        (
+            [],
+            {"CANARYD_KINDS": "flinkdeployments,flinkdeployments.flink.apache.org/v1beta2"},
+            "kind flinkdeployments.flink.apache.org given twice, as v1beta1 and v1beta2",
+        ),
         (["--namespace", "Bad_Name"], {}, "invalid namespace"),
         (["--log-format", "xml"], {}, "log format"),
         (["--log-level", "loud"], {}, "log level"),

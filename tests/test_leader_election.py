@@ -64,8 +64,10 @@ class Replica:
 
 
 class Cluster:
-    def __init__(self, kube: FakeKube, tmp: Path, http: aiohttp.ClientSession) -> None:
-        self.kube, self.tmp, self.http = kube, tmp, http
+    def __init__(
+        self, kube: FakeKube, tmp: Path, http: aiohttp.ClientSession, cycle: float = CYCLE
+    ) -> None:
+        self.kube, self.tmp, self.http, self.cycle = kube, tmp, http, cycle
         self.replicas: dict[str, Replica] = {}
 
     async def start(self, identity: str) -> Replica:
@@ -77,7 +79,7 @@ class Cluster:
             *canaryd_argv(
                 kubeconfig,
                 port,
-                CYCLE,
+                self.cycle,
                 "--leader-elect",
                 "--identity",
                 identity,
@@ -146,11 +148,17 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(kube: FakeKube, tmp: Path, *identities: str) -> AsyncIterator[Cluster]:
-    for name in ("one", "two"):
+async def cluster(
+    kube: FakeKube,
+    tmp: Path,
+    *identities: str,
+    cycle: float = CYCLE,
+    canaries: tuple[str, ...] = ("one", "two"),
+) -> AsyncIterator[Cluster]:
+    for name in canaries:
         create_canary(kube, name)
     async with aiohttp.ClientSession() as http:
-        group = Cluster(kube, tmp, http)
+        group = Cluster(kube, tmp, http, cycle)
         try:
             for identity in identities:
                 await group.start(identity)
@@ -260,6 +268,76 @@ async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, 
         assert_one_writer_at_a_time(writes)
 
 
+async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_takes_over(
+    kube, tmp_path
+):
+    """Kubernetes has no fencing token: one writer comes from time. The fake slows every
+    answer to the leader past its deadlines (9 s: its renews fail, its bumps hang),
+    while the follower takes over as soon as client-go's rule lets it. At a 20 s cycle
+    the request timeout is the shipped 10 s, so before the fix a bump sent just before
+    the renew deadline was still awaited (and then applied) after the follower held the
+    Lease. Now a bump is sent only while 6 s (the write timeout) of the renew deadline
+    are left, and abandoned after 6 s: the fake applies none of the leader's writes
+    after the follower took the Lease (a client that went away cancels its request, as
+    in kube-apiserver)."""
+    cycle, slow = 20.0, 9.0
+    names = tuple(f"c{i}" for i in range(30))  # 1.5 bumps a second: some near any moment
+    async with cluster(kube, tmp_path, "a", "b", cycle=cycle, canaries=names) as group:
+        old = await group.leader(within=10)
+        follower = next(r for r in group.replicas.values() if r is not old)
+        loop = asyncio.get_running_loop()
+
+        async def it_bumps() -> bool:
+            return any(who == user(old.identity) for _, who in group.writers())
+
+        await group.until(it_bumps, "the leader's first bumps", within=cycle)
+        kube.inject(Fault(user=user(old.identity), code=0, latency=slow, times=-1))
+        slowed = loop.time()
+
+        async def follower_leads() -> bool:
+            body = await follower.health(group.http)
+            return group.holder() == follower.identity and bool(body and body["role"] == "leader")
+
+        await group.until(follower_leads, "the follower to lead", LEASE_DURATION + RETRY + 10)
+        new = follower
+        taken = min(
+            r.served_at
+            for r in kube.requests
+            if r.resource == "leases"
+            and r.verb == "update"
+            and r.user == user(new.identity)
+            and r.served_at is not None
+            and r.body["spec"]["holderIdentity"] == new.identity
+        )
+
+        def old_patches() -> list[Any]:
+            return [r for r in kube.requests if r.verb == "patch" and r.user == user(old.identity)]
+
+        async def all_ended() -> bool:
+            return all(r.ended_at is not None for r in old_patches())
+
+        await group.until(all_ended, "the deposed leader's writes to end", within=slow + SLACK)
+        renewed = max(
+            r.served_at
+            for r in kube.requests
+            if r.resource == "leases" and r.user == user(old.identity) and r.served_at is not None
+        )
+        late = [r for r in old_patches() if r.served_at is not None and r.served_at >= taken]
+        slowed_writes = [r for r in old_patches() if r.at >= slowed]
+        last_sent = max(r.at for r in slowed_writes)
+        print(
+            f"slowed {slow:g}s: last renew {renewed - slowed:+.2f}s, last write sent "
+            f"{last_sent - renewed:.2f}s after it, lease taken {taken - renewed:.2f}s after "
+            f"it; {len(slowed_writes)} slowed writes, "
+            f"{sum(r.abandoned for r in slowed_writes)} abandoned, {len(late)} applied late"
+        )
+        assert slowed_writes, "no write was in flight while the answers were slow"
+        assert not late, [(r.name, r.at - renewed, r.served_at - renewed) for r in late]
+        write_timeout = RENEW_DEADLINE - 2 * RETRY
+        assert last_sent - renewed <= RENEW_DEADLINE - write_timeout + SLACK
+        assert all(r.abandoned for r in slowed_writes), "a write slower than 6 s was answered"
+
+
 async def test_sigterm_releases_the_lease_and_a_follower_takes_it_within_a_retry_period(
     kube, tmp_path
 ):
@@ -321,6 +399,97 @@ async def test_a_lone_replica_creates_the_lease_leads_and_releases_it_on_stop(ku
     assert released is not None and not released["spec"].get("holderIdentity")
     assert released["spec"]["leaseDurationSeconds"] == 1
     assert counter(metrics.LEADER) == 0
+
+
+async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease(kube, kubeconfig):
+    """A stop while a bump is on its way: the bump is answered (or abandoned at its time
+    limit) before the Lease is released, since a follower takes a released lease at its
+    next look. Before, stopping cancelled the bump as it released the lease: the
+    release could reach the API server while the bump was still being served."""
+    create_canary(kube)
+    armed: list[Any] = []
+    # A 2 s cycle: the bump's time limit is 1 s, and its answer takes 0.3 s.
+    async with running_daemon(
+        kube, kubeconfig, timeout=2.0, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        await run.until_bumps(1, within=2 * 2.0)
+        assert run.daemon.settings.write_timeout == 1.0
+
+        def stop_while_bumping(req: Any) -> Fault | None:
+            if req.verb == "patch" and not armed:
+                armed.append(req)
+                return Fault(code=0, latency=0.3, action=run.daemon.stop)
+            return None
+
+        kube.hooks.append(stop_while_bumping)
+        await run.until(lambda: bool(armed), "a bump to be in flight at the stop", 2 * 2.0)
+    bump = kube.requests_for("patch")[-1]  # the one in flight: none was sent after the stop
+    release = next(
+        r
+        for r in kube.requests
+        if r.resource == "leases"
+        and r.verb == "update"
+        and r.status == 200
+        and not r.body["spec"].get("holderIdentity")
+    )
+    assert bump.status == 200 and not bump.abandoned, "the bump in flight was cancelled"
+    assert bump.ended_at is not None and bump.ended_at <= release.at
+
+
+async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(kube, kubeconfig):
+    """client-go's optimistic update: a leader renews from the Lease it last wrote, one
+    PUT per retry period instead of a GET and a PUT. When someone else changed the Lease
+    meanwhile (here a label: a new resourceVersion), the PUT meets 409 and the same
+    round reads the Lease and updates it: still the leader, no step down."""
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        elector = run.daemon.elector
+        await run.until(lambda: elector.leading, "the replica to lead")
+
+        def lease_requests(since: int) -> list[tuple[str, int]]:
+            return [(r.verb, r.status) for r in kube.requests[since:] if r.resource == "leases"]
+
+        start = len(kube.requests)
+        await run.until(
+            lambda: len(lease_requests(start)) >= 3, "three renews", within=3 * RETRY + SLACK
+        )
+        assert lease_requests(start)[:3] == [("update", 200)] * 3, lease_requests(start)
+
+        def labelled(old: dict[str, Any]) -> dict[str, Any]:
+            return {**old, "metadata": {**old["metadata"], "labels": {"team": "ops"}}}
+
+        kube.update(LEASES, "default", "canaryd", labelled)
+        changed = len(kube.requests)
+        await run.until(
+            lambda: ("update", 200) in lease_requests(changed), "a renew", within=RETRY + SLACK
+        )
+        assert lease_requests(changed)[:3] == [("update", 409), ("get", 200), ("update", 200)]
+        assert elector.leading
+        held = kube.get(LEASES.plural, "default", "canaryd")
+        assert held is not None and held["spec"]["holderIdentity"] == "solo"
+        assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
+
+
+async def test_leader_transitions_count_a_new_holder_not_the_one_seen_at_start(kube, kubeconfig):
+    """canaryd_leader_transitions_total: times this replica saw the Lease pass to a new
+    holder. The holder it finds at start passed to nobody in its sight (a rollout
+    restarting every replica must not look like a flapping election)."""
+    from canaryd import metrics
+
+    create_canary(kube)
+    kube.create(LEASES, "default", lease("other"))
+    before = counter(metrics.LEADER_TRANSITIONS)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="me", lease_namespace="default"
+    ) as run:
+        elector = run.daemon.elector
+        await run.until(lambda: elector.leader == "other", "the holder seen at start")
+        assert counter(metrics.LEADER_TRANSITIONS) == before
+        kube.update(LEASES, "default", "canaryd", lambda old: {**old, **lease("")})  # released
+        await run.until(lambda: elector.leading, "the lease taken", within=2 * RETRY + SLACK)
+        assert counter(metrics.LEADER_TRANSITIONS) == before + 1
 
 
 async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(

@@ -115,7 +115,7 @@ def test_rbac_grants_exactly_what_canaryd_uses():
     expected = {
         ("flink.apache.org", "flinkdeployments"): {"get", "list", "watch", "patch"},
         ("flink.apache.org", "flinksessionjobs"): {"get", "list", "watch", "patch"},
-        ("", "namespaces"): {"get", "list", "watch"},
+        ("", "namespaces"): {"list", "watch"},  # the Namespaces watch; no single get
     }
     for variant in (CONFIG / "rbac", CONFIG / "rbac" / "namespaced"):
         granted: dict[tuple[str, str], set[str]] = {}
@@ -400,12 +400,20 @@ def test_the_ha_variant_runs_two_replicas_behind_the_lease_with_exactly_its_rbac
 
     role = docs(ha / "lease-role.yaml")[0]
     assert role["kind"] == "Role"  # the lease namespace only, never cluster-wide
+    # get and update on canaryd's own Lease only; create cannot name its object in RBAC
+    # (a create is authorized before the object has a name), so it is not limited.
     assert role["rules"] == [
         {
             "apiGroups": ["coordination.k8s.io"],
             "resources": ["leases"],
-            "verbs": ["get", "create", "update"],
-        }
+            "resourceNames": [settings.lease_name],
+            "verbs": ["get", "update"],
+        },
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["create"],
+        },
     ]
     binding = docs(ha / "lease-rolebinding.yaml")[0]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

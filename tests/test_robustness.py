@@ -329,3 +329,38 @@ def test_a_late_judge_still_finds_a_bump_that_never_arrived():
     now[0] += scheduler.settings.judge_slack
     scheduler._on_due(now[0], canary)
     assert canary.state is CanaryState.UNHEALTHY
+
+
+async def test_kubeconfig_a_colon_b_is_merged_as_kubectl_merges_it(kube, tmp_path):
+    """KUBECONFIG=a:b: clusters, users and contexts from every file (the first to name
+    one wins), missing files skipped, and the current context of the first file that
+    sets one, as kubectl does (kubernetes-asyncio's merge takes the last file's). Here
+    the cluster and user are in a, the context in b, and a later file's current context
+    points at a server nobody listens on."""
+    import yaml
+
+    full = kube.kubeconfig()
+    a = tmp_path / "a.yaml"
+    a.write_text(yaml.safe_dump({"clusters": full["clusters"], "users": full["users"]}))
+    b = tmp_path / "b.yaml"
+    b.write_text(
+        yaml.safe_dump({"contexts": full["contexts"], "current-context": full["current-context"]})
+    )
+    elsewhere = tmp_path / "c.yaml"
+    elsewhere.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [{"name": "away", "cluster": {"server": "http://127.0.0.1:9"}}],
+                "users": [{"name": "away", "user": {}}],
+                "contexts": [{"name": "away", "context": {"cluster": "away", "user": "away"}}],
+                "current-context": "away",
+            }
+        )
+    )
+    create_canary(kube)
+    merged = ":".join(map(str, (a, tmp_path / "missing.yaml", b, elsewhere)))
+    async with running_daemon(kube, Path(merged)) as run:
+        await run.until_state(CanaryState.HEALTHY)
+    with pytest.raises(ConfigError, match=r"no kubeconfig at .*nowhere\.yaml or .*gone\.yaml"):
+        async with running_daemon(kube, Path(f"{tmp_path}/nowhere.yaml:{tmp_path}/gone.yaml")):
+            pass

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import socket
 import ssl
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import trustme
 import yaml
@@ -154,3 +158,252 @@ def test_rotated_secrets_are_masked_and_the_set_stays_bounded():
     assert logs.scrub("x rotated-token-0099 y") == "x [REDACTED] y"
     assert logs.scrub("Authorization: Bearer anything-at-all") == "Authorization: Bearer [REDACTED]"
     assert len(logs._secrets) <= 2 * logs.MAX_SECRETS
+
+
+# ------------------------------------------------- the health port and slow clients
+
+
+def _proc_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
+    async with http.get(f"{url}/metrics") as response:
+        for line in (await response.text()).splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    raise AssertionError(f"no {sample} in /metrics")
+
+
+async def test_a_request_head_that_never_ends_is_closed_after_the_header_timeout(kube, kubeconfig):
+    """A slow client (a request head trickled, never finished) is closed HEADER_TIMEOUT
+    after its head began: on a new connection, and on a kept-alive one after an
+    answered request; one whose head grows past MAX_HEAD_BYTES at once. aiohttp alone
+    holds such a client for its keep-alive timeout: an hour."""
+    from canaryd import metrics
+    from canaryd.server import HEADER_TIMEOUT, MAX_HEAD_BYTES
+    from tests.harness import counter
+
+    async with running_daemon(kube, kubeconfig) as run:
+        port = run.daemon.server.port
+        loop = asyncio.get_running_loop()
+        timed_out = counter(metrics.HTTP_CONNECTIONS_DROPPED, "header_timeout")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\nX-Slow: ")
+        opened = loop.time()
+        async with asyncio.timeout(HEADER_TIMEOUT + 2):
+            assert await reader.read() == b""  # closed by canaryd, never answered
+        assert loop.time() - opened >= HEADER_TIMEOUT - 0.5, loop.time() - opened
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "header_timeout") == timed_out + 1
+        writer.close()
+
+        # Keep-alive: two requests answered on one connection, then a third head that
+        # never ends.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(2):
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n")
+            async with asyncio.timeout(2):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                assert await reader.readexactly(2) == b"OK"
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\nX-Slow: ")
+        began = loop.time()
+        async with asyncio.timeout(HEADER_TIMEOUT + 2):
+            assert await reader.read() == b""
+        assert loop.time() - began <= HEADER_TIMEOUT + 1
+        writer.close()
+
+        too_large = counter(metrics.HTTP_CONNECTIONS_DROPPED, "headers_too_large")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\n" + b"X-Big: " + b"a" * MAX_HEAD_BYTES)
+        async with asyncio.timeout(2):
+            answer = await reader.read()  # told, then closed
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "headers_too_large") == too_large + 1
+        writer.close()
+
+        # A body is skipped by its Content-Length (not taken for the next head, however
+        # large); a chunked one is refused (411), as the health port takes no bodies.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"x" * (2 * MAX_HEAD_BYTES)
+        writer.write(
+            b"POST /healthz HTTP/1.1\r\nHost: canaryd\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+            + b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n"
+        )
+        async with asyncio.timeout(2):
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 405")
+            await reader.readuntil(b"\r\n\r\n")
+            assert (await reader.readuntil(b"OK")).count(b"HTTP/1.1 200 OK") == 1
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n")
+        async with asyncio.timeout(2):
+            assert (await reader.read()).startswith(b"HTTP/1.1 411 ")
+        writer.close()
+        assert await run.get("/healthz") == (200, "OK")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_at_the_cap_a_slow_head_makes_room_then_an_idle_connection_never_an_answer():
+    """Which connection the guard closes for a new one at MAX_CONNECTIONS: the oldest
+    still sending a head; else the longest idle after its answer (past the answering
+    grace); a connection being answered never: then the new one is refused. And an
+    answer not followed by another request is closed after the answer timeout."""
+    from canaryd.server import ConnectionGuard, GuardedConnection
+
+    dropped: list[str] = []
+
+    def connect(guard: ConnectionGuard, head: bytes = b"") -> tuple[Any, _Transport]:
+        connection = GuardedConnection(guard, asyncio.Protocol)
+        transport = _Transport()
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        if head:
+            connection.data_received(head)
+        return connection, transport
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n"
+    guard = ConnectionGuard(dropped.append, max_connections=2)
+    _, answering = connect(guard, request)
+    _, slow = connect(guard, b"GET /healthz HTTP/1.1\r\n")
+    _, new = connect(guard)
+    assert slow.aborted and not answering.aborted and not new.aborted
+    assert dropped == ["too_many"]
+    connect(guard, request[:10])[0].data_received(request[10:])  # refused: both answering
+    assert dropped == ["too_many", "too_many"] and len(guard.open) == 2
+    guard.stop()
+
+    dropped.clear()
+    idle = ConnectionGuard(dropped.append, max_connections=1, answering_grace=0.0)
+    _, first = connect(idle, request)
+    _, second = connect(idle)
+    assert first.aborted and not second.aborted and dropped == ["too_many"]
+    idle.stop()
+
+    dropped.clear()
+    unread = ConnectionGuard(dropped.append, answer_timeout=0.0)
+    _, served = connect(unread, request + request[:5])  # pipelined: a second head begins
+    _, kept = connect(unread, request)
+    unread.sweep()
+    assert kept.aborted and not served.aborted and dropped == ["answer_unread"]
+    unread.stop()
+
+
+SLOW_CONNECTIONS = 10_000
+SLOW_HEAD = b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n" + b"".join(
+    b"X-Slow-%d: %s\r\n" % (i, b"s" * 1000) for i in range(8)
+)  # about 8 KiB of headers, and never the blank line that ends them
+GROWTH_BOUND_MIB = 24
+
+
+async def test_memory_stays_flat_under_10000_slow_connections_and_healthz_answers(kube, kubeconfig):
+    """10,000 connections whose headers never finish (about 8 KiB each): canaryd keeps
+    at most MAX_CONNECTIONS, the oldest still without a request making room for a new
+    one, so its peak memory grows by a few MiB (it was about 190 KiB a connection: 1,500
+    of them took it past its 192 MiB limit), and /healthz answers a normal client while
+    the slow ones are held. The test holds 10,000 sockets itself: its soft open-files
+    limit is raised to the hard one (as canaryd does for its own), and the count is
+    scaled to what that allows when the hard limit is lower (said in the output)."""
+    import resource
+
+    from canaryd.server import HEADER_TIMEOUT, MAX_CONNECTIONS
+    from canaryd.testing.process import canaryd_argv, free_port
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raised = hard if hard != resource.RLIM_INFINITY else max(soft, SLOW_CONNECTIONS + 1024)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    count = min(SLOW_CONNECTIONS, raised - 512)  # room for the fake, its watches, the test
+    if count < SLOW_CONNECTIONS:
+        print(f"open-files hard limit {hard}: {count} slow connections, not {SLOW_CONNECTIONS}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        *canaryd_argv(kubeconfig, port, 1.0, "--log-level", "error"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    sockets: list[socket.socket] = []
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def answers(path: str) -> int:
+                async with http.get(url + path) as response:
+                    await response.read()
+                    return response.status
+
+            async def until(predicate: Any, what: str, within: float) -> None:
+                """canaryd is another process: poll it, bounded."""
+                try:
+                    async with asyncio.timeout(within):
+                        while True:
+                            with contextlib.suppress(aiohttp.ClientError):
+                                if await predicate():
+                                    return
+                            await asyncio.sleep(0.05)
+                except TimeoutError:
+                    raise AssertionError(f"still waiting after {within}s for {what}") from None
+
+            async def ready() -> bool:
+                return await answers("/readyz") == 200
+
+            await until(ready, "/readyz 200", 30)
+            for _ in range(20):  # warm: every handler has run and allocated what it keeps
+                assert await answers("/healthz") == 200
+                assert await answers("/metrics") == 200
+            baseline = _proc_kib(proc.pid, "VmHWM")
+            limit = asyncio.Semaphore(200)
+
+            async def slow_client() -> None:
+                sock = socket.socket()
+                sock.setblocking(False)
+                sockets.append(sock)
+                async with limit:
+                    with contextlib.suppress(OSError):  # reset: canaryd made room
+                        await loop.sock_connect(sock, ("127.0.0.1", port))
+                        await loop.sock_sendall(sock, SLOW_HEAD)
+
+            for batch in range(0, count, 1000):
+                await asyncio.gather(*(slow_client() for _ in range(min(1000, count - batch))))
+                grown = (_proc_kib(proc.pid, "VmHWM") - baseline) / 1024
+                assert grown < GROWTH_BOUND_MIB, f"{grown:.0f} MiB more after {batch + 1000}"
+
+            async def made_room() -> bool:
+                dropped = 'canaryd_http_connections_dropped_total{reason="too_many"}'
+                return await _metric(http, url, dropped) >= count - MAX_CONNECTIONS
+
+            await until(made_room, "canaryd to accept every slow connection", 30)
+            start = loop.time()
+            assert await answers("/healthz") == 200  # while the newest slow ones are held
+            answered_in = loop.time() - start
+            grown = (_proc_kib(proc.pid, "VmHWM") - baseline) / 1024
+            print(
+                f"{count} slow connections: peak RSS {baseline / 1024:.0f} -> "
+                f"{baseline / 1024 + grown:.0f} MiB (+{grown:.1f}); /healthz answered in "
+                f"{answered_in * 1000:.1f} ms"
+            )
+            assert grown < GROWTH_BOUND_MIB
+
+            # The ones still held are closed by the header timeout.
+            async def timed_out() -> bool:
+                sample = 'canaryd_http_connections_dropped_total{reason="header_timeout"}'
+                return await _metric(http, url, sample) >= 1
+
+            await until(timed_out, "the held ones to time out", HEADER_TIMEOUT + 5)
+    finally:
+        for sock in sockets:
+            sock.close()
+        if proc.returncode is None:
+            proc.terminate()
+            async with asyncio.timeout(20):
+                await proc.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -196,3 +196,28 @@ def test_the_install_lines_install_this_project_with_a_least_privilege_kubeconfi
     )
     assert documentation.startswith("file:"), documentation
     assert f"README.md {documentation.removeprefix('file:')}" in UNIT.read_text()
+
+
+def test_the_unit_does_not_restart_a_bad_config_and_outlasts_the_slowest_stop():
+    """Exit 2 is a bad configuration: a restart cannot fix it. A stop finishes the bumps
+    in flight (each within its write timeout) and then releases the lease (within one
+    more), so systemd must wait longer than twice the write timeout before it kills."""
+    from canaryd.config import load_settings, parse_duration
+
+    directives: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            directives.setdefault(key.strip(), []).append(value.strip())
+    assert "2" in " ".join(directives["RestartPreventExitStatus"]).split()
+    environ = {}
+    for line in (UNIT.parent / "canaryd.env").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            environ[key.strip()] = value.strip()
+    worst = max(
+        load_settings([], environ).write_timeout,
+        load_settings([], {**environ, "CANARYD_LEADER_ELECT": "true"}).write_timeout,
+    )
+    (stop,) = directives["TimeoutStopSec"]
+    assert parse_duration(stop) > 2 * worst, (stop, worst)

@@ -202,6 +202,15 @@ class RequestRecord:
     at: float = 0.0
     """Loop time when the request arrived."""
     user: str = ""
+    served_at: float | None = None
+    """Loop time when it was served (a write: applied); None when it was not (a fault
+    answered it, or its client went away first)."""
+    ended_at: float | None = None
+    """Loop time when its answer was sent or its client went away."""
+    abandoned: bool = False
+    """Its client went away before it was answered (a timeout, a cancelled request):
+    the handler was cancelled, as kube-apiserver cancels the request's context, so a
+    write not served by then is never applied."""
 
 
 @dataclass
@@ -210,7 +219,9 @@ class Fault:
 
     ``code`` answers with that Status code (``retry_after`` adds the header);
     ``drop`` closes the connection without an answer; ``latency`` delays the
-    request, then it fails with ``code`` or, with ``code=0``, is served normally;
+    request, then it fails with ``code`` or, with ``code=0``, is served normally (a
+    client that gives up meanwhile cancels it: it is never served, as in
+    kube-apiserver a write whose client went away before it reached storage);
     ``empty_watch`` answers a watch 200 and ends the stream at once, with no event
     (a proxy or load balancer in front of the API server that does so);
     ``delay_answer`` serves the request, then holds its answer that long (the write's
@@ -234,6 +245,9 @@ class Fault:
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None
+    path: str | None = None
+    """Only requests to this path (``verb="discovery"``: one group version's, e.g.
+    ``/apis/example.com/v1``)."""
     hits: int = 0
 
     def matches(self, req: Request) -> bool:
@@ -386,7 +400,12 @@ class FakeKube:
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
     ) -> None:
-        self._runner = web.AppRunner(self.app(), handle_signals=False, shutdown_timeout=1.0)
+        # handler_cancellation: a client that goes away cancels its request, as it
+        # cancels the request's context in kube-apiserver (a delayed write whose client
+        # gave up is not applied).
+        self._runner = web.AppRunner(
+            self.app(), handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await self._site.start()
@@ -933,6 +952,13 @@ class FakeKube:
                 except ValueError:
                     record.body = raw.decode("utf-8", "replace")
             response = await self._dispatch(request, record, raw)
+        except asyncio.CancelledError:
+            # The client went away (handler_cancellation): kube-apiserver cancels the
+            # request's context, and what has not reached storage is never applied.
+            record.abandoned = True
+            record.ended_at = asyncio.get_running_loop().time()
+            self._notify()
+            raise
         except ApiError as err:
             response = web.json_response(
                 err.status(),
@@ -941,6 +967,7 @@ class FakeKube:
                 dumps=(lambda o: json.dumps(o, indent=2)) if self.pretty_errors else json.dumps,
             )
         record.status = response.status
+        record.ended_at = asyncio.get_running_loop().time()
         self._notify()
         return response
 
@@ -958,7 +985,14 @@ class FakeKube:
             # replica briefly not serving a group answers 404).
             probe = Request(verb="discovery", rtype=None)
             fault = next(
-                (f for f in self.faults if f.verb == "discovery" and f.matches(probe)), None
+                (
+                    f
+                    for f in self.faults
+                    if f.verb == "discovery"
+                    and f.matches(probe)
+                    and f.path in (None, request.path.rstrip("/"))
+                ),
+                None,
             )
             if fault is not None:
                 fault.hits += 1
@@ -1007,6 +1041,7 @@ class FakeKube:
         if req.verb == "watch":
             return await self._watch(request, req)
         result = self._serve(request, req, raw)
+        record.served_at = asyncio.get_running_loop().time()
         if fault is not None and fault.delay_answer:
             await asyncio.sleep(fault.delay_answer)
         created = req.verb == "create" or req.created
