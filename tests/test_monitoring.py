@@ -28,10 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "config" / "monitoring"
 NAME = re.compile(r"\b(canaryd_[a-z_]+)(\{[^}]*\})?")
 LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|=)\s*"([^"]*)"')
+SAMPLE_LABELS = re.compile(r"^(\w+)\{([^}]*)\}")
 # The labels Prometheus Operator's scrape adds to every sample (target labels).
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
 ALERTS = {
     "CanarydCanaryUnhealthy",
+    "CanarydOperatorRestartLoop",
     "CanarydNoBumpWritten",
     "CanarydWatchRestartsHigh",
     "CanarydNotReady",
@@ -141,6 +144,27 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
             for label in LABEL.findall(selector or ""):
                 known = labels.get(name, set()) | TARGET_LABELS
                 assert label in known, f"{name} has no label {label!r} (in {expr!r})"
+    # A value selected with = (or each of a plain a|b|c alternation) is one canaryd
+    # exports: le="1" selects nothing where canaryd writes le="1.0".
+    values: dict[tuple[str, str], set[str]] = {}
+    for line in text.splitlines():
+        sample = SAMPLE_LABELS.match(line)
+        if sample:
+            for label, value in re.findall(r'(\w+)="([^"]*)"', sample.group(2)):
+                values.setdefault((sample.group(1), label), set()).add(value)
+    for expr in exprs:
+        for name, selector in NAME.findall(expr):
+            for label, op, value in MATCHER.findall(selector or ""):
+                if label in TARGET_LABELS or "$" in value:
+                    continue
+                wanted = value.split("|") if op == "=~" else [value]
+                if op == "=~" and not all(re.fullmatch(r"[\w.+-]+", w) for w in wanted):
+                    continue
+                for one in wanted:
+                    assert one in values.get((name, label), set()), (
+                        f'{name}{{{label}="{one}"}} (in {expr!r}) is never exported; canaryd '
+                        f"writes {sorted(values.get((name, label), set()))}"
+                    )
     # The alerts cover the verdicts, the writes, the watches and readiness.
     for needed in (
         "canaryd_canaries",
