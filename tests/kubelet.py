@@ -771,6 +771,14 @@ class Scrape:
     ok: bool
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
+    def value(self, name: str, **labels: str) -> float | None:
+        """The first sample of ``name`` that carries these labels (None: none)."""
+        want = set(labels.items())
+        for (sample, sample_labels), value in self.samples.items():
+            if sample == name and want <= set(sample_labels):
+                return value
+        return None
+
 
 @dataclass
 class Recording:
@@ -927,13 +935,7 @@ class Scraper:
     def value(self, pod: str, name: str, **labels: str) -> float | None:
         """A sample of the pod's latest answered scrape (None: not there)."""
         scrape = self.latest.get(pod)
-        if scrape is None:
-            return None
-        want = set(labels.items())
-        for (sample, sample_labels), value in scrape.samples.items():
-            if sample == name and want <= set(sample_labels):
-                return value
-        return None
+        return None if scrape is None else scrape.value(name, **labels)
 
     async def until(self, predicate: Callable[[], bool], what: str, within: float) -> None:
         await self.kubelet.until(predicate, what, within)

@@ -216,6 +216,16 @@ def record(d: Deployed, scenario: str) -> None:
         )
 
 
+def scrapes_of(d: Deployed, pod: str, after: float, until: float) -> list[k.Scrape]:
+    return [
+        s for s in d.recording.scrapes if s.target.pod == pod and s.ok and after <= s.at <= until
+    ]
+
+
+def sample(scrape: k.Scrape, name: str, **labels: str) -> float:
+    return scrape.value(name, **labels) or 0.0
+
+
 def unhealthy_stretches(d: Deployed, pod: str) -> list[tuple[float, float]]:
     """(first, last) shipped times of each run of scrapes of ``pod`` that show a canary
     unhealthy; a failed scrape or one without ends a run."""
@@ -224,11 +234,7 @@ def unhealthy_stretches(d: Deployed, pod: str) -> list[tuple[float, float]]:
     for scrape in sorted(
         (s for s in d.recording.scrapes if s.target.pod == pod), key=lambda s: s.at
     ):
-        unhealthy = scrape.ok and any(
-            name == "canaryd_canaries" and ("state", "unhealthy") in labels and value > 0
-            for (name, labels), value in scrape.samples.items()
-        )
-        if unhealthy:
+        if scrape.ok and sample(scrape, "canaryd_canaries", state="unhealthy") > 0:
             current.append(d.recording.shipped(scrape.at))
         elif current:
             runs.append((current[0], current[-1]))
@@ -365,7 +371,6 @@ async def test_a_write_outage(topology, kube, tmp_path):
         await d.until_state(pod, "healthy")
         outage = kube.inject(Fault(verb="patch", code=503, times=-1))
         d.mark("outage")
-        await d.until_state(pod, "unknown")
         await d.hold(2 * NO_BUMP_FOR + 3 * EVALUATION)
         kube.faults.remove(outage)
         d.mark("outage over")
@@ -376,6 +381,11 @@ async def test_a_write_outage(topology, kube, tmp_path):
     for (pod_name, container), run in d.kubelet.containers.items():
         assert run.restarts == 0, f"{pod_name}/{container} restarted for a write outage"
     assert unhealthy_stretches(d, pod) == [], "a failed write is no verdict"
+    marks = d.recording.marks
+    assert any(
+        sample(scrape, "canaryd_canaries", state="unknown") == 1
+        for scrape in scrapes_of(d, pod, marks["outage"], marks["outage over"])
+    ), "unknown while no bump can be written"
     outage_at = shipped(d, "outage")
     alerts(
         d,
@@ -501,17 +511,6 @@ async def until_leader(d: Deployed, within: float) -> str:
     found = leader(d)
     assert found is not None
     return found
-
-
-def scrapes_of(d: Deployed, pod: str, after: float, until: float) -> list[k.Scrape]:
-    return [
-        s for s in d.recording.scrapes if s.target.pod == pod and s.ok and after <= s.at <= until
-    ]
-
-
-def sample(scrape: k.Scrape, name: str, **labels: str) -> float:
-    want = set(labels.items())
-    return next((v for (n, ls), v in scrape.samples.items() if n == name and want <= set(ls)), 0.0)
 
 
 async def test_a_lease_hiccup(kube, tmp_path):
