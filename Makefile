@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e operator clean
+.PHONY: install test lint format demo soak bench controlplane e2e operator helm e2e-operator kubeconfig clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ bench: $(STAMP)
 controlplane:
 	bash tests/controlplane/build.sh
 
-# canaryd against the real control plane: tests/test_e2e.py (the seed's reproductions
+# canaryd against the real control plane: tests/test_e2e.py (the bug report's reproductions
 # and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
 # server). CI runs it after `make test`.
 e2e: $(STAMP) controlplane
@@ -62,6 +62,34 @@ e2e: $(STAMP) controlplane
 # repository on GitHub); FLINK_OPERATOR_REF: another tag or commit.
 operator:
 	bash tests/operator/build.sh
+
+# Helm and kustomize built from their Go modules (tests/helm, pinned in go.mod there) into
+# .cache/helm and .cache/kustomize, for the test of the post-renderer; a no-op once built.
+helm:
+	bash tests/helm/build.sh
+
+# The real operator in the loop: tests/test_operator.py (the bug report's reproductions on
+# the operator's own probe and on canaryd, its metric names, real wedges - a half-open API
+# connection, SIGSTOP - under the sidecar's probe settings) and tests/test_helm.py (the
+# operator's own chart through config/helm/post-render, a server-side dry run). Builds what
+# it needs first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`,
+# Helm); about 15 minutes. Not in CI: it needs Java, Maven and a copy of the operator's
+# source.
+e2e-operator: $(STAMP) controlplane operator helm
+	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs -s \
+		tests/test_helm.py tests/test_operator.py
+
+# A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
+# ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.
+# make kubeconfig [ADMIN_KUBECONFIG=~/.kube/config] [OUTPUT=canaryd.kubeconfig]
+#                 [RBAC=config/rbac/namespaced NAMESPACE=team-a]
+ADMIN_KUBECONFIG ?=
+OUTPUT ?= canaryd.kubeconfig
+RBAC ?= config/rbac
+NAMESPACE ?= canaryd
+kubeconfig: $(STAMP)
+	$(BIN)/python -m canaryd.kubeconfig --output '$(OUTPUT)' --rbac '$(RBAC)' \
+		--namespace '$(NAMESPACE)' $(if $(ADMIN_KUBECONFIG),--kubeconfig '$(ADMIN_KUBECONFIG)')
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -268,13 +268,16 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-# What Flink's GlobalConfiguration looks for in a conf directory, in order.
-CONFIG_FILE_NAMES = ("config.yaml", "flink-conf.yaml")
+# What the operator's Flink (1.19 and 1.20: GlobalConfiguration.loadConfiguration) reads
+# in a conf directory, in order: the legacy flink-conf.yaml when it exists, else
+# config.yaml. Flink 2 reads config.yaml only; the operator's 1.x releases run on 1.20.
+CONFIG_FILE_NAMES = ("flink-conf.yaml", "config.yaml")
 
 
-def operator_config_file(path: Path) -> Path:
-    """The file itself, or in a directory (the operator's /opt/flink/conf) its
-    config.yaml, else its flink-conf.yaml."""
+def operator_config_files(path: Path) -> tuple[Path, list[Path]]:
+    """The file the operator reads, and the ones it ignores: the file itself, or in a
+    directory (the operator's /opt/flink/conf) its flink-conf.yaml, else its
+    config.yaml, as the operator's Flink decides."""
     try:
         is_dir = path.is_dir()
         found = [path / name for name in CONFIG_FILE_NAMES if is_dir and (path / name).is_file()]
@@ -282,11 +285,32 @@ def operator_config_file(path: Path) -> Path:
         raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
     if is_dir:
         if found:
-            return found[0]
+            return found[0], found[1:]
         raise ConfigError(
             f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
         )
-    return path
+    return path, []
+
+
+def operator_config_file(path: Path) -> Path:
+    """The file the operator reads (``operator_config_files``)."""
+    return operator_config_files(path)[0]
+
+
+class _FlinkYamlLoader(yaml.SafeLoader):
+    """YAML with only ``true`` and ``false`` as booleans (YAML 1.2, as Flink's parser
+    reads config.yaml; its legacy flink-conf.yaml parser keeps every value a string).
+    PyYAML's YAML 1.1 rules would read ``yes``, ``no``, ``on`` and ``off`` as booleans
+    that the operator itself refuses."""
+
+
+_FlinkYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_FlinkYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def read_operator_config(path: Path) -> dict[str, Any]:
@@ -302,7 +326,7 @@ def read_operator_config(path: Path) -> dict[str, Any]:
             f"{err.object[err.start : err.start + 1]!r})"
         ) from err
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_FlinkYamlLoader)  # a SafeLoader: no object tags
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -334,12 +358,15 @@ def parse_namespaces(value: Any) -> frozenset[str] | None:
 
 
 def _bool(value: Any, what: str) -> bool:
+    """Every boolean canaryd reads, from the environment or the operator config, is
+    ``true`` or ``false`` in any case, as Flink reads the operator's own booleans
+    (ConfigurationUtils.convertToBoolean); ``yes``, ``1`` or ``on`` are refused."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
     if text in ("true", "false"):
         return text == "true"
-    raise ConfigError(f"invalid {what} {value!r}: expected true or false")
+    raise ConfigError(f"invalid {what} {str(value).strip()!r}: expected true or false")
 
 
 def reporter_url(flat: Mapping[str, Any]) -> str:
@@ -747,10 +774,7 @@ def _leader_election(
     changes: dict[str, Any] = {}
     elect = args.leader_elect
     if elect is None and environ.get("CANARYD_LEADER_ELECT", "") != "":
-        value = environ["CANARYD_LEADER_ELECT"].strip().lower()
-        if value not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(f"invalid CANARYD_LEADER_ELECT {value!r}: expected true or false")
-        elect = value in ("true", "1", "yes")
+        elect = _bool(environ["CANARYD_LEADER_ELECT"], "CANARYD_LEADER_ELECT")
     if elect is not None:
         changes["leader_elect"] = elect
     for field, flag, env in (

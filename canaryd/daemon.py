@@ -24,6 +24,7 @@ from canaryd.config import (
     default_identity,
     has_prometheus_reporter,
     namespaces_from_operator_config,
+    operator_config_files,
     read_operator_config,
 )
 from canaryd.kube import KubeClient, kubeconfig_path, load_configuration, server_url_problem
@@ -160,6 +161,7 @@ class Daemon:
                     f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
                 ) from err
             self._install_signals()
+            operator_config = self._say_operator_config()
             log.info(
                 "canaryd_started",
                 api_server=kube.host,
@@ -169,6 +171,7 @@ class Daemon:
                 label=settings.label,
                 reconciled_by=settings.reconciled_by,
                 follows_operator_config=self.follows_operator_config,
+                operator_config=operator_config,
             )
             if settings.reconciled_by == "operator-metrics":
                 self._check_operator_reporter()
@@ -192,6 +195,23 @@ class Daemon:
         finally:
             self._remove_signals()
             await kube.close()
+
+    def _say_operator_config(self) -> str | None:
+        """Which operator config file is read; a warning when the directory holds both
+        flink-conf.yaml and config.yaml: the operator reads the first, so must canaryd,
+        and an edit of the other changes neither."""
+        if self.settings.operator_config is None:
+            return None
+        read, ignored = operator_config_files(self.settings.operator_config)
+        if ignored:
+            log.warning(
+                "operator_config_ignored",
+                read=str(read),
+                ignored=[str(path) for path in ignored],
+                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                "and config.yaml only without it",
+            )
+        return str(read)
 
     def _check_operator_reporter(self) -> None:
         """operator-metrics reads the operator's Prometheus reporter: say at start where,
@@ -266,7 +286,8 @@ class Daemon:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
         if self.watcher is None or not self.watcher.discovered.is_set():
-            return ["discovery"]
+            problem = self.watcher.discovery_problem if self.watcher is not None else None
+            return [f"discovery failed: {problem}" if problem else "discovery not done"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:
             waiting.append(f"lease {self.elector}: {self.elector.problem}")

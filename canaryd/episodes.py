@@ -10,7 +10,9 @@ log tells it as an operator on call reads it:
 - ``<name>_ongoing`` (warning) at most once per interval (the cycle) while any
   subject fails: how many, by cause, which (the first few), one example error;
 - ``<name>_ended`` (info) when the last failing subject recovers or is gone: how
-  long it lasted and how many subjects it touched.
+  long it lasted and how many subjects it touched;
+- ``<name>_still_failing`` (info) when canaryd stops telling it while subjects still
+  fail (it stops, or restarts the task that told it): not an end.
 
 Each subject's own failure is logged at debug (``detail_event``), with its error.
 """
@@ -110,6 +112,27 @@ class Episodes:
             affected=self._affected,
             causes=sorted(self._announced),
         )
+        self._reset()
+
+    def stopped(self, why: str) -> None:
+        """Nothing is tried any more (canaryd stops, or the task that tried restarts):
+        an episode still going is told as still failing, never as ended."""
+        if not self._failing:
+            return
+        assert self._started_at is not None
+        self._log.info(
+            f"{self.name}_still_failing",
+            why=why,
+            failing=len(self._failing),
+            causes={cause: n for cause, n in sorted(self._by_cause.items()) if n > 0},
+            **{self.subjects: sorted(str(subject) for subject in self._failing)[:SHOWN]},
+            lasted=round(self._clock() - self._started_at, 3),
+            affected=self._affected,
+        )
+        self._failing.clear()
+        self._reset()
+
+    def _reset(self) -> None:
         self._by_cause.clear()
         self._example = ""
         self._announced.clear()

@@ -16,6 +16,7 @@ import enum
 import json
 import math
 import os
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -220,6 +221,44 @@ def error_from_exception(err: BaseException, reason: str = "ConnectionError") ->
     name = type(err).__name__
     text = logs.scrub(str(err)) or name
     return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason=reason)
+
+
+def failure_cause(err: KubeError) -> str:
+    """Why a request failed, in one word a person acts on: ``refused`` (nothing listens
+    there), ``unauthorized`` (401: the credentials are wrong or expired, also after a
+    reload), ``tls`` (the certificate is not trusted, or the handshake failed),
+    ``timeout``, ``dns``, ``forbidden`` (403), ``credentials`` (they could not be
+    loaded), ``server_error`` (5xx, 429), ``http_<code>``, else ``connection``."""
+    if err.status is not None:
+        if err.status == 401:
+            return "unauthorized"
+        if err.status == 403:
+            return "forbidden"
+        if err.status >= 500 or err.status == 429:
+            return "server_error"
+        return f"http_{err.status}"
+    if err.reason == "Credentials":
+        return "credentials"
+    if err.reason == "ConnectTimeout":
+        return "timeout"
+    # The whole chain, the most telling cause first: a certificate that failed
+    # verification while the connect timed out is a TLS problem, not a slow network.
+    chain: list[BaseException] = []
+    seen: BaseException | None = err.__cause__
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        if isinstance(seen, aiohttp.ClientConnectorError):
+            chain.append(seen.os_error)  # what the connector met
+        seen = seen.__cause__ or seen.__context__
+    for cause, kinds in (
+        ("tls", (ssl.SSLError, aiohttp.ClientSSLError)),
+        ("refused", (ConnectionRefusedError,)),
+        ("dns", (socket.gaierror,)),
+        ("timeout", (TimeoutError, aiohttp.ServerTimeoutError)),
+    ):
+        if any(isinstance(link, kinds) for link in chain):
+            return cause
+    return "connection"
 
 
 # -------------------------------------------------------------------- client
@@ -446,7 +485,10 @@ class KubeClient:
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 continue
             if status >= 300:
-                raise error_from_response(status, payload, retry_after)
+                error = error_from_response(status, payload, retry_after)
+                if status == 401 and attempt == 2:
+                    error.args = (f"{error.args[0]} (also after reloading the credentials)",)
+                raise error
             try:
                 decoded = json.loads(payload)
             except ValueError as err:

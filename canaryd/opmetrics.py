@@ -56,6 +56,15 @@ _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 ResourceKey = tuple[str, str, str]
 """(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
+_NOT_IN_LABELS = re.compile(r"[^a-zA-Z0-9:_]")
+
+
+def reporter_label(value: str) -> str:
+    """A label value as Flink's Prometheus reporter writes it by default
+    (AbstractPrometheusReporter.replaceInvalidChars, ``filterLabelValueCharacters``):
+    every character outside ``[a-zA-Z0-9:_]`` becomes ``_``, so namespace ``team-a``
+    is ``team_a`` and name ``my.canary`` is ``my_canary``."""
+    return _NOT_IN_LABELS.sub("_", value)
 
 
 def _unescape(value: str) -> str:
@@ -81,6 +90,16 @@ class Scrape:
     """The operator process's start time (Unix seconds), when the reporter exports it."""
     series: int
     """How many samples the answer held (0: an empty or unrelated endpoint)."""
+
+    def count(self, key: ResourceKey) -> float | None:
+        """A resource's finished reconciles: its series with the label values as they
+        are, or as the reporter filters them by default."""
+        found = self.reconciled.get(key)
+        if found is None:
+            found = self.reconciled.get(
+                (reporter_label(key[0]), reporter_label(key[1]), reporter_label(key[2]))
+            )
+        return found
 
     @property
     def has_operator_series(self) -> bool:
@@ -139,11 +158,13 @@ def parse(text: str, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
 class ScrapeFailed(Exception):
     """The endpoint gave no usable answer. ``cause`` is a short fixed word:
 
-    - ``refused``: nothing listens (the operator is starting, or gone), or the address
-      cannot be reached: no verdict, canaries are ``pending``;
-    - ``unanswered``: a connection was accepted but no answer came (a frozen JVM
-      still accepts connections into its listen backlog): counts against the operator
-      once it lasts a whole cycle;
+    - ``refused``: nothing listens (the operator is starting, or gone), the address
+      cannot be reached, or the connection was cut without an answer (the process
+      went away mid-read): no verdict, canaries are ``pending``;
+    - ``unanswered``: the port is held but nothing answers: a connection accepted and
+      no answer (a frozen JVM still accepts into its listen backlog), or, once that
+      backlog is full, a connect that times out: counts against the operator once it
+      lasts a whole cycle;
     - ``bad_answer``: an answer that is not the metrics (an HTTP error, not text).
     """
 
@@ -232,8 +253,12 @@ class OperatorMetrics:
                 raise ScrapeFailed("refused", f"{self.url} refused the connection") from None
             raise ScrapeFailed("refused", f"cannot connect to {self.url}: {err}") from None
         except aiohttp.ConnectionTimeoutError:
+            # Not refused: something holds the port and accepts nothing. A frozen JVM's
+            # listen backlog fills after a few reads, and then its SYNs go unanswered.
             raise ScrapeFailed(
-                "refused", f"{self.url}: no connection within {self.timeout / 2:g}s"
+                "unanswered",
+                f"{self.url}: no connection within {self.timeout / 2:g}s (the port is "
+                "held but nothing accepts: a frozen process, or a network that drops)",
             ) from None
         except (TimeoutError, aiohttp.ServerTimeoutError):
             raise ScrapeFailed(

@@ -36,7 +36,14 @@ from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of
-from canaryd.opmetrics import RECONCILED_SUFFIX, OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
+from canaryd.opmetrics import (
+    RECONCILED_SUFFIX,
+    OperatorMetrics,
+    ResourceKey,
+    Scrape,
+    ScrapeFailed,
+    reporter_label,
+)
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
 
 log = structlog.get_logger("canaryd.scheduler")
@@ -514,7 +521,7 @@ class Scheduler:
                     "Prometheus reporter configured on this port?)"
                 )
             if operator.instance.number != self._instance_judged:
-                self._operator_restarted()
+                self._operator_restarted(started)
             self._note_reconciles(scrape)
         if self.standby_reason is not None:
             return
@@ -537,9 +544,9 @@ class Scheduler:
         self.operator_problem = str(failed)
         self.operator_failures.failed(self.operator.url, failed.cause, str(failed))
 
-    def _operator_restarted(self) -> None:
+    def _operator_restarted(self, started: float) -> None:
         """A new operator process answers: verdicts were about the one that is gone. Every
-        canary is checked afresh, with a bump written now."""
+        canary is checked afresh, with a bump written now (this read is its baseline)."""
         assert self.operator is not None
         instance = self.operator.instance
         self._instance_judged = instance.number
@@ -551,7 +558,7 @@ class Scheduler:
         for canary in self.registry.tracked():
             self.registry.fresh_check(canary, reason)
             canary.due_seq = next(self._order)  # its heap entry is void: due now
-            self._awaiting.append((self._clock() - 1e-9, canary))
+            self._awaiting.append((started, canary))
 
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
@@ -563,11 +570,11 @@ class Scheduler:
         last = self.operator.last
         if last is None:
             return None
-        return self.operator.instance.number, last.reconciled.get(self._resource(canary))
+        return self.operator.instance.number, last.count(self._resource(canary))
 
     def _reconciled_count(self, canary: Canary, scrape: Scrape) -> tuple[float | None, bool]:
         """The canary's count now, and whether it rose above its bump's baseline."""
-        value = scrape.reconciled.get(self._resource(canary))
+        value = scrape.count(self._resource(canary))
         baseline = canary.reconcile_baseline
         if value is None or baseline is None:
             return value, False
@@ -647,7 +654,7 @@ class Scheduler:
         if value is None:
             self._judged(canary)
             metrics.VERDICTS.labels("operator_unavailable").inc()
-            kind, namespace, name = self._resource(canary)
+            kind, namespace, name = map(reporter_label, self._resource(canary))
             series = (
                 f'*{RECONCILED_SUFFIX}{{resourcetype="{kind}",resourcens="{namespace}",'
                 f'resourcename="{name}"}}'

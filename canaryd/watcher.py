@@ -31,6 +31,7 @@ from canaryd.kube import (
     KubeError,
     classify_answer,
     discover_kinds,
+    failure_cause,
 )
 from canaryd.limits import OpenFiles
 from canaryd.registry import CanaryKey, Registry, is_canary
@@ -375,6 +376,16 @@ class Watcher:
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
+        self.discovery_failures = Episodes(
+            "discovery_failures",
+            subject="api_server",
+            subjects="api_servers",
+            detail_event="discovery_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.watcher",
+        )
+        self.discovery_problem: str | None = None
+        """Why the last discovery failed ("refused: ..."), None when it worked."""
 
     @property
     def ready(self) -> bool:
@@ -457,18 +468,22 @@ class Watcher:
             raise
         finally:
             self._group = None
-            for scope in self._watches:
-                self.failures.recovered(scope)  # not watched until a restart starts it
+            # Not watched until a restart starts them: still failing, not recovered.
+            self.failures.stopped("the watches stopped")
+            self.discovery_failures.stopped("the watches stopped")
             self._watches.clear()
 
     async def _discover(self) -> list[Kind]:
+        """Discovery at start, retried until it works. An API server that cannot be
+        reached, or that refuses the credentials, is one episode (its cause in the first
+        line and in /readyz), not a warning per retry."""
         backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
         while True:
             try:
                 kinds = await discover_kinds(self.kube, self.settings.kinds)
             except KubeError as err:
                 delay = backoff.next()
-                log.warning("discovery_failed", error=str(err), retry_in=round(delay, 3))
+                self._discovery_failed(err, f"retry in {delay:.3f}s")
                 await asyncio.sleep(delay)
                 continue
             except Exception:
@@ -478,8 +493,18 @@ class Watcher:
                 log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
+            self._discovery_works()
             log.info("discovered", kinds=[k.key for k in kinds])
             return kinds
+
+    def _discovery_failed(self, err: KubeError, then: str) -> None:
+        cause = failure_cause(err)
+        self.discovery_problem = f"{cause}: {err}"
+        self.discovery_failures.failed(self.kube.host, cause, f"{err} ({then})")
+
+    def _discovery_works(self) -> None:
+        self.discovery_problem = None
+        self.discovery_failures.recovered(self.kube.host)
 
     async def _rediscover(self) -> None:
         """Every check interval, look again at which Flink CRDs are served: a CRD installed
@@ -501,10 +526,9 @@ class Watcher:
                     kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
                 if kinds != self.kinds:
                     self._follow_kinds(kinds)
+                self._discovery_works()
             except KubeError as err:
-                log.warning(
-                    "rediscovery_failed", error=str(err), keeping=[k.key for k in self.kinds]
-                )
+                self._discovery_failed(err, f"keeping {', '.join(k.key for k in self.kinds)}")
             except Exception:
                 metrics.ERRORS.labels("discovery").inc()
                 keeping = [k.key for k in self.kinds]

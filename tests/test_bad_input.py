@@ -353,3 +353,33 @@ def test_leader_election_settings_by_flag_and_environment():
     assert settings.lease_namespace == "ops" and settings.lease_name == "canaryd"
     assert load_settings([], {"CANARYD_LEADER_ELECT": "true"}).leader_elect
     assert not load_settings([], {}).leader_elect
+
+
+@pytest.mark.parametrize("value", ["yes", "no", "1", "0", "on", "maybe"])
+def test_every_boolean_is_true_or_false_only(tmp_path, capsys, monkeypatch, value):
+    """The same booleans everywhere, as Flink reads the operator's own: the environment
+    and the operator config file alike refuse what is not true or false (any case)."""
+    monkeypatch.setenv("CANARYD_LEADER_ELECT", value)
+    code, lines = run_main([], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert f"invalid CANARYD_LEADER_ELECT '{value}': expected true or false" in lines[0]
+    monkeypatch.delenv("CANARYD_LEADER_ELECT")
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(
+        "kubernetes.operator.watched.namespaces: a\n"
+        f"kubernetes.operator.dynamic.namespaces.enabled: {value}\n"
+    )
+    code, lines = run_main(["--operator-config", str(conf)], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert "dynamic.namespaces.enabled" in lines[0] and "expected true or false" in lines[0]
+
+
+@pytest.mark.parametrize(("value", "wanted"), [("TRUE", True), ("true", True), ("False", False)])
+def test_true_and_false_in_any_case_are_taken_everywhere(tmp_path, value, wanted):
+    assert load_settings([], {"CANARYD_LEADER_ELECT": value}).leader_elect is wanted
+    conf = tmp_path / "config.yaml"
+    conf.write_text(
+        "kubernetes:\n  operator:\n    watched.namespaces: a\n"
+        f"    dynamic.namespaces.enabled: {value}\n"
+    )
+    assert load_settings(["--operator-config", str(conf)], {}).dynamic_namespaces is wanted

@@ -104,9 +104,11 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "names", [["config.yaml"], ["flink-conf.yaml"], ["config.yaml", "flink-conf.yaml"]]
+    "names", [["config.yaml"], ["flink-conf.yaml"], ["flink-conf.yaml", "config.yaml"]]
 )
-def test_operator_config_directory_prefers_config_yaml(tmp_path, names):
+def test_operator_config_directory_reads_what_the_operator_reads(tmp_path, names):
+    """Flink 1.19 and 1.20 (GlobalConfiguration.loadConfiguration, the operator's 1.x
+    releases run on 1.20) read flink-conf.yaml when it exists, else config.yaml."""
     for name in names:
         (tmp_path / name).write_text(FLAT.replace("2 min", f"{len(name)} s"))
     settings = load_settings(["--operator-config", str(tmp_path)], {})
@@ -114,7 +116,7 @@ def test_operator_config_directory_prefers_config_yaml(tmp_path, names):
 
 
 def test_operator_config_directory_without_a_config_file(tmp_path):
-    with pytest.raises(ConfigError, match=r"has no config\.yaml or flink-conf\.yaml"):
+    with pytest.raises(ConfigError, match=r"has no flink-conf\.yaml or config\.yaml"):
         load_settings(["--operator-config", str(tmp_path)], {})
 
 

@@ -121,7 +121,7 @@ async def test_label_value_true_in_any_case_is_a_canary(kube, kubeconfig, value)
 
 
 async def test_canary_deleted_after_its_finalizer_was_removed_is_dropped(kube, kubeconfig):
-    """The seed's reproduction: remove the finalizer, delete; health stays 200."""
+    """FLINK-41050's reproduction: remove the finalizer, delete; health stays 200."""
     create_canary(kube, metadata={"finalizers": ["flinkdeployments.flink.apache.org/finalizer"]})
     async with running_daemon(kube, kubeconfig) as run:
         await run.until_state(CanaryState.HEALTHY)
@@ -195,7 +195,7 @@ async def test_a_crd_installed_or_removed_later_is_followed(tmp_path):
 async def test_namespace_removed_from_the_watched_list_at_runtime_is_dropped(
     kube, kubeconfig, tmp_path
 ):
-    """The seed's reproduction: watchNamespaces [default, canary] -> [default] with
+    """FLINK-41050's reproduction: watchNamespaces [default, canary] -> [default] with
     dynamic namespaces; the Role in 'canary' is removed (403). Health stays 200."""
     kube.create_namespace("canary")
     create_canary(kube, namespace="canary")

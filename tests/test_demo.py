@@ -1,24 +1,47 @@
-"""`make demo` keeps working: its scenario, on a short cycle, end to end — the seed's
+"""`make demo` keeps working: its scenario, on a short cycle, end to end — the bug report's
 three steps (health stays 200), then the two failures the check exists to tell apart:
 a stuck watch delivery (unhealthy, 500, then healthy again) and a write outage
 (unknown: no verdict, /healthz stays 200)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 import subprocess
 import sys
 
 
-def test_demo_scenario_shows_the_happy_path_and_both_failures():
-    result = subprocess.run(
-        [sys.executable, "-m", "canaryd.testing.demo", "--once", "--timeout", "500ms"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+async def test_demo_scenario_shows_the_happy_path_and_both_failures():
+    """As `make demo` runs it (no --once): the scenario, then a Ctrl-C hint; Ctrl-C
+    (SIGINT) stops everything with status 0."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd.testing.demo",
+        "--timeout",
+        "500ms",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    assert process.stdout is not None and process.stderr is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(50):
+            while not lines or "press Ctrl-C to stop" not in lines[-1]:
+                line = (await process.stdout.readline()).decode()
+                assert line, f"the demo ended without a Ctrl-C hint: {''.join(lines)}"
+                lines.append(line)
+    except TimeoutError:
+        raise AssertionError(f"no Ctrl-C hint after 50 s: {''.join(lines)}") from None
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+    async with asyncio.timeout(30):
+        rest, err = await process.communicate()
+    out = "".join(lines) + rest.decode()
+    assert process.returncode == 0, out + err.decode()
+    assert "the scenario is done; canaryd keeps checking: press Ctrl-C to stop" in out, out
     assert "applied config/samples/flinkdeployment-canary.yaml in default, team-a" in out
     assert "'repro': '409'" in out and "<- kept" in out
     assert "labels={}  <- not re-added" in out

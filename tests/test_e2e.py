@@ -258,7 +258,7 @@ async def until_healthy(url: str, namespace: str, name: str = "canary") -> None:
     await eventually(healthy, f"{namespace}/{name} to be healthy")
 
 
-# ------------------------------------------------- the seed's reproductions
+# ------------------------------- the bug report's (FLINK-41050) reproductions
 
 
 async def test_metadata_is_kept_and_a_removed_label_stops_the_checks(api, cluster, namespace):
@@ -534,6 +534,99 @@ async def test_the_rbac_manifests_grant_what_canaryd_uses_and_no_more(cluster):
     assert plane.request("GET", f"/apis/{G}/{V}/namespaces/{OWN}/{FD}", token=own)[0] == 200
     assert plane.request("GET", f"/apis/{G}/{V}/namespaces/default/{FD}", token=own)[0] == 403
     assert plane.request("GET", "/api/v1/namespaces", token=own)[0] == 200
+
+
+def rules_review(plane: Any, token: str, namespace: str) -> tuple[set[Any], set[Any]]:
+    """What ``kubectl auth can-i --list`` shows: a SelfSubjectRulesReview, flattened to
+    (group, resource, verb) and (non-resource URL, verb) pairs."""
+    status, body = plane.request(
+        "POST",
+        "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectRulesReview",
+            "spec": {"namespace": namespace},
+        },
+        token=token,
+    )
+    assert status == 201, body
+    resources = {
+        (group, resource, verb)
+        for rule in body["status"]["resourceRules"]
+        for group in rule.get("apiGroups", [""])
+        for resource in rule.get("resources", [])
+        for verb in rule["verbs"]
+    }
+    urls = {
+        (url, verb)
+        for rule in body["status"]["nonResourceRules"]
+        for url in rule["nonResourceURLs"]
+        for verb in rule["verbs"]
+    }
+    return resources, urls
+
+
+async def test_the_least_privilege_kubeconfig_can_do_what_canaryd_needs_and_no_more(
+    api, cluster, namespace, tmp_path
+):
+    """`make kubeconfig` (python -m canaryd.kubeconfig) with the admin's kubeconfig: a
+    ServiceAccount with config/rbac's roles and a kubeconfig with its token. What it may
+    do, beyond what every authenticated user may, is exactly config/rbac's rules; canaryd
+    runs with it; its output holds no token."""
+    plane = cluster.needs_plane()
+    import yaml
+
+    output = tmp_path / "etc" / "canaryd" / "kubeconfig"
+    args = ["--kubeconfig", str(cluster.admin), "--output", str(output)]
+    args += ["--namespace", "canaryd-systemd", "--name", "canaryd-systemd"]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd.kubeconfig",
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    said = out.decode() + err.decode()
+    assert process.returncode == 0, said
+    assert f"wrote {output} (mode 0600): ServiceAccount canaryd-systemd/canaryd-systemd" in said
+    assert output.stat().st_mode & 0o777 == 0o600
+    config = yaml.safe_load(output.read_text())
+    token = config["users"][0]["user"]["token"]
+    assert token not in said and plane.admin_token not in output.read_text()
+    assert config["clusters"][0]["cluster"]["server"] == plane.url
+    assert "certificate-authority-data" in config["clusters"][0]["cluster"]  # stands alone
+
+    # Every authenticated user's rules (system:basic-user, system:discovery, ...): those
+    # of a ServiceAccount bound to nothing.
+    plane.apply(
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}}, namespace
+    )
+    nobody = plane.service_account_token(namespace, "nobody")
+    granted = {
+        (rule_group, resource, verb)
+        for doc in yaml.safe_load_all((ROOT / "config" / "rbac" / "clusterrole.yaml").read_text())
+        for rule in doc["rules"]
+        for rule_group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for where in (namespace, "default"):
+        resources, urls = rules_review(plane, token, where)
+        everyone, everyone_urls = rules_review(plane, nobody, where)
+        assert resources - everyone == granted, sorted(resources - everyone)
+        assert urls == everyone_urls, sorted(urls ^ everyone_urls)
+    # Not an admin, whatever the review may leave out.
+    assert plane.request("GET", "/api/v1/namespaces/default/secrets", token=token)[0] == 403
+    path = f"/apis/{G}/{V}/namespaces/{namespace}/{FD}"
+    assert plane.request("DELETE", path + "/x", token=token)[0] == 403
+
+    await create_canary(api, namespace)
+    async with canaryd(output, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
 
 
 async def test_the_demo_plays_on_the_real_control_plane(cluster):

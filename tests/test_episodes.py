@@ -60,3 +60,27 @@ def test_the_end_counts_the_failures_it_told():
     events = [r["event"] for r in records]
     assert events == ["bump_failures_started", "bump_failures_ended"], events
     assert records[-1]["affected"] == 3 and records[-1]["lasted"] == 3
+
+
+def test_an_episode_stopped_while_failing_is_told_as_still_failing_never_as_ended():
+    clock = [0.0]
+    told = episodes(clock)
+    with capture_logs() as records:
+        told.failed("a", "forbidden", "403")
+        told.failed("b", "failed", "503")
+        told.recovered("b")
+        clock[0] = 5.0
+        told.stopped("canaryd stopped")
+        told.stopped("again")  # nothing left: nothing told
+        told.failed("c", "failed", "503")  # a new episode starts afresh
+    events = [r["event"] for r in records]
+    assert events == [
+        "bump_failures_started",
+        "bump_failures_started",
+        "bump_failures_still_failing",
+        "bump_failures_started",
+    ], events
+    still = records[2]
+    assert still["failing"] == 1 and still["canaries"] == ["a"] and still["lasted"] == 5.0
+    assert still["causes"] == {"forbidden": 1} and still["affected"] == 2
+    assert still["why"] == "canaryd stopped" and told.failing == 1

@@ -514,6 +514,16 @@ async def test_missing_token_is_401(kube):
         assert (await resp.json())["kind"] == "Status"
 
 
+async def test_a_wrong_token_is_401_on_discovery_too(kube):
+    """kube-apiserver authenticates before any handler runs (WithAuthentication)."""
+    headers = {"Authorization": "Bearer not-the-token"}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for path in ("/apis", f"/apis/{G}/{V}", "/api/v1/namespaces"):
+            async with s.get(f"{kube.url}{path}") as resp:
+                assert resp.status == 401, path
+                assert (await resp.json())["reason"] == "Unauthorized"
+
+
 async def test_discovery_lists_flink_group_and_version(kube, api):
     groups = await client.ApisApi(api).get_api_versions()
     assert [g.name for g in groups.groups] == [G]

@@ -235,6 +235,72 @@ def test_the_sidecar_example_is_the_chart_rendered_with_the_sidecars_helm_values
     assert set(values["defaultConfiguration"]) & {"flink-conf.yaml", "config.yaml"} <= keys
 
 
+POST_RENDER = CONFIG / "helm" / "post-render"
+KUSTOMIZE = next(iter(sorted((ROOT / ".cache" / "kustomize").glob("*/bin/kustomize"))), None)
+
+
+def post_render(stdin: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """config/helm/post-render as Helm runs it, with kubectl's kustomize where kubectl
+    is installed, else the one `make helm` built."""
+    tool = KUBECTL or (str(KUSTOMIZE) if KUSTOMIZE else None)
+    if tool is None:
+        pytest.skip("neither kubectl nor a kustomize built by `make helm`")
+    return subprocess.run(
+        [str(POST_RENDER)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KUSTOMIZE": tool, **env},
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("image", "wanted"),
+    [
+        ("", "canaryd:0.1.0"),
+        ("registry.example.com:5000/team/canaryd:0.2.0", None),
+        ("registry.example.com:5000/team/canaryd", "registry.example.com:5000/team/canaryd:0.1.0"),
+        ("ghcr.io/x/canaryd@sha256:" + "a" * 64, None),
+    ],
+)
+def test_the_helm_post_renderer_adds_the_sidecar_with_the_image_asked(image, wanted):
+    """On the stand-in of the chart's Deployment (the real chart: tests/test_helm.py)."""
+    stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
+    result = post_render(stand_in, CANARYD_IMAGE=image)
+    assert result.returncode == 0, result.stderr
+    (deployment,) = [d for d in yaml.safe_load_all(result.stdout) if d]
+    expected = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "Deployment")
+    got, want = container(deployment, "canaryd"), container(expected, "canaryd")
+    assert got.pop("image") == (wanted or image)
+    want.pop("image")
+    assert got == want
+    assert container(deployment, "flink-kubernetes-operator") == container(
+        expected, "flink-kubernetes-operator"
+    )
+
+
+def test_the_helm_post_renderer_refuses_what_would_install_no_canaryd():
+    stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
+    renamed = post_render(stand_in.replace("name: flink-kubernetes-operator\n", "name: x\n", 1))
+    assert renamed.returncode == 2, renamed.stdout
+    assert renamed.stderr.count("\n") == 1 and "canaryd was not added" in renamed.stderr
+    assert renamed.stdout == ""
+    bad = post_render(stand_in, CANARYD_IMAGE="canaryd:1 ; rm -rf /")
+    assert bad.returncode == 2 and "is not an image reference" in bad.stderr, bad.stderr
+    missing = subprocess.run(
+        [str(POST_RENDER)],
+        input=stand_in,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/nonexistent"},
+        check=False,
+    )
+    assert missing.returncode == 2 and "needs kustomize (v5) or kubectl" in missing.stderr
+
+
 def test_samples_are_canaries_of_both_kinds():
     kinds = {d["kind"]: d for d in all_docs() if d.get("apiVersion") == "flink.apache.org/v1beta1"}
     assert set(kinds) == {"FlinkDeployment", "FlinkSessionJob"}

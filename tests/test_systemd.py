@@ -175,3 +175,24 @@ def test_unit_file_has_what_the_daemon_relies_on():
     # namespace); setrlimit is in @resources, so a filtered call must fail, not kill.
     assert int(directives["LimitNOFILE"][0].split(":")[0]) >= 65536
     assert directives["SystemCallErrorNumber"] == ["EPERM"]
+
+
+def test_the_install_lines_install_this_project_with_a_least_privilege_kubeconfig():
+    """PyPI's "canaryd" is an unrelated project: the unit's install lines (and the
+    README's) install this one from its source, hand over a kubeconfig made by `make
+    kubeconfig`'s tool rather than an admin's, and install the Documentation= file."""
+    readme = (UNIT.parents[2] / "README.md").read_text()
+    section = readme[readme.index("### systemd") :]
+    section = section[: section.index("\n## ")]
+    for text in (UNIT.read_text(), section):
+        assert "pip install canaryd" not in text
+        assert "pip install ." in text
+        assert "~/.kube/config /etc/canaryd" not in text
+        assert "canaryd.kubeconfig --output /etc/canaryd/kubeconfig" in text
+    documentation = next(
+        line.split("=", 1)[1]
+        for line in UNIT.read_text().splitlines()
+        if line.startswith("Documentation=")
+    )
+    assert documentation.startswith("file:"), documentation
+    assert f"README.md {documentation.removeprefix('file:')}" in UNIT.read_text()

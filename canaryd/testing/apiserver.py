@@ -950,6 +950,10 @@ class FakeKube:
         discovery = self._discovery(request.path)
         if discovery is not None:
             record.verb = "get"
+            # Authenticated like every other path: kube-apiserver's WithAuthentication
+            # filter (staging/src/k8s.io/apiserver/pkg/endpoints/filters/authentication.go)
+            # answers 401 to a token it cannot authenticate before any handler runs.
+            record.user = self._authenticate(request)
             # Fault(verb="discovery"): a discovery answer that fails (one API server
             # replica briefly not serving a group answers 404).
             probe = Request(verb="discovery", rtype=None)

@@ -2,7 +2,7 @@
 
 Starts the fake API server, applies ``config/samples/`` in two namespaces, runs
 canaryd as its own process with a short cycle, and prints ``/healthz?verbose``
-whenever it changes while it plays the seed's scenarios: a user adds a label and
+whenever it changes while it plays the bug report's (FLINK-41050) scenarios: a user adds a label and
 an annotation (kept), a canary label is removed (dropped, never re-added), a
 canary is deleted (dropped); health stays 200 throughout. Then the two failures
 the check exists to tell apart: the watch delivery stuck for two cycles (the
@@ -276,6 +276,12 @@ class Demo:
             self.failures += 1
             self.say("  did not recover within four cycles  <- NOT EXPECTED")
 
+    async def play(self, http: aiohttp.ClientSession, *, once: bool) -> None:
+        """The scenario; without --once, then say how to stop (canaryd keeps checking)."""
+        await self.scenario(http)
+        if not once:
+            self.say("the scenario is done; canaryd keeps checking: press Ctrl-C to stop")
+
     async def run(self, *, once: bool) -> int:
         self.started = asyncio.get_running_loop().time()
         stop = asyncio.Event()
@@ -305,7 +311,7 @@ class Demo:
                 self.say(f"canaryd started (cycle {self.timeout:g}s): curl '{url}'")
                 plain = aiohttp.ClientSession()  # canaryd's port: no credentials
                 watcher = asyncio.create_task(self.show_health(plain, url))
-                scenario = asyncio.create_task(self.scenario(http))
+                scenario = asyncio.create_task(self.play(http, once=once))
                 stopper = asyncio.create_task(stop.wait())
                 # With --once the scenario's end stops the demo; otherwise Ctrl-C.
                 waited = {scenario, stopper} if once else {stopper}

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -32,6 +33,8 @@ from typing import Any
 import aiohttp
 import yaml
 from aiohttp import web
+
+from canaryd.opmetrics import reporter_label
 
 LABEL = "flink.apache.org/canary"
 KINDS = {"flinkdeployments": "FlinkDeployment", "flinksessionjobs": "FlinkSessionJob"}
@@ -63,7 +66,8 @@ class FakeOperator:
         self.kinds = tuple(kinds)
         self.label = label
         self.labels_tail = (
-            f'name="flink_kubernetes_operator",host="{host}",namespace="{operator_namespace}",'
+            f'name="flink_kubernetes_operator",host="{reporter_label(host)}",'
+            f'namespace="{reporter_label(operator_namespace)}",'
         )
         self.started = time.monotonic()
         self.requests = 0
@@ -83,6 +87,7 @@ class FakeOperator:
         self._runners: list[web.AppRunner] = []
         self._session: aiohttp.ClientSession | None = None
         self._hangs: set[asyncio.Future[None]] = set()
+        self._held: list[socket.socket] = []
         self.metrics_url = ""
         self.probe_url = ""
 
@@ -100,6 +105,25 @@ class FakeOperator:
     def freeze(self) -> None:
         """Connections are accepted and nothing is answered, as by a stopped JVM."""
         self.frozen = True
+
+    async def stop_accepting(self) -> None:
+        """A frozen JVM after a few reads: its listen backlog is full, so connections to
+        the metrics port are neither refused nor accepted (they time out)."""
+        self.frozen = True
+        metrics = self._runners[0]
+        port = metrics.addresses[0][1]
+        await metrics.cleanup()
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", port))
+        held.listen(0)
+        self._held.append(held)
+        for _ in range(3):  # fill the accept queue: further SYNs are dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            self._held.append(filler)
 
     def thaw(self) -> None:
         self.frozen = False
@@ -137,9 +161,11 @@ class FakeOperator:
             lines.append(f"# TYPE {name} gauge")
             for (which, kind, namespace, resource), value in sorted(self.counters.items()):
                 if which == counter:
+                    # The reporter filters label values by default: team-a is team_a.
                     lines.append(
-                        f'{name}{{resourcename="{resource}",resourcetype="{kind}",'
-                        f'resourcens="{namespace}",{self.labels_tail}}} {float(value)}'
+                        f'{name}{{resourcename="{reporter_label(resource)}",resourcetype="{kind}",'
+                        f'resourcens="{reporter_label(namespace)}",{self.labels_tail}}} '
+                        f"{float(value)}"
                     )
         return "\n".join(lines) + "\n"
 
@@ -191,6 +217,8 @@ class FakeOperator:
         self.thaw()
         for runner in self._runners:
             await runner.cleanup()
+        for held in self._held:
+            held.close()
         if self._session is not None:
             await self._session.close()
 
