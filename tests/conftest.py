@@ -36,3 +36,12 @@ async def api(kubeconfig: Path) -> AsyncIterator[client.ApiClient]:
     await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
     async with client.ApiClient(configuration) as api_client:
         yield api_client
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The restarts per topology and scenario that tests/test_kubelet.py saw."""
+    from tests.kubelet import RESTARTS, restarts_table
+
+    if RESTARTS:
+        terminalreporter.write_sep("-", "kubelet: restarts per topology and scenario")
+        terminalreporter.write_line(restarts_table())

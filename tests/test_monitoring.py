@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +21,19 @@ import yaml
 from canaryd import metrics
 from canaryd.registry import CanaryState
 from tests.harness import create_canary, running_daemon
+from tests.kubelet import parse_metrics
+from tests.promseries import promtool
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "config" / "monitoring"
 NAME = re.compile(r"\b(canaryd_[a-z_]+)(\{[^}]*\})?")
 LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|=)\s*"([^"]*)"')
 # The labels Prometheus Operator's scrape adds to every sample (target labels).
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
 ALERTS = {
     "CanarydCanaryUnhealthy",
+    "CanarydOperatorRestartLoop",
     "CanarydNoBumpWritten",
     "CanarydWatchRestartsHigh",
     "CanarydNotReady",
@@ -141,6 +143,25 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
             for label in LABEL.findall(selector or ""):
                 known = labels.get(name, set()) | TARGET_LABELS
                 assert label in known, f"{name} has no label {label!r} (in {expr!r})"
+    # A value selected with = (or each of a plain a|b|c alternation) is one canaryd
+    # exports: le="1" selects nothing where canaryd writes le="1.0".
+    values: dict[tuple[str, str], set[str]] = {}
+    for (name, sample_labels), _ in parse_metrics(text).items():
+        for label, value in sample_labels:
+            values.setdefault((name, label), set()).add(value)
+    for expr in exprs:
+        for name, selector in NAME.findall(expr):
+            for label, op, value in MATCHER.findall(selector or ""):
+                if label in TARGET_LABELS or "$" in value:
+                    continue
+                wanted = value.split("|") if op == "=~" else [value]
+                if op == "=~" and not all(re.fullmatch(r"[\w.+-]+", w) for w in wanted):
+                    continue
+                for one in wanted:
+                    assert one in values.get((name, label), set()), (
+                        f'{name}{{{label}="{one}"}} (in {expr!r}) is never exported; canaryd '
+                        f"writes {sorted(values.get((name, label), set()))}"
+                    )
     # The alerts cover the verdicts, the writes, the watches and readiness.
     for needed in (
         "canaryd_canaries",
@@ -192,30 +213,6 @@ def test_the_monitors_select_what_the_manifests_deploy():
         "servicemonitor.yaml",
         "prometheusrule.yaml",
     }
-
-
-def promtool() -> str | None:
-    """promtool on PATH, or Debian's (`apt-get download prometheus`, unpacked into
-    .cache/promtool without installing anything); None when neither can be had."""
-    found = shutil.which("promtool")
-    if found:
-        return found
-    cached = ROOT / ".cache" / "promtool" / "usr" / "bin" / "promtool"
-    if cached.exists():
-        return str(cached)
-    if not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        got = subprocess.run(
-            ["apt-get", "download", "prometheus"], cwd=tmp, capture_output=True, timeout=300
-        )
-        debs = list(Path(tmp).glob("prometheus_*.deb"))
-        if got.returncode != 0 or not debs:
-            return None
-        target = cached.parents[2]
-        target.mkdir(parents=True, exist_ok=True)  # dpkg-deb -x makes only the last level
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(target)], check=True)
-    return str(cached) if cached.exists() else None
 
 
 def test_promtool_accepts_the_rules_and_their_unit_tests_pass(tmp_path):

@@ -8,7 +8,6 @@ Kustomizations are built with `kubectl kustomize` where kubectl exists.
 from __future__ import annotations
 
 import shlex
-import shutil
 import subprocess
 import sys
 import venv
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from canaryd.config import Settings, build_parser, load_settings
+from tests.kubelet import KUBECTL, docs, kustomize, render
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config"
@@ -29,11 +29,6 @@ BUILDABLE = [
     for d in KUSTOMIZATIONS
     if yaml.safe_load((d / "kustomization.yaml").read_text())["kind"] == "Kustomization"
 ]
-KUBECTL = shutil.which("kubectl")
-
-
-def docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
 def all_docs(kind: str | None = None) -> list[dict[str, Any]]:
@@ -42,22 +37,9 @@ def all_docs(kind: str | None = None) -> list[dict[str, Any]]:
 
 
 def built(directory: Path) -> list[dict[str, Any]]:
-    """The kustomization's output: kubectl's when present, else its own files."""
-    if KUBECTL:
-        out = subprocess.run(
-            [KUBECTL, "kustomize", str(directory)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
-    return [
-        d
-        for r in yaml.safe_load((directory / "kustomization.yaml").read_text()).get("resources", [])
-        if (directory / r).is_file()
-        for d in docs(directory / r)
-    ]
+    """The kustomization's output: kubectl's when present, else tests/kubelet.py's own
+    rendering (which test_the_fallback_rendering_is_kubectls checks against kubectl)."""
+    return render(directory)
 
 
 def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
@@ -109,6 +91,32 @@ def test_every_kustomization_names_files_that_exist(directory):
 @pytest.mark.parametrize("directory", BUILDABLE, ids=lambda d: str(d.relative_to(CONFIG)))
 def test_every_kustomization_builds(directory):
     assert built(directory)
+
+
+def _normalised(obj: Any) -> Any:
+    """Key order, and the order of named list items (a strategic merge's), aside."""
+    if isinstance(obj, dict):
+        return {key: _normalised(value) for key, value in sorted(obj.items())}
+    if isinstance(obj, list):
+        items = [_normalised(item) for item in obj]
+        if all(isinstance(item, dict) and "name" in item for item in items):
+            return sorted(items, key=lambda item: item["name"])
+        return items
+    return obj
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
+@pytest.mark.parametrize("directory", BUILDABLE, ids=lambda d: str(d.relative_to(CONFIG)))
+def test_the_fallback_rendering_is_kubectls(directory):
+    """Without kubectl (CI may lack it), tests/kubelet.py renders the kustomizations
+    itself; here, where kubectl is, both must give the same objects."""
+
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    ours = sorted((_normalised(o) for o in kustomize(directory)), key=key)
+    kubectls = sorted((_normalised(o) for o in render(directory)), key=key)
+    assert ours == kubectls
 
 
 def test_rbac_grants_exactly_what_canaryd_uses():
@@ -207,6 +215,24 @@ def test_the_sidecars_helm_values_set_up_the_reporter_canaryd_reads(tmp_path):
     assert settings.operator_metrics_url == f"http://127.0.0.1:{values['metrics']['port']}/metrics"
     # The chart's own defaults are kept (the key replaces the chart's string).
     assert "kubernetes.operator.reconcile.interval: 15 s" in conf.read_text()
+
+
+def test_the_sidecar_example_is_the_chart_rendered_with_the_sidecars_helm_values():
+    """The stand-in Deployment is what the chart renders with helm-values.yaml: the
+    reporter's container port (metrics.port) and the ConfigMap item the values set
+    (the chart mounts flink-conf.yaml when the values have it, else config.yaml)."""
+    values = yaml.safe_load((CONFIG / "sidecar" / "helm-values.yaml").read_text())
+    deployment = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "Deployment")
+    operator = container(deployment, "flink-kubernetes-operator")
+    ports = {p["name"]: p["containerPort"] for p in operator["ports"]}
+    assert ports["metrics"] == values["metrics"]["port"]
+    volume = next(
+        v
+        for v in deployment["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "flink-operator-config-volume"
+    )
+    keys = {item["key"] for item in volume["configMap"]["items"]}
+    assert set(values["defaultConfiguration"]) & {"flink-conf.yaml", "config.yaml"} <= keys
 
 
 POST_RENDER = CONFIG / "helm" / "post-render"
