@@ -22,6 +22,8 @@ from canaryd.testing.apiserver.store import Change, Store
 
 @dataclass(eq=False)
 class Watcher:
+    """One open watch stream: what it watches, and the changes queued for it."""
+
     rtype: ResourceType
     namespace: str | None
     transport: asyncio.BaseTransport | None = None
@@ -33,7 +35,9 @@ class Watcher:
 class Watches(Store):
     """The store with the watches open on it."""
 
-    def __init__(self, *, bookmark_interval: float, default_watch_timeout: float, **store: Any):
+    def __init__(
+        self, *, bookmark_interval: float, default_watch_timeout: float, **store: Any
+    ) -> None:
         super().__init__(**store)
         self.bookmark_interval = bookmark_interval
         self.default_watch_timeout = default_watch_timeout
