@@ -32,31 +32,35 @@ import aiohttp
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
 """The per-resource counter of reconciles JOSDK finished (the operator's
 ``OperatorJosdkMetrics.finishedReconciliation``)."""
-START_TIME_NAMES = ("process_start_time_seconds",)
-"""Series that give the operator process's start time, when a reporter exports one
-(Flink's Prometheus reporter does not: its registry holds Flink's metrics only)."""
-
-
-def _grows_within_a_process(name: str) -> bool:
-    """Series that only grow within one operator process: every JOSDK counter, the
-    Kubernetes client's request count and the JVM's CPU time. One that went down
-    belongs to a new process. (Flink's gauges named ``..._Count`` such as
-    ``Status_JVM_Threads_Count`` go up and down: they are not among these.)"""
-    return (
-        ("_JOSDK_" in name and name.endswith("_Count"))
-        or name.endswith("_KubeClient_HttpRequest_Count")
-        or name.endswith("_Status_JVM_CPU_Time")
-    )
-
-
 RESOURCE_LABELS = ("resourcetype", "resourcens", "resourcename")
+MAX_ANSWER = 256 * 1024 * 1024
+"""The largest answer read (bytes): an operator with 10,000 resources answers about
+11 MB. It is read in chunks and never held whole, so this bounds time, not memory."""
+MAX_LINE = 1024 * 1024
+"""The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
+CHUNK = 256 * 1024
 
+# Matched on bytes, chunk by chunk: a literal the regex engine finds fast, so the tens
+# of thousands of lines canaryd does not need cost a scan, not a Python loop each.
+_RECONCILED = re.compile(re.escape(RECONCILED_SUFFIX).encode() + rb"\{([^}\n]*)\}[ \t]+([^ \t\n]+)")
+# Series that only grow within one operator process: the Kubernetes client's request
+# count and the JVM's CPU time (and, per resource, the counter above). One that went
+# down belongs to a new process. (Flink's gauges named ..._Count, such as
+# Status_JVM_Threads_Count, go up and down: they are not among these.)
+_PROCESS = re.compile(
+    rb"(_KubeClient_HttpRequest_Count|_Status_JVM_CPU_Time)(\{[^}\n]*\})?[ \t]+([^ \t\n]+)"
+)
+_START = re.compile(rb"process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
+"""A process start time, when a reporter exports one (Flink's Prometheus reporter does
+not: its registry holds Flink's metrics only)."""
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 ResourceKey = tuple[str, str, str]
 """(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
 _NOT_IN_LABELS = re.compile(r"[^a-zA-Z0-9:_]")
+EARLIEST_START, LATEST_START = 946_684_800.0, 4_102_444_800.0
+"""A process start time outside 2000-2100 (milliseconds, infinities) is not one."""
 
 
 def reporter_label(value: str) -> str:
@@ -73,6 +77,14 @@ def _unescape(value: str) -> str:
     return re.sub(r"\\[\\\"n]", lambda m: _ESCAPES[m.group(0)], value)
 
 
+def _number(raw: bytes) -> float | None:
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return None if value != value else value  # NaN: no value
+
+
 @dataclass(frozen=True, slots=True)
 class Scrape:
     """What one answer of the operator's metrics endpoint says."""
@@ -83,13 +95,13 @@ class Scrape:
     answered_at: float
     reconciled: Mapping[ResourceKey, float]
     """Finished reconciles per resource."""
-    growing: Mapping[str, float]
-    """Every series that only grows within one operator process, by its line's name and
-    labels (``_grows_within_a_process``)."""
+    process: Mapping[bytes, float]
+    """The process-wide series that only grow within one operator process, by name
+    and labels."""
     start_time: float | None
     """The operator process's start time (Unix seconds), when the reporter exports it."""
-    series: int
-    """How many samples the answer held (0: an empty or unrelated endpoint)."""
+    size: int = 0
+    """Bytes read."""
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
@@ -104,68 +116,96 @@ class Scrape:
     @property
     def has_operator_series(self) -> bool:
         """Does the answer come from the operator's reporter at all?"""
-        return bool(self.growing)
+        return bool(self.process) or bool(self.reconciled)
 
 
-def parse(text: str, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
-    """The lines of a Prometheus text exposition that canaryd reads; the rest is skipped
-    unparsed. A malformed line of interest is skipped too (``series`` still counts it)."""
-    reconciled: dict[ResourceKey, float] = {}
-    growing: dict[str, float] = {}
-    start_time: float | None = None
-    series = 0
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        series += 1
-        brace = line.find("{")
-        space = line.find(" ")
-        end = brace if brace != -1 and (space == -1 or brace < space) else space
-        if end <= 0:
-            continue
-        name = line[:end]
-        wanted = name.endswith(RECONCILED_SUFFIX)
-        grows = _grows_within_a_process(name)
-        starts = name in START_TIME_NAMES
-        if not (wanted or grows or starts):
-            continue
-        if brace == end:
-            close = line.rfind("}")
-            if close == -1:
-                continue
-            labels_text, rest = line[brace + 1 : close], line[close + 1 :]
-        else:
-            labels_text, rest = "", line[end:]
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        if value != value:  # NaN: no value
-            continue
-        if starts:
-            start_time = value
-            continue
-        if grows:
-            growing[line[: len(line) - len(rest)]] = value
-        if wanted:
-            labels = {k: _unescape(v) for k, v in _LABEL.findall(labels_text)}
-            if all(label in labels for label in RESOURCE_LABELS):
-                key = (labels["resourcetype"], labels["resourcens"], labels["resourcename"])
+class Parser:
+    """Reads an exposition chunk by chunk, keeping only what canaryd needs; a line of
+    interest that is malformed is skipped. ``keys`` caches label texts already seen
+    (the same every read), so a read of 10,000 resources parses few labels."""
+
+    def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
+        self.reconciled: dict[ResourceKey, float] = {}
+        self.process: dict[bytes, float] = {}
+        self.start_time: float | None = None
+        self.size = 0
+        self._rest = b""
+        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        data = self._rest + chunk if self._rest else chunk
+        cut = data.rfind(b"\n")
+        if cut == -1:
+            self._rest = data if len(data) <= MAX_LINE else b""
+            return
+        self._rest = data[cut + 1 :] if len(data) - cut <= MAX_LINE else b""
+        self._scan(data[: cut + 1])
+
+    def close(self) -> None:
+        if self._rest:
+            self._scan(self._rest + b"\n")
+            self._rest = b""
+
+    def _key(self, labels: bytes) -> ResourceKey | None:
+        key = self._keys.get(labels, False)
+        if key is False:
+            found = {k: _unescape(v) for k, v in _LABEL.findall(labels.decode("utf-8", "replace"))}
+            key = (
+                (found["resourcetype"], found["resourcens"], found["resourcename"])
+                if all(label in found for label in RESOURCE_LABELS)
+                else None
+            )
+            if len(self._keys) > 200_000:
+                self._keys.clear()
+            self._keys[labels] = key
+        return key  # type: ignore[return-value]
+
+    def _scan(self, block: bytes) -> None:
+        reconciled = self.reconciled
+        for match in _RECONCILED.finditer(block):
+            value = _number(match.group(2))
+            key = self._key(match.group(1))
+            if value is not None and key is not None:
                 reconciled[key] = reconciled.get(key, 0.0) + value
-    return Scrape(sent_at, answered_at, reconciled, growing, start_time, series)
+        for match in _PROCESS.finditer(block):
+            value = _number(match.group(3))
+            if value is not None:
+                self.process[match.group(1) + (match.group(2) or b"")] = value
+        for match in _START.finditer(block):
+            at = match.start()
+            value = _number(match.group(1))
+            if (at == 0 or block[at - 1] == 10) and value is not None:
+                self.start_time = value if EARLIEST_START < value < LATEST_START else None
+
+    def scrape(self, sent_at: float, answered_at: float) -> Scrape:
+        self.close()
+        return Scrape(
+            sent_at, answered_at, self.reconciled, self.process, self.start_time, self.size
+        )
+
+
+def parse(text: str | bytes, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
+    """A whole exposition at once (tests, the e2e suite)."""
+    parser = Parser()
+    parser.feed(text.encode() if isinstance(text, str) else text)
+    return parser.scrape(sent_at, answered_at)
 
 
 class ScrapeFailed(Exception):
     """The endpoint gave no usable answer. ``cause`` is a short fixed word:
 
-    - ``refused``: nothing listens (the operator is starting, or gone), the address
-      cannot be reached, or the connection was cut without an answer (the process
-      went away mid-read): no verdict, canaries are ``pending``;
-    - ``unanswered``: the port is held but nothing answers: a connection accepted and
-      no answer (a frozen JVM still accepts into its listen backlog), or, once that
-      backlog is full, a connect that times out: counts against the operator once it
-      lasts a whole cycle;
-    - ``bad_answer``: an answer that is not the metrics (an HTTP error, not text).
+    - ``refused``: nothing listens on the port (connection refused, or the host is
+      unreachable): the operator is starting, or gone: no verdict, canaries are
+      ``pending``, and the next answer comes from a new process;
+    - ``unanswered``: the port is held but no whole answer comes: a connection
+      accepted and nothing (or not all of it) answered within the read limit (a frozen
+      JVM still accepts into its listen backlog), or, once that backlog is full, a
+      connect that times out: counts against the operator once it lasts a whole cycle;
+    - ``bad_answer``: anything else: an HTTP status other than 200, a broken or
+      truncated answer, a connection cut mid-answer, TLS or name resolution failing,
+      an answer too large: no verdict either way (``unknown``; an unhealthy verdict
+      stands), and no sign of a restart.
     """
 
     def __init__(self, cause: str, detail: str) -> None:
@@ -179,7 +219,6 @@ def _refused(err: BaseException) -> bool:
         errno.ECONNREFUSED,
         errno.ENETUNREACH,
         errno.EHOSTUNREACH,
-        errno.EADDRNOTAVAIL,
     )
 
 
@@ -204,14 +243,20 @@ class OperatorMetrics:
         self,
         url: str,
         *,
-        timeout: float,
+        connect_timeout: float,
+        read_timeout: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
-        self.timeout = timeout
-        """How long a scrape may take, connection included."""
+        self.connect_timeout = connect_timeout
+        """How long connecting may take: a held port that accepts nothing (a frozen
+        process's full backlog) fails here, and is tried again."""
+        self.read_timeout = read_timeout
+        """How long one answer may take once connected: the cycle. A slow operator is
+        not a frozen one; an answer that has not come in a whole cycle is none."""
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
+        self._keys: dict[bytes, ResourceKey | None] = {}
         self.last: Scrape | None = None
         """The last usable answer."""
         self.instance = Instance()
@@ -233,53 +278,62 @@ class OperatorMetrics:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(force_close=True, limit=4),
                 timeout=aiohttp.ClientTimeout(
-                    total=self.timeout, connect=self.timeout / 2, sock_read=self.timeout
+                    total=self.connect_timeout + self.read_timeout,
+                    connect=self.connect_timeout,
+                    sock_read=self.read_timeout,
                 ),
                 trust_env=False,
             )
         return self._session
 
-    async def _fetch(self) -> tuple[float, str]:
+    async def _fetch(self) -> Scrape:
         sent = self._clock()
+        parser = Parser(self._keys)
+        answered = False
         try:
             async with self._client().get(self.url, allow_redirects=False) as response:
+                answered = True
                 if response.status != 200:
                     raise ScrapeFailed("bad_answer", f"{self.url} answered HTTP {response.status}")
-                body = await response.read()
+                async for chunk in response.content.iter_chunked(CHUNK):
+                    parser.feed(chunk)
+                    if parser.size > MAX_ANSWER:
+                        raise ScrapeFailed(
+                            "bad_answer", f"{self.url} answered more than {MAX_ANSWER} bytes"
+                        )
         except ScrapeFailed:
             raise
         except aiohttp.ClientConnectorError as err:
             if _refused(err):
                 raise ScrapeFailed("refused", f"{self.url} refused the connection") from None
-            raise ScrapeFailed("refused", f"cannot connect to {self.url}: {err}") from None
+            raise ScrapeFailed("bad_answer", f"cannot connect to {self.url}: {err}") from None
         except aiohttp.ConnectionTimeoutError:
             # Not refused: something holds the port and accepts nothing. A frozen JVM's
             # listen backlog fills after a few reads, and then its SYNs go unanswered.
             raise ScrapeFailed(
                 "unanswered",
-                f"{self.url}: no connection within {self.timeout / 2:g}s (the port is "
+                f"{self.url}: no connection within {self.connect_timeout:g}s (the port is "
                 "held but nothing accepts: a frozen process, or a network that drops)",
             ) from None
         except (TimeoutError, aiohttp.ServerTimeoutError):
+            what = "did not finish its answer" if answered else "answered nothing"
             raise ScrapeFailed(
                 "unanswered",
-                f"{self.url} accepted the connection but answered nothing within {self.timeout:g}s",
+                f"{self.url} accepted the connection but {what} within {self.read_timeout:g}s",
             ) from None
         except aiohttp.ClientError as err:
-            # Reset or closed without an answer: the process went away mid-request.
+            # A broken answer, or a connection cut without one: no verdict, and no sign
+            # of a restart either (a process that went away refuses the next read).
             raise ScrapeFailed(
-                "refused", f"{self.url}: {type(err).__name__} {err}".strip()
+                "bad_answer", f"{self.url}: {type(err).__name__} {err}".strip()
             ) from None
-        try:
-            return sent, body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ScrapeFailed("bad_answer", f"{self.url} answered with non-UTF-8 bytes") from None
+        return parser.scrape(sent, self._clock())
 
     async def scrape(self) -> Scrape:
         """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
         (``instance`` changes)."""
         try:
-            sent, text = await self._fetch()
+            scrape = await self._fetch()
         except ScrapeFailed as failed:
             if self.failing_since is None:
                 self.failing_since = self._clock()
@@ -287,7 +341,6 @@ class OperatorMetrics:
             if failed.cause == "refused":
                 self._refused_since_answer = True
             raise
-        scrape = parse(text, sent, self._clock())
         restarted = self.restart_seen(scrape)
         if restarted is not None:
             self.instance = Instance(self.instance.number + 1, restarted)
@@ -310,7 +363,10 @@ class OperatorMetrics:
         now = time.time()
         if self._refused_since_answer:
             return now
-        for key, value in scrape.growing.items():
-            if value < last.growing.get(key, 0.0):
+        for key, value in scrape.process.items():
+            if value < last.process.get(key, 0.0):
+                return now
+        for resource, count in scrape.reconciled.items():
+            if count < last.reconciled.get(resource, 0.0):
                 return now
         return None

@@ -70,6 +70,14 @@ def bump_body(resource_version: str, nonce: int) -> str:
     )
 
 
+def wall_time(timestamp: float) -> str:
+    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
+    try:
+        return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (ValueError, OverflowError, OSError):
+        return repr(timestamp)
+
+
 def _scope_name(scope: ScopeKey) -> str:
     kind, namespace = scope
     return f"{kind}@{namespace}" if namespace else kind
@@ -126,6 +134,11 @@ class Scheduler:
         """The operator instance (opmetrics.Instance.number) the verdicts are about."""
         self._missing_series: set[CanaryKey] = set()
         """Canaries whose counter the operator's metrics lack (warned once each)."""
+        self._realign: set[CanaryKey] = set()
+        """Canaries bumped off their place in the cycle for a fresh check (an operator
+        restart): once that bump is judged, the next one goes back to its place."""
+        self._epoch = clock()
+        """Where the cycle's places are counted from (``_place``)."""
         self.operator_problem: str | None = None
         """Why the operator's metrics cannot judge canaries right now (/readyz says it)."""
         self.operator_failures = Episodes(
@@ -140,7 +153,10 @@ class Scheduler:
         """Failed reads of the operator's metrics, logged as an episode."""
         if settings.reconciled_by == "operator-metrics":
             self.operator = OperatorMetrics(
-                settings.operator_metrics_url, timeout=settings.scrape_timeout, clock=clock
+                settings.operator_metrics_url,
+                connect_timeout=settings.scrape_connect_timeout,
+                read_timeout=settings.timeout,
+                clock=clock,
             )
             metrics.operator_metrics_exported()
         self.write_time_limit: Callable[[], float | None] = lambda: settings.write_timeout
@@ -153,7 +169,7 @@ class Scheduler:
         self._no_writes_in_flight.set()
         registry.on_added = self.schedule_first
         registry.on_resumed = self.scope_resumed
-        registry.on_forgotten = self.failures.recovered
+        registry.on_forgotten = self._forgotten
 
     # ------------------------------------------------------- leader election
 
@@ -444,17 +460,13 @@ class Scheduler:
             if now < canary.deferred_until:
                 self._push(canary.deferred_until, canary)
                 return False
-            if self.kube.last_answer < since:
-                # Not one answer from the API server since the watch dropped: it is
-                # away, and nobody (the operator neither) can reconcile through it.
-                # That is no verdict on the canary.
+            away = self._api_server_away(canary, now)
+            if away is not None:
+                # Nobody (the operator neither) can reconcile through an API server that
+                # is away: that is no verdict on the canary.
                 self._judged(canary)
                 metrics.VERDICTS.labels("unreachable").inc()
-                self._no_bump(
-                    canary,
-                    f"no verdict on generation {bumped}: the API server has not answered "
-                    f"since the watch of {scope} fell out of sync {now - since:.1f}s ago",
-                )
+                self._no_bump(canary, f"no verdict on generation {bumped}: {away}")
                 return True
             reason = (
                 f"generation {bumped} not observed: the watch of {scope} has not resumed "
@@ -539,7 +551,10 @@ class Scheduler:
                     "Prometheus reporter configured on this port?)"
                 )
             if operator.instance.number != self._instance_judged:
-                self._operator_restarted(started)
+                if self.standby_reason is None:
+                    self._operator_restarted(started)
+                else:  # a follower judges nothing; it starts fresh when it leads
+                    self._instance_judged = operator.instance.number
             self._note_reconciles(scrape)
         if self.standby_reason is not None:
             return
@@ -547,14 +562,50 @@ class Scheduler:
         due_now = [(due, c) for due, c in self._awaiting if due <= started]
         self._awaiting = [(due, c) for due, c in self._awaiting if due > started]
         for due, canary in due_now:
-            if not self.registry.owns(canary):
-                continue
-            if self._judge_by_operator(canary, scrape, failed, now) == WAIT:
-                self._awaiting.append((due, canary))
-                continue
-            self.registry.baseline(canary, self._baseline(canary))
-            # The bump's own retry window runs from now: the verdict may have waited.
-            self._queue_bump(now, canary)
+            try:
+                self._judge_and_bump(due, canary, scrape, failed, now)
+            except Exception:
+                # A bug must not lose the canary: say so, count it, try it next cycle.
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
+                if self.registry.owns(canary):
+                    self._push(now + self.settings.timeout, canary)
+
+    def _judge_and_bump(
+        self,
+        due: float,
+        canary: Canary,
+        scrape: Scrape | None,
+        failed: ScrapeFailed | None,
+        now: float,
+    ) -> None:
+        if not self.registry.owns(canary):
+            return
+        judged = canary.bumped_generation is not None
+        if self._judge_by_operator(canary, scrape, failed, now) == WAIT:
+            self._awaiting.append((due, canary))
+            return
+        if judged and canary.key in self._realign:
+            # Its fresh check is judged: the next bump goes back to its place in the
+            # cycle, so that bumps stay spread (DESIGN: never N writes at once).
+            self._realign.discard(canary.key)
+            place = self._place(canary, now)
+            if place - now > self.settings.scrape_interval:
+                self._push(place, canary)
+                return
+        self.registry.baseline(canary, self._baseline(canary))
+        # The bump's own retry window runs from now: the verdict may have waited.
+        self._queue_bump(now, canary)
+
+    def _phase(self, canary: Canary) -> float:
+        """The canary's stable place in the cycle, as a fraction (its first bump's)."""
+        return zlib.crc32(str(canary.key).encode()) / 2**32
+
+    def _place(self, canary: Canary, now: float) -> float:
+        """The first time from ``now`` at the canary's place in the cycle."""
+        timeout = self.settings.timeout
+        offset = self._epoch + self._phase(canary) * timeout
+        return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
 
     def failures_of_operator(self, failed: ScrapeFailed) -> None:
         """A read failed: an episode in the log, the cause in /readyz."""
@@ -564,19 +615,29 @@ class Scheduler:
 
     def _operator_restarted(self, started: float) -> None:
         """A new operator process answers: verdicts were about the one that is gone. Every
-        canary is checked afresh, with a bump written now (this read is its baseline)."""
+        canary is checked afresh: ``pending``, and a bump from now on, the first at once
+        and the rest over half a cycle in their order in the cycle (twice the steady
+        rate, not N writes at once); each goes back to its place once that is judged."""
         assert self.operator is not None
         instance = self.operator.instance
         self._instance_judged = instance.number
-        at = datetime.fromtimestamp(instance.since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        at = wall_time(instance.since)
         metrics.OPERATOR_RESTARTS.inc()
         log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
         reason = f"operator restarted at {at}: re-checking"
         self._awaiting = []
-        for canary in self.registry.tracked():
+        canaries = sorted(self.registry.tracked(), key=self._phase)
+        step = self.settings.timeout / 2 / max(1, len(canaries))
+        for index, canary in enumerate(canaries):
             self.registry.fresh_check(canary, reason)
-            canary.due_seq = next(self._order)  # its heap entry is void: due now
-            self._awaiting.append((started, canary))
+            self._realign.add(canary.key)
+            self._push(started + index * step, canary)
+
+    def _forgotten(self, key: CanaryKey) -> None:
+        """A canary is no longer tracked: nothing of it is kept here."""
+        self.failures.recovered(key)
+        self._missing_series.discard(key)
+        self._realign.discard(key)
 
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
@@ -703,6 +764,14 @@ class Scheduler:
                 f"{baseline[1] or 0:g} -> {value:g})",
             )
             return None
+        away = self._api_server_away(canary, now)
+        if away is not None:
+            # The operator reconciles through the API server: with it away, nobody
+            # could have. That is no verdict on the operator.
+            self._judged(canary)
+            metrics.VERDICTS.labels("unreachable").inc()
+            self._no_bump(canary, f"no verdict on generation {bumped}: {away}")
+            return None
         self._unhealthy(
             canary,
             f"the operator finished no reconcile within {self.settings.timeout:g}s of "
@@ -710,6 +779,19 @@ class Scheduler:
             now,
         )
         return None
+
+    def _api_server_away(self, canary: Canary, now: float) -> str | None:
+        """Why nothing could have been reconciled through the API server, if so: not one
+        answer from it since the watch covering the canary fell out of sync."""
+        sync = self.registry.covering(canary.key)
+        since = sync.unsynced_since if sync is not None else None
+        if since is None or self.kube.last_answer >= since:
+            return None
+        scope = _scope_name((canary.key.kind, canary.key.namespace))
+        return (
+            f"the API server has not answered since the watch of {scope} fell out of sync "
+            f"{now - since:.1f}s ago"
+        )
 
     def _unhealthy(self, canary: Canary, reason: str, now: float) -> None:
         """The one way to become unhealthy: a written bump not reconciled in time."""

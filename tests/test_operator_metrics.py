@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tracemalloc
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from canaryd import metrics
 from canaryd.config import ConfigError, load_settings
-from canaryd.opmetrics import OperatorMetrics, parse
+from canaryd.opmetrics import OperatorMetrics, ScrapeFailed, parse
 from canaryd.registry import CanaryState
-from canaryd.testing.apiserver import FakeKube
+from canaryd.scheduler import wall_time
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube
 from canaryd.testing.operator import FakeOperator
 from canaryd.testing.process import free_port
 from tests.harness import CYCLE, counter, create_canary, json_lines, json_logs, running_daemon
@@ -57,12 +60,10 @@ def test_the_real_reporters_answer_is_read_as_recorded():
     assert scrape.reconciled == {CANARY: 7.0}
     assert scrape.has_operator_series
     assert scrape.start_time is None  # Flink's reporter exports no process start time
-    grows = sorted(key.split("{")[0] for key in scrape.growing)
-    assert "flink_k8soperator_Status_JVM_CPU_Time" in grows
-    assert "flink_k8soperator_KubeClient_HttpRequest_Count" in grows
-    assert "flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished_Count" in grows
+    grows = sorted(key.split(b"{")[0] for key in scrape.process)
+    assert grows == [b"_KubeClient_HttpRequest_Count", b"_Status_JVM_CPU_Time"]
     # A gauge named _Count goes up and down: never taken for a reset.
-    assert not any("Threads_Count" in key for key in grows)
+    assert not any(b"Threads_Count" in key for key in scrape.process)
 
 
 def test_the_stand_in_operator_speaks_the_recorded_format():
@@ -75,10 +76,7 @@ def test_the_stand_in_operator_speaks_the_recorded_format():
     )
     real, fake = parse(FIXTURE.read_text()), parse(operator.render())
     assert set(fake.reconciled) == set(real.reconciled)
-    strip = lambda keys: {k.split("{")[0] for k in keys}  # noqa: E731
-    assert strip(real.growing) <= strip(fake.growing) | {
-        "flink_k8soperator_namespace_resource_JOSDK_Resource_Event_UPDATED_Count"
-    }
+    assert set(real.process) <= set(fake.process)
     real_labels = next(
         line
         for line in FIXTURE.read_text().splitlines()
@@ -128,14 +126,18 @@ def test_escaped_label_values_and_timestamps():
 
 
 def test_a_counter_that_went_down_or_an_endpoint_that_refused_is_a_new_operator():
-    reader = OperatorMetrics("http://127.0.0.1:1/metrics", timeout=1)
+    reader = OperatorMetrics("http://127.0.0.1:1/metrics", connect_timeout=1, read_timeout=1)
     text = FIXTURE.read_text()
     reader.last = parse(text)
     assert reader.restart_seen(parse(text)) is None
-    lower = text.replace("Status_JVM_CPU_Time{", "Status_JVM_CPU_Time_x{").replace(
-        "} 38.0", "} 3.0"
-    )
-    assert reader.restart_seen(parse(lower)) is not None
+    for series, was, now in (
+        ("KubeClient_HttpRequest_Count{", "} 38.0", "} 3.0"),
+        ("Reconciliation_finished_Count{", "} 7.0", "} 1.0"),
+    ):
+        line = next(x for x in text.splitlines() if series in x and not x.startswith("#"))
+        assert line.endswith(was.removeprefix("}")) or was in line
+        lower = text.replace(line, line.replace(was, now))
+        assert reader.restart_seen(parse(lower)) is not None, series
     reader._refused_since_answer = True
     assert reader.restart_seen(parse(text)) is not None
 
@@ -351,3 +353,253 @@ def test_every_read_result_is_exported_at_zero_in_this_mode():
     families = {m.name: m for m in metrics.REGISTRY.collect()}
     results = {s.labels["result"] for s in families["canaryd_operator_scrapes"].samples}
     assert {"ok", "refused", "unanswered", "bad_answer"} <= results
+
+
+# ------------------------------------------------ what an answer can be, on the wire
+
+
+@contextlib.asynccontextmanager
+async def raw_server(answer: bytes | None) -> AsyncIterator[str]:
+    """A TCP server on 127.0.0.1 that sends ``answer`` to every request and closes
+    (None: it reads and never answers)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer is None:
+            await asyncio.Event().wait()
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 900\r\n\r\ntruncated", "bad_answer"),
+        (b"garbage that is no HTTP\r\n\r\n", "bad_answer"),
+        (b"", "bad_answer"),  # accepted, closed without a word
+        (b"HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n", "bad_answer"),
+        (None, "unanswered"),
+    ],
+    ids=["truncated", "garbage", "closed", "http-500", "silent"],
+)
+async def test_a_broken_answer_is_no_sign_of_a_restart(answer, cause):
+    """Only a refused connection says the process is gone (the next answer is then a
+    new one); a broken, truncated or failing answer says nothing of the kind."""
+    async with raw_server(answer) as url:
+        reader = OperatorMetrics(url, connect_timeout=0.5, read_timeout=0.3)
+        reader.last = parse(FIXTURE.read_text())
+        with pytest.raises(ScrapeFailed) as failed:
+            await reader.scrape()
+        await reader.close()
+    assert failed.value.cause == cause, failed.value
+    assert not reader._refused_since_answer
+    port = free_port()
+    reader = OperatorMetrics(f"http://127.0.0.1:{port}/m", connect_timeout=0.5, read_timeout=0.3)
+    with pytest.raises(ScrapeFailed) as failed:
+        await reader.scrape()
+    await reader.close()
+    assert failed.value.cause == "refused" and reader._refused_since_answer
+
+
+async def test_an_endless_answer_is_read_in_bounded_memory():
+    """An answer that never ends (or is hundreds of MB) is read chunk by chunk and
+    kept only as far as canaryd needs it: memory stays flat, and the read ends."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        line = b'junk_metric_total{a="b"} 1.0\n' * 4096
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    tracemalloc.start()
+    try:
+        reader = OperatorMetrics(url, connect_timeout=0.5, read_timeout=1.0)
+        with pytest.raises(ScrapeFailed) as failed:
+            await reader.scrape()
+        _, peak = tracemalloc.get_traced_memory()
+        await reader.close()
+    finally:
+        tracemalloc.stop()
+        server.close()
+    # Ended by its size or by its time, whichever comes first on this machine.
+    assert failed.value.cause in ("unanswered", "bad_answer"), failed.value
+    assert "did not finish" in str(failed.value) or "more than" in str(failed.value)
+    assert peak < 16 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB while reading"
+
+
+def test_a_start_time_that_is_no_date_is_none_and_never_raises():
+    for value in ("1.7e12", "+Inf", "-1", "NaN"):
+        assert parse(f"process_start_time_seconds {value}\n").start_time is None, value
+    assert parse("process_start_time_seconds 1.7e9\n").start_time == 1.7e9
+    assert wall_time(float("inf")) == "inf" and wall_time(1.7e12)  # shown, not raised
+
+
+async def test_a_broken_answer_neither_clears_a_verdict_nor_counts_as_a_restart(kube, kubeconfig):
+    create_canary(kube)
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        await run.until_state(CanaryState.HEALTHY)
+        operator.wedge()
+        await run.until_state(CanaryState.UNHEALTHY, within=4 * CYCLE + 2)
+        restarts = counter(metrics.OPERATOR_RESTARTS)
+        broken = counter(metrics.OPERATOR_SCRAPES, "bad_answer")
+        operator.broken_answers = 3
+        await run.until(
+            lambda: counter(metrics.OPERATOR_SCRAPES, "bad_answer") >= broken + 3,
+            "three broken answers",
+        )
+        bumps = len(run.bumps())
+        await run.until_bumps(bumps + 2)
+        assert run.tracked().state is CanaryState.UNHEALTHY, run.tracked().reason
+        assert counter(metrics.OPERATOR_RESTARTS) == restarts
+
+
+async def test_a_slow_operator_is_not_a_frozen_one(kube, kubeconfig):
+    """Answers that take half a cycle (longer than a connect may) are answers."""
+    create_canary(kube)
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        operator.answer_delay = CYCLE / 2
+        await run.until_state(CanaryState.HEALTHY, within=6 * CYCLE + 2)
+        watch = [run.tracked().state]
+        for _ in range(3):
+            seen = len(run.bumps())
+            await run.until(lambda seen=seen: len(run.bumps()) > seen, "a bump")
+            watch.append(run.tracked().state)
+        assert set(watch) == {CanaryState.HEALTHY}, watch
+
+
+async def test_an_api_server_away_is_no_verdict_on_the_operator(kube, kubeconfig):
+    """The operator reconciles through the API server: one that stops answering right
+    after a bump is no reason to restart the operator (as in the watch mode)."""
+    create_canary(kube)
+    async with (
+        operator_for(kube) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        canary = await run.until_state(CanaryState.HEALTHY)
+        bumps = len(run.bumps())
+        kube.hold_watch_events()
+        await run.until_bumps(bumps + 1)
+        await kube.refuse_connections()
+        try:
+            await run.until(
+                lambda: "API server has not answered" in run.tracked().reason,
+                "no verdict while the API server is away",
+                within=4 * CYCLE + 2,
+            )
+            assert run.tracked().state is not CanaryState.UNHEALTHY
+            assert counter(metrics.VERDICTS, "unhealthy") == counter(metrics.VERDICTS, "unhealthy")
+        finally:
+            await kube.accept_connections()
+            kube.release_watch_events()
+        assert canary is run.tracked()
+
+
+async def test_after_a_restart_the_bumps_are_spread_over_the_cycle_again(kube, kubeconfig):
+    count = 40
+    for i in range(count):
+        create_canary(kube, name=f"c{i}")
+    port = free_port()
+    settings = {
+        "reconciled_by": "operator-metrics",
+        "operator_metrics_url": f"http://127.0.0.1:{port}/metrics",
+    }
+    async with running_daemon(kube, kubeconfig, **settings) as run:
+
+        def written(since: float = 0.0) -> list[float]:
+            return sorted(
+                r.at for r in kube.requests_for("patch") if r.status == 200 and r.at >= since
+            )
+
+        def densest(since: float) -> int:
+            times = written(since)
+            window = CYCLE / 10
+            return max(
+                (sum(1 for t in times[i:] if t - start < window) for i, start in enumerate(times)),
+                default=0,
+            )
+
+        async with operator_for(kube, port):
+            await run.until(
+                lambda: (
+                    sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == count
+                ),
+                "every canary healthy",
+            )
+        async with operator_for(kube, port):
+            await run.until(
+                lambda: (
+                    counter(metrics.OPERATOR_RESTARTS) >= 1
+                    and all(c.state is CanaryState.HEALTHY for c in run.registry.canaries())
+                ),
+                "the restart seen and every canary healthy again",
+                within=6 * CYCLE + 3,
+            )
+            since = asyncio.get_running_loop().time()
+            await run.until(lambda: len(written(since)) >= 2 * count, "two more cycles")
+            # Even over the cycle: a tenth of it holds about a tenth of the bumps.
+            assert densest(since) <= count // 4, densest(since)  # all at once: 40
+
+
+async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubeconfig):
+    from canaryd.testing.apiserver import LEASES
+    from tests.test_leader_election import lease
+
+    create_canary(kube)
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    held = lease("other", renewed=now)
+    held["spec"]["leaseDurationSeconds"] = 3600
+    kube.create(LEASES, "default", held)
+    port = free_port()
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        leader_elect=True,
+        identity="me",
+        lease_namespace="default",
+        reconciled_by="operator-metrics",
+        operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
+    ) as run:
+        async with operator_for(kube, port):
+            reader = run.daemon.scheduler.operator
+            await run.until(lambda: reader.last is not None, "a first answer read")
+        restarted = run.daemon.scheduler.operator.instance.number
+        async with operator_for(kube, port):
+            await run.until(
+                lambda: run.daemon.scheduler.operator.instance.number > restarted,
+                "the new process to be seen",
+            )
+            assert run.tracked().reason == "standby: other holds the lease"
+            assert not run.daemon.scheduler._awaiting
+            assert not run.bumps()
+
+
+async def test_a_dropped_canary_leaves_nothing_behind(kube, kubeconfig):
+    kube.create_namespace("elsewhere")
+    create_canary(kube, namespace="elsewhere")
+    async with (
+        operator_for(kube, namespaces=["default"]) as operator,
+        running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
+    ):
+        canary = await run.until_state(CanaryState.UNKNOWN, namespace="elsewhere", within=3)
+        assert canary.key in run.daemon.scheduler._missing_series
+        kube.delete(FLINK_DEPLOYMENTS, "elsewhere", "canary")
+        await run.until_gone(namespace="elsewhere")
+        assert canary.key not in run.daemon.scheduler._missing_series

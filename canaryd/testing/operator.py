@@ -76,6 +76,10 @@ class FakeOperator:
         """(counter, Kind, namespace, name) -> value."""
         self.generations: dict[tuple[str, str, str], int] = {}
         """The last generation reconciled per resource."""
+        self.answer_delay = 0.0
+        """Seconds each metrics answer takes (a slow, working operator)."""
+        self.broken_answers = 0
+        """The next this many metrics answers are cut off halfway (a broken answer)."""
         self.wedged = False
         self._flowing = asyncio.Event()
         self._flowing.set()
@@ -177,7 +181,19 @@ class FakeOperator:
                 await hang
             finally:
                 self._hangs.discard(hang)
-        return web.Response(text=self.render(), content_type="text/plain")
+        if self.answer_delay:
+            await asyncio.sleep(self.answer_delay)
+        body = self.render().encode()
+        if self.broken_answers > 0:
+            self.broken_answers -= 1
+            # A declared length that is never sent in full: the connection ends early.
+            broken = web.StreamResponse(headers={"Content-Length": str(len(body))})
+            await broken.prepare(request)
+            await broken.write(body[: len(body) // 2])
+            if request.transport is not None:
+                request.transport.close()
+            return broken
+        return web.Response(body=body, content_type="text/plain")
 
     async def _probe(self, request: web.Request) -> web.Response:
         if self.frozen:
