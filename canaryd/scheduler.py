@@ -516,10 +516,18 @@ class Scheduler:
                 started = self._clock()
                 scrape: Scrape | None = None
                 failed: ScrapeFailed | None = None
+                read = asyncio.ensure_future(operator.scrape())
                 try:
-                    scrape = await operator.scrape()
+                    while not read.done():
+                        await asyncio.wait({read}, timeout=self.settings.scrape_interval)
+                        if not read.done():
+                            self._still_unanswered(started)
+                    scrape = read.result()
                 except ScrapeFailed as err:
                     failed = err
+                finally:
+                    if not read.done():
+                        read.cancel()
                 try:
                     self._operator_read(started, scrape, failed)
                 except Exception:
@@ -606,6 +614,32 @@ class Scheduler:
         timeout = self.settings.timeout
         offset = self._epoch + self._phase(canary) * timeout
         return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
+
+    def _still_unanswered(self, started: float) -> None:
+        """A read has not been answered for a read interval: the verdicts that have
+        waited a whole cycle for an answer need not wait for this one to time out (a
+        frozen JVM holds a read for the whole cycle)."""
+        assert self.operator is not None
+        now = self._clock()
+        silent = ScrapeFailed(
+            "unanswered",
+            f"{self.operator.url} has not answered a read sent {now - started:.1f}s ago",
+        )
+        waiting = [(due, c) for due, c in self._awaiting if due <= started]
+        if self.standby_reason is not None or not waiting:
+            return
+        self._awaiting = [(due, c) for due, c in self._awaiting if due > started]
+        for due, canary in waiting:
+            if canary.bumped_generation is None:
+                self._awaiting.append((due, canary))  # nothing to judge: the read's baseline
+                continue
+            try:
+                self._judge_and_bump(due, canary, None, silent, now)
+            except Exception:
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
+                if self.registry.owns(canary):
+                    self._push(now + self.settings.timeout, canary)
 
     def failures_of_operator(self, failed: ScrapeFailed) -> None:
         """A read failed: an episode in the log, the cause in /readyz."""
@@ -694,12 +728,17 @@ class Scheduler:
                 deadline = canary.bump_deadline if canary.bump_deadline is not None else now
                 if now < deadline + self.settings.timeout:
                     return WAIT
-                since = operator.failing_since if operator.failing_since is not None else now
+                last = operator.last
+                silent = (
+                    f"nothing since an answer {now - last.answered_at:.1f}s ago"
+                    if last is not None
+                    else "nothing since canaryd started"
+                )
                 self._unhealthy(
                     canary,
                     f"generation {bumped} not known reconciled: {failed}; the operator's "
-                    f"metrics have answered nothing for {now - since:.1f}s, a cycle past "
-                    "the deadline (a frozen operator?)",
+                    f"metrics have answered {silent}, a cycle past the deadline (a frozen "
+                    "operator?)",
                     now,
                 )
                 return None

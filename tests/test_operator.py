@@ -557,8 +557,8 @@ async def test_a_wedged_operator_is_restarted_once_and_checked_afresh(
         )
         # Two cycles (a bump just reconciled before the wedge, then one not), plus
         # canaryd's own reads: a verdict waits for the first read after its deadline
-        # (twice), and a frozen endpoint for its read timeout.
-        reads = 2 * min(2.0, CYCLE / 10) + min(5.0, CYCLE / 4)
+        # (twice), and a frozen endpoint for a connect to time out.
+        reads = 2 * min(2.0, CYCLE / 10) + min(2.5, CYCLE / 8)
         assert unhealthy_after <= 2 * CYCLE + reads + 1, unhealthy_after
         assert len(kubelet.restarts) == 1, kubelet.events
         assert await _state(url, namespace, "healthy")
