@@ -24,7 +24,8 @@ BUMPS = Counter(
     "canaryd_bumps_total",
     "Nonce bumps by result: written, or why none was: failed (transient), skipped, "
     "conflict_exhausted, forbidden, invalid, gone, gone_unconfirmed, gone_but_present, "
-    "not_canary, no_change, no_generation.",
+    "not_canary, replaced (a re-read found a new object of the name), no_change, "
+    "no_generation.",
     ["result"],
     registry=REGISTRY,
 )
@@ -182,6 +183,7 @@ BUMP_RESULTS = (
     "gone_unconfirmed",
     "gone_but_present",
     "not_canary",
+    "replaced",
     "no_change",
     "no_generation",
 )

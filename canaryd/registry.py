@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -108,8 +108,6 @@ class Canary:
     something after it, or canaryd suspects its own connection (canaryd.sync)."""
     stages: dict[str, float] = field(default_factory=dict)
     """The last written bump's time to each stage reached so far (seconds)."""
-    due_seq: int = -1
-    """The scheduler's token for this canary's one live heap entry."""
     verdict: Verdict | None = None
     """The last unhealthy verdict, while it may stand (see Registry.no_verdict)."""
     reconcile_baseline: tuple[int, float | None] | None = None
@@ -151,7 +149,38 @@ def _generation(metadata: Mapping[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+class RegistryObserver(Protocol):
+    """What the scheduler hears of the registry (the watcher's news, made canaries)."""
+
+    def canary_added(self, canary: Canary) -> None:
+        """A canary started being tracked: its first bump is scheduled."""
+
+    def canary_forgotten(self, key: CanaryKey) -> None:
+        """A canary is no longer tracked: nothing of it is kept."""
+
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        """A watch scope delivers again: the verdicts that waited for it are judged."""
+
+
+class _Nobody:
+    def canary_added(self, canary: Canary) -> None:
+        pass
+
+    def canary_forgotten(self, key: CanaryKey) -> None:
+        pass
+
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        pass
+
+
+_NOBODY = _Nobody()
+
+
 class Registry:
+    """What canaryd knows of each canary, and the only writer of it: every change of a
+    canary's state goes through one of the transitions below (observed, bumped,
+    deferred, rechecking, judged, no_verdict, fresh_check, standing_by, forgotten)."""
+
     def __init__(self, label: str) -> None:
         self.label = label
         self._canaries: dict[CanaryKey, Canary] = {}
@@ -160,11 +189,9 @@ class Registry:
         """Namespaces being deleted: their canaries are not tracked."""
         self._scopes: dict[ScopeKey, ScopeSync] = {}
         """The sync model of every canary watch scope (canaryd.sync)."""
-        self.on_resumed: Callable[[ScopeKey], None] = lambda scope: None
-        """The scheduler's hook: a scope's watch resumed; judge what waited for it."""
-        self.on_added: Callable[[Canary], None] = lambda canary: None
-        self.on_forgotten: Callable[[CanaryKey], None] = lambda key: None
-        """The scheduler's hook: a canary started being tracked."""
+        self.observer: RegistryObserver = _NOBODY
+        """Who acts on what is tracked (the scheduler): told of every canary added and
+        forgotten, and of every watch scope that resumed."""
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
 
@@ -226,7 +253,7 @@ class Registry:
     def scope_delivered(self, scope: ScopeKey, now: float) -> None:
         """A list finished, or an event or a bookmark arrived, on the scope."""
         if self.scope(scope, now).delivered(now):
-            self.on_resumed(scope)
+            self.observer.scope_resumed(scope)
 
     def scope_removed(self, scope: ScopeKey) -> None:
         """The scope is no longer watched: nothing of it waits any more."""
@@ -270,12 +297,49 @@ class Registry:
         canary.state, canary.reason = state, reason
         self._changed()
 
-    def judged_unhealthy(self, canary: Canary, reason: str, now: float) -> None:
-        """A written bump was not reconciled in time: the one way to become unhealthy."""
+    def _judged(self, canary: Canary) -> None:
+        """The pending bump is judged (or will never be): nothing waits for it."""
+        if canary.bumped_generation is not None:
+            canary.judged_generation = canary.bumped_generation
+        canary.bumped_generation = None
+        canary.deferred_until = None
+        canary.late_recheck = False
+
+    def judged(self, canary: Canary, state: CanaryState, reason: str, now: float) -> None:
+        """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (a written bump
+        not reconciled in time: the one way to become unhealthy; the verdict is kept so
+        that it can age, see ``no_verdict``)."""
         if not self.owns(canary):
             return
-        canary.verdict = Verdict(now, time.time(), one_line(reason))
-        self.set_state(canary, CanaryState.UNHEALTHY, reason)
+        assert state in (CanaryState.HEALTHY, CanaryState.UNHEALTHY), state
+        self._judged(canary)
+        canary.verdict = (
+            Verdict(now, time.time(), one_line(reason)) if state is CanaryState.UNHEALTHY else None
+        )
+        self.set_state(canary, state, reason)
+
+    def deferred(self, canary: Canary, until: float) -> None:
+        """The verdict on the pending bump waits for its watch to resume, until ``until``
+        at the latest."""
+        if self.owns(canary):
+            canary.deferred_until = until
+
+    def rechecking(self, canary: Canary) -> None:
+        """The judge ran late (canaryd stalled): the pending bump is judged once more."""
+        if self.owns(canary):
+            canary.late_recheck = True
+
+    def standing_by(self, canary: Canary, reason: str | None) -> None:
+        """This replica stopped writing (a follower): no bump waits for a verdict; with a
+        ``reason``, the canary is ``pending`` (another replica's verdicts count), without
+        one its verdict is kept (a lease hiccup: nobody else checked since)."""
+        if not self.owns(canary):
+            return
+        canary.bumped_generation = None  # not judged: no verdict of this replica's on it
+        canary.deferred_until = None
+        canary.late_recheck = False
+        if reason is not None:
+            self.set_state(canary, CanaryState.PENDING, reason)
 
     def no_verdict(self, canary: Canary, reason: str, now: float, verdict_ttl: float) -> None:
         """No bump to judge this cycle (it could not be written, or what would judge it
@@ -287,8 +351,7 @@ class Registry:
         can re-test must not restart the operator forever."""
         if not self.owns(canary):
             return
-        canary.bumped_generation = None
-        canary.deferred_until = None
+        self._judged(canary)
         canary.reconcile_baseline = None
         verdict = canary.verdict
         if canary.state is not CanaryState.UNHEALTHY or verdict is None:
@@ -309,9 +372,7 @@ class Registry:
         the canary is ``pending`` until a bump written from now on is judged."""
         if not self.owns(canary):
             return
-        canary.bumped_generation = None
-        canary.deferred_until = None
-        canary.late_recheck = False
+        self._judged(canary)
         canary.reconcile_baseline = None
         canary.verdict = None
         self.set_state(canary, CanaryState.PENDING, reason)
@@ -380,7 +441,7 @@ class Registry:
             self._canaries[key] = canary
             self._counts[canary.state] += 1
             log.info("canary_tracked", canary=str(key), generation=canary.generation)
-            self.on_added(canary)
+            self.observer.canary_added(canary)
             self._changed()
             return
         existing.resource_version = str(metadata.get("resourceVersion") or "")
@@ -419,25 +480,27 @@ class Registry:
             return "being_deleted", "deletionTimestamp is set"
         return None
 
-    def reread(self, canary: Canary, obj: Mapping[str, Any]) -> bool:
-        """A fresh copy the scheduler read (after a 409 or a 404). True: still the canary
-        it owns, refreshed; False: not this record any more. A new object of the same
-        name that is a canary is tracked at once (no watch event may ever announce it);
-        one that is not, or a copy that stopped being a canary, drops the record."""
+    def reread(self, canary: Canary, obj: Mapping[str, Any]) -> str | None:
+        """A fresh copy the scheduler read (after a 409 or a 404). None: still the canary
+        it owns, refreshed; else why this record is no longer the one tracked (a
+        ``canaryd_canaries_dropped_total`` reason: ``replaced``, ``not_canary``, ...). A
+        new object of the same name that is a canary is tracked at once (no watch event
+        may ever announce it); one that is not, or a copy that stopped being a canary,
+        drops the record."""
         if not self.owns(canary):
-            return False
+            return "replaced"
         metadata = obj.get("metadata")
         uid = str(metadata.get("uid") or "") if isinstance(metadata, Mapping) else ""
         if uid != canary.uid:
             self.forget(canary.key, "replaced", "a new object of the same name replaced it")
             self.observe(canary.key.kind, obj)
-            return False
+            return "replaced"
         why_not = self._not_a_tracked_canary(canary.key.namespace, obj)
         if why_not is not None:
             self.forget(canary.key, *why_not)
-            return False
+            return why_not[0]
         self.refresh(canary, obj)
-        return True
+        return None
 
     def refresh(self, canary: Canary, obj: Mapping[str, Any]) -> None:
         """A copy the scheduler read or wrote: resourceVersion and nonce, never generation.
@@ -449,7 +512,7 @@ class Registry:
         canary.resource_version = str(metadata.get("resourceVersion") or "")
         canary.nonce, canary.nonce_problem = read_nonce(obj)
 
-    def record_bump(
+    def bumped(
         self,
         canary: Canary,
         generation: int,
@@ -488,7 +551,7 @@ class Registry:
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
-        self.on_forgotten(key)
+        self.observer.canary_forgotten(key)
         self._changed()
         return canary
 

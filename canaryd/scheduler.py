@@ -31,20 +31,15 @@ from typing import Any
 
 import structlog
 
-from canaryd import logs, metrics
+from canaryd import judge, logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
+from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of
-from canaryd.opmetrics import (
-    RECONCILED_SUFFIX,
-    OperatorMetrics,
-    ResourceKey,
-    Scrape,
-    ScrapeFailed,
-    reporter_label,
-)
+from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
+from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.scheduler")
 WRITTEN = metrics.BUMPS.labels("written")
@@ -54,8 +49,6 @@ LATENCY_WEIGHT = 0.2
 """Weight of the latest write in the moving average of write latency."""
 HEALTHY_VERDICTS = metrics.VERDICTS.labels("healthy")
 UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
-WAIT = "wait"
-"""A verdict that waits for the operator's metrics to answer (operator-metrics)."""
 
 
 def bump_body(resource_version: str, nonce: int) -> str:
@@ -78,11 +71,6 @@ def wall_time(timestamp: float) -> str:
         return repr(timestamp)
 
 
-def _scope_name(scope: ScopeKey) -> str:
-    kind, namespace = scope
-    return f"{kind}@{namespace}" if namespace else kind
-
-
 class Scheduler:
     def __init__(
         self,
@@ -96,6 +84,8 @@ class Scheduler:
         self._clock = clock
         self._heap: list[tuple[float, int, Canary]] = []
         self._order = itertools.count()
+        self._due_seq: dict[CanaryKey, int] = {}
+        """Each canary's one live heap entry (an earlier one of it is void)."""
         self._wake = asyncio.Event()
         self._ready: deque[tuple[float, Canary]] = deque()
         """Bumps that are due, in order, each with the time it fell due."""
@@ -167,9 +157,7 @@ class Scheduler:
         self._writes_in_flight = 0
         self._no_writes_in_flight = asyncio.Event()
         self._no_writes_in_flight.set()
-        registry.on_added = self.schedule_first
-        registry.on_resumed = self.scope_resumed
-        registry.on_forgotten = self._forgotten
+        registry.observer = self
 
     # ------------------------------------------------------- leader election
 
@@ -198,12 +186,8 @@ class Scheduler:
         self._deferred.clear()
         self._awaiting.clear()
         for canary in self.registry.canaries():
-            canary.bumped_generation = None
-            canary.deferred_until = None
-            canary.late_recheck = False
             self.failures.recovered(canary.key)
-            if not keep:
-                self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
+            self.registry.standing_by(canary, None if keep else self.standby_reason)
         if keep:
             self._age_kept_verdicts()
         else:
@@ -257,6 +241,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ the heap
 
+    def canary_added(self, canary: Canary) -> None:
+        self.schedule_first(canary)
+
     def schedule_first(self, canary: Canary) -> None:
         if self.standby_reason is not None:
             self.registry.set_state(canary, CanaryState.PENDING, self.standby_reason)
@@ -269,7 +256,7 @@ class Scheduler:
         if self.standby_reason is not None:
             return  # a follower schedules nothing; activate() schedules every canary
         seq = next(self._order)
-        canary.due_seq = seq
+        self._due_seq[canary.key] = seq
         heapq.heappush(self._heap, (due, seq, canary))
         if self._heap[0][1] == seq:
             self._wake.set()
@@ -290,8 +277,8 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             due, seq, canary = self._heap[0]
-            if seq != canary.due_seq:
-                heapq.heappop(self._heap)  # superseded by a later _push
+            if seq != self._due_seq.get(canary.key) or not self.registry.owns(canary):
+                heapq.heappop(self._heap)  # superseded by a later _push, or dropped
                 continue
             delay = due - self._clock()
             if delay <= 0:
@@ -397,98 +384,85 @@ class Scheduler:
     # ------------------------------------------------------------- judging
 
     def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
-        """Healthy if the watch has seen the bumped generation by the deadline, else
-        unhealthy — unless canaryd's own delay may be why it has not: the watch covering
-        the canary is not in sync (canaryd.sync: not listed yet, dropped, or suspected
-        because it delivered nothing at all since this bump was answered; the verdict waits
-        for it to resume, one more cycle at most), or this judge itself runs ``late``
-        because canaryd stalled (events may sit unread in its sockets: re-checked once,
-        ``judge_slack`` later). Returns False when it was deferred."""
-        bumped = canary.bumped_generation
-        if bumped is None:
-            return True  # the last cycle wrote nothing: nothing to judge
+        """Judge the pending bump on the watch (canaryd.judge.by_watch) and act on it.
+        Returns False when the verdict waits (deferred, re-checked: rescheduled)."""
         now = self._clock()
-        by_status = self.settings.reconciled_by == "observed-generation"
-        reached = (canary.status_observed or 0) if by_status else canary.generation
-        if reached >= bumped:
-            self._judged(canary)
-            HEALTHY_VERDICTS.inc()
-            self.registry.set_state(
-                canary,
-                CanaryState.HEALTHY,
-                f"status.observedGeneration {reached} reached generation {bumped} in time"
-                if by_status
-                else f"generation {bumped} observed in time",
-            )
-            return True
-        scope = _scope_name((canary.key.kind, canary.key.namespace))
         sync = self.registry.covering(canary.key)
-        if canary.deferred_until is None and (sync is None or sync.in_sync):
-            if late and not canary.late_recheck:
-                canary.late_recheck = True
+        judgement = judge.by_watch(
+            canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
+        )
+        if isinstance(judgement, Suspect) and sync is not None:
+            # canaryd's own connection is the suspect: a fresh stream tells, from the
+            # last resourceVersion; the verdict waits for it as for any resume.
+            metrics.VERDICTS.labels("suspected").inc()
+            sync.suspect(now, judgement.why)
+            judgement = judge.by_watch(
+                canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
+            )
+        return self._apply(canary, judgement, now)
+
+    def _last_answer(self, sync: ScopeSync | None) -> float:
+        """When the API server last answered, read only when a watch is out of sync."""
+        return self.kube.last_answer if sync is not None and not sync.in_sync else math.inf
+
+    def _apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
+        """Do what a judgement says: count it, log it, make the registry's transition,
+        reschedule what waits. Returns False when the verdict waits."""
+        match judgement:
+            case None:
+                return True  # the last cycle wrote nothing: nothing to judge
+            case Healthy(reason):
+                HEALTHY_VERDICTS.inc()
+                self._deferred.discard(canary)
+                self.registry.judged(canary, CanaryState.HEALTHY, reason, now)
+            case Unhealthy(reason):
+                UNHEALTHY_VERDICTS.inc()
+                self._deferred.discard(canary)
+                # The verdict an operator is paged for: a warning naming the canary when
+                # it turns unhealthy; while it stays unhealthy, detail.
+                (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
+                    "canary_unhealthy", canary=str(canary.key), reason=reason
+                )
+                self.registry.judged(canary, CanaryState.UNHEALTHY, reason, now)
+            case NoVerdict(reason, counted, fresh, missing):
+                metrics.VERDICTS.labels(counted).inc()
+                self._deferred.discard(canary)
+                if missing is not None and canary.key not in self._missing_series:
+                    self._missing_series.add(canary.key)
+                    log.warning(
+                        "operator_series_missing",
+                        canary=str(canary.key),
+                        series=missing,
+                        url=self.settings.operator_metrics_url,
+                        hint="the operator does not watch its namespace, or has not "
+                        "reconciled it since it started",
+                    )
+                if fresh:
+                    self.registry.fresh_check(canary, reason)
+                else:
+                    self._no_bump(canary, reason)
+            case Recheck(at):
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
-                self._push(now + self.settings.judge_slack, canary)
+                self.registry.rechecking(canary)
+                self._push(at, canary)
                 return False
-            answered = canary.bump_answered_at
-            if (
-                sync is not None
-                and answered is not None
-                and canary.generation < bumped  # its own event not seen (any mode)
-                and sync.silent_since(answered)
-            ):
-                # Not one event or bookmark on the scope since this bump was answered,
-                # though the bump is a change it must deliver: canaryd's own connection
-                # is the suspect (half-open). A fresh stream tells; it resumes from the
-                # last resourceVersion, and the verdict waits for it as for any resume.
-                metrics.VERDICTS.labels("suspected").inc()
-                silent = now - max(sync.last_delivery, answered)
-                sync.suspect(now, f"nothing delivered in the {silent:.1f}s since a bump")
-        if sync is not None and sync.unsynced_since is not None:
-            since = sync.unsynced_since
-            if canary.deferred_until is None:
-                deadline = canary.bump_deadline if canary.bump_deadline is not None else now
-                canary.deferred_until = deadline + self.settings.timeout
-                self._deferred.add(canary)
-                metrics.VERDICTS.labels("deferred").inc()
-                log.debug(
-                    "verdict_deferred",
-                    canary=str(canary.key),
-                    generation=bumped,
-                    why=f"the watch of {scope} is not in sync: {sync.behind_because}",
-                )
-            if now < canary.deferred_until:
-                self._push(canary.deferred_until, canary)
+            case Defer(until, why, first):
+                if first:
+                    metrics.VERDICTS.labels("deferred").inc()
+                    log.debug(
+                        "verdict_deferred",
+                        canary=str(canary.key),
+                        generation=canary.bumped_generation,
+                        why=why,
+                    )
+                    self.registry.deferred(canary, until)
+                    self._deferred.add(canary)
+                self._push(until, canary)
                 return False
-            away = self._api_server_away(canary, now)
-            if away is not None:
-                # Nobody (the operator neither) can reconcile through an API server that
-                # is away: that is no verdict on the canary.
-                self._judged(canary)
-                metrics.VERDICTS.labels("unreachable").inc()
-                self._no_bump(canary, f"no verdict on generation {bumped}: {away}")
-                return True
-            reason = (
-                f"generation {bumped} not observed: the watch of {scope} has not resumed "
-                f"{now - since:.1f}s after {sync.behind_because} (one cycle past the deadline)"
-            )
-        else:
-            reason = (
-                f"status.observedGeneration did not reach generation {bumped} within "
-                f"{self.settings.timeout:g}s (it is {canary.status_observed})"
-                if by_status
-                else f"generation {bumped} not observed within "
-                f"{self.settings.timeout:g}s (latest observed {canary.generation})"
-            )
-        self._unhealthy(canary, reason, now)
+            case Wait() | Suspect():
+                return False
         return True
-
-    def _judged(self, canary: Canary) -> None:
-        canary.judged_generation = canary.bumped_generation
-        canary.bumped_generation = None
-        canary.deferred_until = None
-        canary.late_recheck = False
-        self._deferred.discard(canary)
 
     def scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
@@ -516,10 +490,18 @@ class Scheduler:
                 started = self._clock()
                 scrape: Scrape | None = None
                 failed: ScrapeFailed | None = None
+                read = asyncio.ensure_future(operator.scrape())
                 try:
-                    scrape = await operator.scrape()
+                    while not read.done():
+                        await asyncio.wait({read}, timeout=self.settings.scrape_interval)
+                        if not read.done():
+                            self._still_unanswered(started)
+                    scrape = read.result()
                 except ScrapeFailed as err:
                     failed = err
+                finally:
+                    if not read.done():
+                        read.cancel()
                 try:
                     self._operator_read(started, scrape, failed)
                 except Exception:
@@ -582,7 +564,24 @@ class Scheduler:
         if not self.registry.owns(canary):
             return
         judged = canary.bumped_generation is not None
-        if self._judge_by_operator(canary, scrape, failed, now) == WAIT:
+        assert self.operator is not None
+        last = self.operator.last
+        judgement = judge.by_operator(
+            canary,
+            self._resource(canary),
+            scrape,
+            failed,
+            now,
+            self.settings,
+            instance=self._instance_judged,
+            last_answer_at=last.answered_at if last is not None else None,
+            api_away=judge.api_server_away(
+                canary, self.registry.covering(canary.key), self.kube.last_answer, now
+            ),
+        )
+        if not (isinstance(judgement, NoVerdict) and judgement.missing_series is not None):
+            self._missing_series.discard(canary.key)  # warned again if it goes missing again
+        if not self._apply(canary, judgement, now):
             self._awaiting.append((due, canary))
             return
         if judged and canary.key in self._realign:
@@ -606,6 +605,32 @@ class Scheduler:
         timeout = self.settings.timeout
         offset = self._epoch + self._phase(canary) * timeout
         return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
+
+    def _still_unanswered(self, started: float) -> None:
+        """A read has not been answered for a read interval: the verdicts that have
+        waited a whole cycle for an answer need not wait for this one to time out (a
+        frozen JVM holds a read for the whole cycle)."""
+        assert self.operator is not None
+        now = self._clock()
+        silent = ScrapeFailed(
+            "unanswered",
+            f"{self.operator.url} has not answered a read sent {now - started:.1f}s ago",
+        )
+        waiting = [(due, c) for due, c in self._awaiting if due <= started]
+        if self.standby_reason is not None or not waiting:
+            return
+        self._awaiting = [(due, c) for due, c in self._awaiting if due > started]
+        for due, canary in waiting:
+            if canary.bumped_generation is None:
+                self._awaiting.append((due, canary))  # nothing to judge: the read's baseline
+                continue
+            try:
+                self._judge_and_bump(due, canary, None, silent, now)
+            except Exception:
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
+                if self.registry.owns(canary):
+                    self._push(now + self.settings.timeout, canary)
 
     def failures_of_operator(self, failed: ScrapeFailed) -> None:
         """A read failed: an episode in the log, the cause in /readyz."""
@@ -633,8 +658,9 @@ class Scheduler:
             self._realign.add(canary.key)
             self._push(started + index * step, canary)
 
-    def _forgotten(self, key: CanaryKey) -> None:
+    def canary_forgotten(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
+        self._due_seq.pop(key, None)
         self.failures.recovered(key)
         self._missing_series.discard(key)
         self._realign.discard(key)
@@ -651,14 +677,6 @@ class Scheduler:
             return None
         return self.operator.instance.number, last.count(self._resource(canary))
 
-    def _reconciled_count(self, canary: Canary, scrape: Scrape) -> tuple[float | None, bool]:
-        """The canary's count now, and whether it rose above its bump's baseline."""
-        value = scrape.count(self._resource(canary))
-        baseline = canary.reconcile_baseline
-        if value is None or baseline is None:
-            return value, False
-        return value, value > (baseline[1] or 0.0)
-
     def _note_reconciles(self, scrape: Scrape) -> None:
         """The ``reconciled`` stage of bumps the operator reconciled since the last read
         (its time is an upper bound: the read's answer)."""
@@ -674,135 +692,8 @@ class Scheduler:
                 or "reconciled" in canary.stages
             ):
                 continue
-            if self._reconciled_count(canary, scrape)[1]:
+            if judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]:
                 self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
-
-    def _judge_by_operator(
-        self, canary: Canary, scrape: Scrape | None, failed: ScrapeFailed | None, now: float
-    ) -> str | None:
-        """Judge the canary's previous bump on the operator's own count of finished
-        reconciles: reconciled when it rose after the bump was written. Returns WAIT
-        when the verdict waits for an answer (the endpoint accepts connections but does
-        not answer, for less than a cycle past the deadline)."""
-        operator = self.operator
-        assert operator is not None
-        bumped = canary.bumped_generation
-        if bumped is None:
-            return None  # the last cycle wrote nothing: nothing to judge
-        if failed is not None:
-            if failed.cause == "unanswered":
-                deadline = canary.bump_deadline if canary.bump_deadline is not None else now
-                if now < deadline + self.settings.timeout:
-                    return WAIT
-                since = operator.failing_since if operator.failing_since is not None else now
-                self._unhealthy(
-                    canary,
-                    f"generation {bumped} not known reconciled: {failed}; the operator's "
-                    f"metrics have answered nothing for {now - since:.1f}s, a cycle past "
-                    "the deadline (a frozen operator?)",
-                    now,
-                )
-                return None
-            self._judged(canary)
-            metrics.VERDICTS.labels("operator_unavailable").inc()
-            if failed.cause == "refused":
-                # Nothing listens: the operator is starting, or gone (the kubelet sees
-                # that itself). No verdict, and none kept: it was about that process.
-                self.registry.fresh_check(
-                    canary, f"no verdict on generation {bumped}: {failed} (starting or gone)"
-                )
-            else:
-                self._no_bump(canary, f"no verdict on generation {bumped}: {failed}")
-            return None
-        assert scrape is not None
-        baseline = canary.reconcile_baseline
-        if baseline is None:
-            self._judged(canary)
-            metrics.VERDICTS.labels("operator_unavailable").inc()
-            self.registry.fresh_check(
-                canary,
-                f"no verdict on generation {bumped}: the operator's metrics had not "
-                "answered before it was written",
-            )
-            return None
-        if baseline[0] != self._instance_judged:
-            self._judged(canary)  # about an operator that is gone (normally seen sooner)
-            self.registry.fresh_check(canary, "operator restarted: re-checking")
-            return None
-        value, rose = self._reconciled_count(canary, scrape)
-        if value is None:
-            self._judged(canary)
-            metrics.VERDICTS.labels("operator_unavailable").inc()
-            kind, namespace, name = map(reporter_label, self._resource(canary))
-            series = (
-                f'*{RECONCILED_SUFFIX}{{resourcetype="{kind}",resourcens="{namespace}",'
-                f'resourcename="{name}"}}'
-            )
-            if canary.key not in self._missing_series and scrape.has_operator_series:
-                self._missing_series.add(canary.key)
-                log.warning(
-                    "operator_series_missing",
-                    canary=str(canary.key),
-                    series=series,
-                    url=operator.url,
-                    hint="the operator does not watch its namespace, or has not reconciled "
-                    "it since it started",
-                )
-            self._no_bump(
-                canary,
-                f"no verdict on generation {bumped}: the operator's metrics have no {series}",
-            )
-            return None
-        self._missing_series.discard(canary.key)
-        if rose:
-            self._judged(canary)
-            HEALTHY_VERDICTS.inc()
-            self.registry.set_state(
-                canary,
-                CanaryState.HEALTHY,
-                f"the operator reconciled generation {bumped} in time (finished reconciles "
-                f"{baseline[1] or 0:g} -> {value:g})",
-            )
-            return None
-        away = self._api_server_away(canary, now)
-        if away is not None:
-            # The operator reconciles through the API server: with it away, nobody
-            # could have. That is no verdict on the operator.
-            self._judged(canary)
-            metrics.VERDICTS.labels("unreachable").inc()
-            self._no_bump(canary, f"no verdict on generation {bumped}: {away}")
-            return None
-        self._unhealthy(
-            canary,
-            f"the operator finished no reconcile within {self.settings.timeout:g}s of "
-            f"generation {bumped} (finished reconciles stayed at {value:g})",
-            now,
-        )
-        return None
-
-    def _api_server_away(self, canary: Canary, now: float) -> str | None:
-        """Why nothing could have been reconciled through the API server, if so: not one
-        answer from it since the watch covering the canary fell out of sync."""
-        sync = self.registry.covering(canary.key)
-        since = sync.unsynced_since if sync is not None else None
-        if since is None or self.kube.last_answer >= since:
-            return None
-        scope = _scope_name((canary.key.kind, canary.key.namespace))
-        return (
-            f"the API server has not answered since the watch of {scope} fell out of sync "
-            f"{now - since:.1f}s ago"
-        )
-
-    def _unhealthy(self, canary: Canary, reason: str, now: float) -> None:
-        """The one way to become unhealthy: a written bump not reconciled in time."""
-        self._judged(canary)
-        UNHEALTHY_VERDICTS.inc()
-        # The verdict an operator is paged for: a warning naming the canary when it
-        # turns unhealthy; while it stays unhealthy, detail.
-        (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
-            "canary_unhealthy", canary=str(canary.key), reason=reason
-        )
-        self.registry.judged_unhealthy(canary, reason, now)
 
     # ------------------------------------------------------------- bumping
 
@@ -850,8 +741,11 @@ class Scheduler:
             try:
                 if reread:
                     fresh = await self.kube.request("get", "GET", path)
-                    if not self.registry.reread(canary, fresh):
-                        metrics.BUMPS.labels("not_canary").inc()
+                    gone = self.registry.reread(canary, fresh)
+                    if gone is not None:
+                        metrics.BUMPS.labels(
+                            "replaced" if gone == "replaced" else "not_canary"
+                        ).inc()
                         return None
                     reread = False
                 time_limit = None if self._stopping else self.write_time_limit()
@@ -961,8 +855,9 @@ class Scheduler:
                 canary, "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
             )
             return self._after_failure(due)
-        if not self.registry.reread(canary, fresh):
-            metrics.BUMPS.labels("not_canary").inc()
+        gone = self.registry.reread(canary, fresh)
+        if gone is not None:
+            metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
             return None
         self._write_failed(
             canary,
@@ -1005,7 +900,7 @@ class Scheduler:
             return self._after_failure(due)
         WRITTEN.inc()
         deadline = now + self.settings.timeout
-        self.registry.record_bump(canary, generation, sent, now, deadline, time.time())
+        self.registry.bumped(canary, generation, sent, now, deadline, time.time())
         self.failures.recovered(canary.key)
         if logs.debug_enabled():
             log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)

@@ -701,7 +701,7 @@ class Watcher:
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
                 sync=sync,
-                on_resumed=lambda: self.registry.on_resumed(key),
+                on_resumed=lambda: self.registry.observer.scope_resumed(key),
                 failures=self.failures,
             )
         task = self._group.create_task(lw.run(), name=f"watch {scope}")

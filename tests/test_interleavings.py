@@ -174,7 +174,7 @@ class Run:
         heap = self.scheduler._heap
         while heap and heap[0][0] <= self.now:
             due, seq, canary = heapq.heappop(heap)
-            if seq == canary.due_seq:
+            if seq == self.scheduler._due_seq.get(canary.key) and self.registry.owns(canary):
                 self.scheduler._on_due(due, canary)
         self.scheduler._ready_event.set()
 

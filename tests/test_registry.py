@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canaryd.registry import CanaryKey, CanaryState, Registry
+from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
 
 LABEL = "flink.apache.org/canary"
 NAMES = st.sampled_from(["a", "b", "c", "d"])
@@ -59,3 +60,119 @@ def test_counts_match_a_recount_after_any_sequence(operations):
         assert registry.counts() == {s.value: recount[s.value] for s in CanaryState}
         assert registry.healthy == (recount["unhealthy"] == 0)
         assert len(registry) == sum(recount.values())
+
+
+# ------------------------------------------- the registry's transitions, one by one
+
+
+class Heard:
+    """A registry observer that keeps what it heard."""
+
+    def __init__(self) -> None:
+        self.added: list[CanaryKey] = []
+        self.forgotten: list[CanaryKey] = []
+        self.resumed: list[tuple[str, str | None]] = []
+
+    def canary_added(self, canary: Canary) -> None:
+        self.added.append(canary.key)
+
+    def canary_forgotten(self, key: CanaryKey) -> None:
+        self.forgotten.append(key)
+
+    def scope_resumed(self, scope: tuple[str, str | None]) -> None:
+        self.resumed.append(scope)
+
+
+def tracked(registry: Registry, name: str = "a") -> Canary:
+    registry.observe("flinkdeployments", obj("ns1", name, "true", "u1"))
+    found = registry.get(CanaryKey("flinkdeployments", "ns1", name))
+    assert found is not None
+    return found
+
+
+def test_observed_added_and_forgotten_are_told_to_the_observer():
+    registry, heard = Registry(LABEL), Heard()
+    registry.observer = heard
+    canary = tracked(registry)
+    registry.scope_delivered(("flinkdeployments", "ns1"), 1.0)  # out of sync until now
+    registry.forget(canary.key, "deleted")
+    key = CanaryKey("flinkdeployments", "ns1", "a")
+    assert heard.added == [key] and heard.forgotten == [key]
+    assert heard.resumed == [("flinkdeployments", "ns1")]
+
+
+def test_bumped_then_judged_healthy_or_unhealthy():
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    registry.bumped(canary, 2, 10.0, 10.1, 70.1, 1_700_000_000.0)
+    assert (canary.bumped_generation, canary.last_bumped_generation) == (2, 2)
+    assert canary.bump_deadline == 70.1 and canary.stages["answered"] == pytest.approx(0.1)
+    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", 70.1)
+    assert canary.state is CanaryState.UNHEALTHY and canary.verdict is not None
+    assert (canary.bumped_generation, canary.judged_generation) == (None, 2)
+    registry.bumped(canary, 3, 71.0, 71.1, 131.1, 1_700_000_060.0)
+    registry.judged(canary, CanaryState.HEALTHY, "observed", 131.1)
+    assert canary.state is CanaryState.HEALTHY and canary.verdict is None
+    assert registry.counts()["unhealthy"] == 0 and registry.healthy
+
+
+def test_deferred_and_rechecking_wait_and_a_verdict_clears_them():
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
+    registry.deferred(canary, 130.1)
+    registry.rechecking(canary)
+    assert canary.deferred_until == 130.1 and canary.late_recheck
+    assert canary.state is CanaryState.PENDING  # waiting is no verdict
+    registry.judged(canary, CanaryState.HEALTHY, "observed", 100.0)
+    assert canary.deferred_until is None and not canary.late_recheck
+
+
+def test_no_verdict_keeps_an_unhealthy_verdict_for_two_cycles_then_ages_it():
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    registry.no_verdict(canary, "bump failed: 503", 1.0, 120.0)
+    assert canary.state is CanaryState.UNKNOWN  # replaces pending
+    registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
+    registry.judged(canary, CanaryState.UNHEALTHY, "generation 2 not observed", 70.1)
+    registry.no_verdict(canary, "bump failed: 503", 100.0, 120.0)
+    assert canary.state is CanaryState.UNHEALTHY and "since then: bump failed" in canary.reason
+    registry.no_verdict(canary, "forbidden", 200.0, 120.0)
+    assert canary.state is CanaryState.UNKNOWN
+    assert "unhealthy at" in canary.reason and "no bump written since: forbidden" in canary.reason
+
+
+def test_fresh_check_forgets_the_verdict_and_what_was_pending():
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
+    registry.judged(canary, CanaryState.UNHEALTHY, "no reconcile", 70.1)
+    registry.bumped(canary, 3, 71.0, 71.1, 131.1, 0.0)
+    registry.baseline(canary, (0, 4.0))
+    registry.fresh_check(canary, "operator restarted at T: re-checking")
+    assert canary.state is CanaryState.PENDING and canary.verdict is None
+    assert canary.bumped_generation is None and canary.reconcile_baseline is None
+    assert canary.judged_generation == 3
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_standing_by_keeps_or_resets_the_verdict_and_judges_nothing(keep):
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
+    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", 70.1)
+    registry.bumped(canary, 3, 71.0, 71.1, 131.1, 0.0)
+    registry.standing_by(canary, None if keep else "standby: b holds the lease")
+    assert canary.bumped_generation is None and canary.judged_generation == 2
+    assert canary.state is (CanaryState.UNHEALTHY if keep else CanaryState.PENDING)
+
+
+def test_a_reread_says_why_the_record_is_no_longer_the_tracked_one():
+    registry = Registry(LABEL)
+    canary = tracked(registry)
+    assert registry.reread(canary, obj("ns1", "a", "true", "u1")) is None
+    assert registry.reread(canary, obj("ns1", "a", "true", "u2")) == "replaced"
+    new = registry.get(canary.key)
+    assert new is not None and new.uid == "u2"  # tracked at once
+    assert registry.reread(new, obj("ns1", "a", "false", "u2")) == "not_canary"
+    assert registry.get(canary.key) is None

@@ -302,7 +302,7 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
     registry.observe("flinkdeployments", copy)
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
-    registry.record_bump(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
+    registry.bumped(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE  # the loop stalled for two cycles past the deadline
     scheduler._on_due(100.0 + CYCLE, canary)
     assert canary.state is CanaryState.PENDING  # not judged on a stale view
@@ -310,7 +310,11 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
         "flinkdeployments", {**copy, "metadata": {**copy["metadata"], "generation": 3}}
     )
     now[0] += scheduler.settings.judge_slack
-    (due,) = [d for d, seq, c in scheduler._heap if c is canary and seq == canary.due_seq]
+    (due,) = [
+        d
+        for d, seq, c in scheduler._heap
+        if c is canary and seq == scheduler._due_seq.get(canary.key)
+    ]
     assert due == now[0]
     scheduler._on_due(due, canary)
     assert canary.state is CanaryState.HEALTHY
@@ -323,7 +327,7 @@ def test_a_late_judge_still_finds_a_bump_that_never_arrived():
     registry.observe("flinkdeployments", canary_copy())
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
-    registry.record_bump(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
+    registry.bumped(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE
     scheduler._on_due(100.0 + CYCLE, canary)
     now[0] += scheduler.settings.judge_slack
