@@ -793,8 +793,7 @@ async def test_a_bookmark_never_passes_a_change_not_yet_sent(kube, monkeypatch):
     This race cost the soak its false verdicts."""
     import types
 
-    from canaryd.testing import apiserver
-    from canaryd.testing.apiserver import FLINK_DEPLOYMENTS
+    from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, watch
 
     kube.bookmark_interval = 0.0  # a bookmark is always due
     created = kube.create(
@@ -820,7 +819,7 @@ async def test_a_bookmark_never_passes_a_change_not_yet_sent(kube, monkeypatch):
 
     shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if k[0] != "_"})
     shim.wait_for = racing_wait_for
-    monkeypatch.setattr(apiserver, "asyncio", shim)
+    monkeypatch.setattr(watch, "asyncio", shim)
     rv = created["metadata"]["resourceVersion"]
     url = f"{kube.url}/apis/flink.apache.org/v1beta1/namespaces/default/flinkdeployments"
     query = {"watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true"}

@@ -1,0 +1,4 @@
+from canaryd.testing.apiserver.standalone import main
+
+if __name__ == "__main__":
+    main()
