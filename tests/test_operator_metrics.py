@@ -530,7 +530,7 @@ async def test_after_a_restart_the_bumps_are_spread_over_the_cycle_again(kube, k
 
         def densest(since: float) -> int:
             times = written(since)
-            window = CYCLE / 10
+            window = CYCLE / 4
             return max(
                 (sum(1 for t in times[i:] if t - start < window) for i, start in enumerate(times)),
                 default=0,
@@ -554,8 +554,9 @@ async def test_after_a_restart_the_bumps_are_spread_over_the_cycle_again(kube, k
             )
             since = asyncio.get_running_loop().time()
             await run.until(lambda: len(written(since)) >= 2 * count, "two more cycles")
-            # Even over the cycle: a tenth of it holds about a tenth of the bumps.
-            assert densest(since) <= count // 4, densest(since)  # all at once: 40
+            # Spread over the cycle: a quarter of it holds about a quarter of the bumps
+            # (all at once, without the spread: 40; the margin is a loaded machine's).
+            assert densest(since) <= count * 5 // 8, densest(since)
 
 
 async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubeconfig):
