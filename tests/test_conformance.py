@@ -232,6 +232,23 @@ async def script(api: Api, forbid: Callable[[], None]) -> dict[str, Any]:
         content_type="application/json-patch+json",
     )
     facts["json patch whose test fails"] = status_fact(status, body)
+    current_rv = (await api.call("GET", f"{BASE}/c", None))[1]["metadata"]["resourceVersion"]
+    for which, rv in (("current", current_rv), ("stale", "1")):
+        status, body = await api.call(
+            "PATCH",
+            f"{BASE}/c",
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "add", "path": "/metadata/finalizers", "value": ["example.com/f"]},
+            ],
+            content_type="application/json-patch+json",
+        )
+        facts[f"json patch testing the {which} resourceVersion (kopf's finalizer)"] = (
+            status_fact(status, body)
+            if status != 200
+            else {"code": status, "finalizers": body["metadata"].get("finalizers")}
+        )
+    await api.call("PATCH", f"{BASE}/c", {"metadata": {"finalizers": None}}, content_type=MERGE)
     status, body = await api.call(
         "PATCH",
         f"{BASE}/c",

@@ -305,10 +305,11 @@ class HttpApi(Watches):
             )
 
         def apply(current: dict[str, Any]) -> dict[str, Any]:
-            # The patch is applied to the current object; its resourceVersion, if the
-            # patch carries one, then acts as a precondition (patch.go: patcher.applyPatch
-            # then GuaranteedUpdate). A patch without one never conflicts.
-            current["metadata"].pop("resourceVersion", None)
+            # The patch is applied to the whole current object, its resourceVersion
+            # included (patch.go: patcher.applyPatch), so a JSON patch may test it; the
+            # result's resourceVersion is then the precondition (GuaranteedUpdate): the
+            # current one unless the patch set another, so a patch without one never
+            # conflicts.
             try:
                 if media == "application/json-patch+json":
                     patched = json_patch(current, body)
