@@ -310,6 +310,14 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
             "lease duration 1.4s is stored in the Lease as 1 s (whole seconds), which must "
             "be greater than the renew deadline 1.3s",
         ),
+        # The same where the write budget passes (5.2 s - 2 x 2 s leaves 1.2 s): only
+        # the whole seconds the Lease stores refuse it.
+        (
+            ["--lease-duration", "5.5s", "--renew-deadline", "5.2s", "--retry-period", "2s"],
+            {},
+            "lease duration 5.5s is stored in the Lease as 5 s (whole seconds), which must "
+            "be greater than the renew deadline 5.2s",
+        ),
         # client-go's rule passes (5 > 1.2 x 2.5), but a leader renewing every 2.5 s
         # would have no time left to send a write that ends by its renew deadline.
         (
