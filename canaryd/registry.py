@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -47,8 +47,9 @@ class CanaryState(enum.Enum):
     UNKNOWN = "unknown"  # the last bump could not be written: nothing to judge
 
 
-@dataclass(frozen=True, slots=True)
-class CanaryKey:
+class CanaryKey(NamedTuple):
+    """A canary's identity. A tuple: hashed in C, several times per bump."""
+
     kind: str
     namespace: str
     name: str

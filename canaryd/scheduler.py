@@ -89,13 +89,13 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._ready: deque[tuple[float, Canary]] = deque()
         """Bumps that are due, in order, each with the time it fell due."""
-        self._ready_event = asyncio.Event()
+        self._idle: deque[asyncio.Future[None]] = deque()
+        """One future per idle bump worker: a queued bump wakes exactly one of them."""
         self._deferred: set[Canary] = set()
         """Canaries whose verdict waits for their watch to resume."""
         self._rng = random.Random()
         self._group: asyncio.TaskGroup | None = None
         self._workers = 0
-        self._idle_workers = 0
         self.write_latency = 0.0
         """Moving average of an answered bump's PATCH, 2xx or not (seconds)."""
         self.failures = Episodes(
@@ -285,11 +285,11 @@ class Scheduler:
                 heapq.heappop(self._heap)
                 return due, canary
             self._wake.clear()
+            timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
             try:
-                async with asyncio.timeout(delay):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
     async def run(self) -> None:
         try:
@@ -313,7 +313,8 @@ class Scheduler:
             log.info("scheduler_stopped", why="cancelled")
             raise
         finally:
-            self._group, self._workers, self._idle_workers = None, 0, 0
+            self._group, self._workers = None, 0
+            self._idle.clear()
             if self.operator is not None:
                 await self.operator.close()
 
@@ -351,23 +352,32 @@ class Scheduler:
     def _queue_bump(self, due: float, canary: Canary) -> None:
         """Hand the canary's next bump to the workers."""
         self._ready.append((due, canary))
-        self._ready_event.set()
+        while self._idle:
+            waiter = self._idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
         if (
             self._group is not None
-            and self._idle_workers < len(self._ready)
+            and len(self._idle) < len(self._ready)
             and self._workers < self.workers_wanted()
         ):
             self._add_worker()
 
     async def _bump_worker(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             while not self._ready:
-                self._ready_event.clear()
-                self._idle_workers += 1
+                # Wait to be woken by _queue_bump: one queued bump wakes one worker
+                # (an Event would wake every idle worker for each bump).
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._idle.append(waiter)
                 try:
-                    await self._ready_event.wait()
+                    await waiter
                 finally:
-                    self._idle_workers -= 1
+                    if not waiter.done() or waiter.cancelled():
+                        with contextlib.suppress(ValueError):
+                            self._idle.remove(waiter)
             due, canary = self._ready.popleft()
             next_due: float | None
             try:

@@ -176,7 +176,6 @@ class Run:
             due, seq, canary = heapq.heappop(heap)
             if seq == self.scheduler._due_seq.get(canary.key) and self.registry.owns(canary):
                 self.scheduler._on_due(due, canary)
-        self.scheduler._ready_event.set()
 
     def answer(self, index: int, code: int) -> None:
         if not self.kube.pending:

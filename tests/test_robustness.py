@@ -368,3 +368,51 @@ async def test_kubeconfig_a_colon_b_is_merged_as_kubectl_merges_it(kube, tmp_pat
     with pytest.raises(ConfigError, match=r"no kubeconfig at .*nowhere\.yaml or .*gone\.yaml"):
         async with running_daemon(kube, Path(f"{tmp_path}/nowhere.yaml:{tmp_path}/gone.yaml")):
             pass
+
+
+async def _until(condition: Any, what: str, turns: int = 1000) -> None:
+    """Let the loop run until ``condition()`` holds (bounded, by loop turns: no timers)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{what}: not within {turns} loop turns")
+
+
+async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_waiting():
+    """The bump pool: one queued bump wakes exactly one of the idle workers (a wake-all
+    costs every idle worker a turn of the loop per bump), every queued bump is taken,
+    and cancelling the pool leaves no worker registered as idle."""
+    registry = Registry(LABEL)
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None)  # type: ignore[arg-type]
+    workers = scheduler.settings.max_concurrent_bumps
+    release = asyncio.Event()
+    bumped: list[Canary] = []
+
+    async def bump_nonce(canary: Canary, due: float | None = None) -> float | None:
+        bumped.append(canary)
+        await release.wait()
+        return None
+
+    scheduler.bump_nonce = bump_nonce  # type: ignore[method-assign]
+    run = asyncio.create_task(scheduler.run())
+    try:
+        await _until(lambda: len(scheduler._idle) == workers, "every worker idle")
+        canaries = [
+            Canary(CanaryKey("flinkdeployments", "ns", f"c{i}"), f"uid{i}", "5", 2, 1)
+            for i in range(3)
+        ]
+        scheduler._queue_bump(0.0, canaries[0])
+        assert len(scheduler._idle) == workers - 1, "one queued bump wakes one worker"
+        for canary in canaries[1:]:
+            scheduler._queue_bump(0.0, canary)
+        assert len(scheduler._idle) == workers - 3
+        await _until(lambda: len(bumped) == 3, "the three bumps taken")
+        assert bumped == canaries and not scheduler._ready
+        release.set()
+        await _until(lambda: len(scheduler._idle) == workers, "the workers idle again")
+    finally:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    assert not scheduler._idle, "a stopped pool has no idle waiter left"
