@@ -26,9 +26,11 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import peer
 from measure import (
     ROOT,
     Proc,
@@ -43,8 +45,9 @@ from measure import (
     percentiles,
     start_canaryd,
 )
+from peer import Comparison
 from promscrape import lateness_p99, metric_delta, requests_by_verb, scrape, stage_rows
-from report import write_report
+from report import write_peer_report, write_report
 
 from canaryd.config import Settings
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube
@@ -277,42 +280,96 @@ async def healthz_latency(url: str, results: Results, label: str) -> None:
     )
 
 
-async def main(quick: bool, output: Path | None, leases_only: bool = False) -> int:
+@dataclass
+class Options:
+    quick: bool = False
+    output: Path | None = None
+    leases_only: bool = False
+    peer_only: bool = False
+    profile: bool = False
+    peer_canaries: int = 2000
+    peer_cycle: float = 5.0
+    peer_cycles: int = 4
+
+
+async def run_peer(tmp: Path, options: Options) -> Comparison:
+    comparison = await peer.compare(
+        tmp,
+        canaries=options.peer_canaries,
+        cycle=options.peer_cycle,
+        cycles=options.peer_cycles,
+        profile=options.profile,
+    )
+    print("\n" + comparison.table(), flush=True)
+    if comparison.profile is not None or comparison.profile_error:
+        print("\n" + comparison.profile_text(), flush=True)
+    return comparison
+
+
+async def main(options: Options) -> int:
     results = Results()
     load = load_average()
     print(f"machine: {machine()}; load average (1/5/15 min) {load}", flush=True)
     with tempfile.TemporaryDirectory(prefix="canaryd-bench-") as name:
         tmp = Path(name)
-        if not leases_only:
+        if options.peer_only:
+            comparison = await run_peer(tmp, options)
+            if options.output is not None:
+                write_peer_report(options.output, load, comparison)
+            return 0 if comparison.met else 1
+        if not options.leases_only:
             print("request economy", flush=True)
-            await economy(tmp, results, cycle=1.0, cycles=3 if quick else 5)
+            await economy(tmp, results, cycle=1.0, cycles=3 if options.quick else 5)
         print("Lease traffic", flush=True)
         await leases(tmp, results, seconds=30.0)
-        if leases_only:
+        if options.leases_only:
             print("\n" + results.table())
             return 0 if all(row[3] != "**no**" for row in results.rows) else 1
         print("1,000 canaries", flush=True)
-        await scale(tmp, results, 1000, cycle=5.0, cycles=2 if quick else 3, healthz=False)
-        if not quick:
+        await scale(tmp, results, 1000, cycle=5.0, cycles=2 if options.quick else 3, healthz=False)
+        if not options.quick:
             print("10,000 canaries", flush=True)
             await scale(tmp, results, 10_000, cycle=30.0, cycles=2, healthz=True)
+        comparison = await run_peer(tmp, options)
     table = results.table()
     print("\n" + table)
-    if output is not None:
-        write_report(output, table, load)
-    return 0 if all(row[3] != "**no**" for row in results.rows) else 1
+    if options.output is not None:
+        write_report(options.output, table, load, comparison)
+    met = all(row[3] != "**no**" for row in results.rows) and comparison.met
+    return 0 if met else 1
 
 
-if __name__ == "__main__":
+def arguments() -> Options:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--quick", action="store_true", help="skip the 10,000-canary run")
-    parser.add_argument("--output", type=Path, default=None, help="write the table here")
+    parser.add_argument("--output", type=Path, default=None, help="write the report here")
     parser.add_argument(
         "--leases-only", action="store_true", help="only the Lease traffic (about 40 s)"
     )
-    arguments = parser.parse_args()
+    parser.add_argument(
+        "--peer-only",
+        action="store_true",
+        help="only canaryd beside the kopf prober (about 2 minutes); --output writes that "
+        "section alone",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile canaryd in the peer scenario with py-spy (a run of its own) and "
+        "print its top functions by own time",
+    )
+    parser.add_argument("--peer-canaries", type=int, default=Options.peer_canaries)
+    parser.add_argument("--peer-cycle", type=float, default=Options.peer_cycle, help="seconds")
+    parser.add_argument(
+        "--peer-cycles", type=int, default=Options.peer_cycles, help="cycles in the window"
+    )
+    return Options(**vars(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    options = arguments()
     try:
         import uvloop  # the client side costs less too; the comparison is in-run anyway
     except ImportError:
-        sys.exit(asyncio.run(main(arguments.quick, arguments.output, arguments.leases_only)))
-    sys.exit(uvloop.run(main(arguments.quick, arguments.output, arguments.leases_only)))
+        sys.exit(asyncio.run(main(options)))
+    sys.exit(uvloop.run(main(options)))

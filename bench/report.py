@@ -6,15 +6,79 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from measure import machine
+from peer import Comparison
 
 
-def write_report(output: Path, table: str, load: str) -> None:
-    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_report(output: Path, table: str, load: str, peer: Comparison | None) -> None:
     output.write_text(
         PERFORMANCE.format(
-            when=when, machine=machine(), load=load, table=table, history=HISTORY.strip()
+            when=now(),
+            machine=machine(),
+            load=load,
+            table=table,
+            peer=peer_section(peer) if peer is not None else "",
+            history=HISTORY.strip(),
         )
     )
+
+
+def write_peer_report(output: Path, load: str, peer: Comparison) -> None:
+    """``--peer-only --output``: the peer section alone."""
+    output.write_text(
+        f"# canaryd and a kopf-based prober\n\n`bench/bench.py --peer-only`, run {now()} on "
+        f"{machine()}.\nLoad average (1/5/15 min) when it started: {load}.\n\n"
+        + peer_section(peer).split("\n", 2)[2]
+    )
+
+
+def peer_section(peer: Comparison) -> str:
+    """The kopf peer's section: how it was measured, the table, the profile."""
+    profile = peer.profile_text()
+    return PEER.format(
+        canaries=f"{peer.canaries:,}",
+        cycle=f"{peer.cycle:g}",
+        cycles=peer.cycles,
+        window=f"{peer.cycles * peer.cycle:g}",
+        kopf=peer.kopf_version,
+        table=peer.table(),
+        verdict=(
+            f"canaryd's steady-state CPU per bump is {peer.ratio:.2f}x the prober's: the goal "
+            f"(<= 0.1x) is {'met' if peer.met else '**not met**'}."
+        ),
+        profile=f"\n### Where canaryd's CPU goes\n\n{profile}\n" if profile else "",
+    ).strip()
+
+
+PEER = """## Against a kopf-based prober
+
+Issue 22's goal is checked where it is built: canaryd and a small kopf-based prober
+(bench/kopf_prober.py, kopf {kopf} from the bench's own venv, `.cache/bench-peer-venv`)
+doing the same job, one after the other against the same fake API server process in
+the same run: {canaries} canaries, a {cycle} s cycle. Every cycle the prober's
+`@kopf.timer` (sharp, one per canary) judges the previous bump and writes
+spec.restartNonce + 1 as a merge patch with a resourceVersion precondition; an
+`@kopf.on.event` handler notes the generations the watch delivers; an `@kopf.on.probe`
+handler makes kopf's liveness endpoint answer 500 while a canary's last bump was not
+observed within a cycle. kopf runs as its CLI runs it (`kopf run --standalone
+--all-namespaces --quiet --liveness URL`, uvloop as canaryd, its finalizer on every
+canary), canaryd with `--log-level warning`.
+
+For each: once every canary was bumped once and one more cycle passed, a window of
+{cycles} cycles ({window} s) measures the process's CPU (/proc/PID/stat, user + system)
+and the bumps written (the rise of the sum of the canaries' generations, one LIST at
+each end); "from spawn" divides all its CPU by all its bumps up to the window's end.
+The health endpoint (canaryd's /healthz, kopf's liveness endpoint, which caches the
+probe's result for 10 s) is then measured with 20 paced clients for 5 s, and the peak
+RSS read (VmHWM).
+
+{table}
+
+{verdict}
+{profile}"""
 
 
 PERFORMANCE = """# Performance
@@ -42,6 +106,8 @@ The /healthz latency is measured with paced clients (each sends a request every
 10 ms), so it shows the server's response time while canaryd works, not queueing
 in the benchmark's own client; throughput is measured back to back and compared
 with a bare aiohttp handler on the same event loop, in the same run.
+
+{peer}
 
 {history}
 
