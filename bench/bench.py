@@ -1,6 +1,6 @@
 """``make bench``: canaryd as its own process against the fake API server in another.
 
-Prints one table and writes it to docs/PERFORMANCE.md:
+Prints its tables and writes them to docs/PERFORMANCE.md:
 
 - API requests per canary per cycle by verb in steady state (goal: 1.00 PATCH,
   0 GET, 0 LIST) and per bump with a concurrent writer (goal: <= 3);
@@ -12,9 +12,15 @@ Prints one table and writes it to docs/PERFORMANCE.md:
   p99 <= 2 ms) and throughput as a ratio to a bare aiohttp handler (goal >= 0.8);
 - Lease requests per minute per replica, two replicas with --leader-elect and the
   shipped timings (goal: the leader one request per renew, 60 s / retry period; the
-  follower one read per look, at most 60 s / (0.75 x retry period)).
+  follower one read per look, at most 60 s / (0.75 x retry period));
+- canaryd beside a kopf-based prober doing the same job against the same fake API
+  server, 2,000 canaries on a 5 s cycle (bench/peer.py): CPU per bump in steady state
+  (goal: canaryd's <= 0.1x the prober's, issue 22) and from spawn, bumps/s, peak RSS,
+  health endpoint p99, and their ratios; with ``--profile`` a py-spy profile of canaryd
+  in that scenario (bench/pyspy.py).
 
-Only 127.0.0.1 is used. Run: ``.venv/bin/python bench/bench.py [--quick]``.
+Only 127.0.0.1 is used. Run: ``.venv/bin/python bench/bench.py [--quick] [--profile]``,
+or ``--peer-only`` for the comparison alone.
 """
 
 from __future__ import annotations
