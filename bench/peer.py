@@ -45,6 +45,9 @@ CANARIES_PATH = "/apis/flink.apache.org/v1beta1/flinkdeployments"
 GOAL = 0.1
 """Issue 22: canaryd's steady-state CPU per bump at most this share of the prober's."""
 
+PROFILE_CYCLES = 6
+"""The profile's length in cycles (at 500 samples/s)."""
+
 Start = Callable[[], Awaitable[tuple[Proc, str]]]
 """Spawns a contender; returns it and its health endpoint's URL once that answers."""
 
@@ -178,8 +181,9 @@ class Comparison:
         return (
             f"canaryd in the same scenario, a run of its own: py-spy {peervenv.PY_SPY_VERSION}, "
             f"{p.rate} samples/s for {p.seconds:g} s, {p.samples} samples with canaryd "
-            f"running Python (idle left out); own = innermost frame, total = anywhere "
-            f"on the stack.\n\n{p.top()}"
+            f"holding the GIL (`--gil`: the loop's wait in epoll is left out, and so is "
+            f"libuv's I/O without the GIL); own = innermost frame, total = anywhere on "
+            f"the stack.\n\n{p.top()}"
         )
 
 
@@ -322,7 +326,7 @@ async def compare(
             print("canaryd under py-spy", flush=True)
             try:
                 comparison.profile = await profile_canaryd(
-                    bin_dir, kubeconfig, fake, canaries, cycle, cycles * cycle
+                    bin_dir, kubeconfig, fake, canaries, cycle, PROFILE_CYCLES * cycle
                 )
             except RuntimeError as err:
                 comparison.profile_error = f"no profile: {err}"

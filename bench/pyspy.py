@@ -2,9 +2,14 @@
 
 ``py-spy record --format raw`` writes one line per distinct stack ("outer;...;inner
 COUNT", each frame "function (file)"); a function's own samples are those where it is
-the innermost frame, its total samples those where it is on the stack at all. Idle
-samples (the event loop waiting) are left out, as py-spy does by default, so the shares
-are of the time the process was running Python.
+the innermost frame, its total samples those where it is on the stack at all.
+
+Only samples where the process holds the GIL are kept (``--gil``): on uvloop the loop
+waits in epoll inside ``Runner.run`` without the GIL, and py-spy's idle detection does
+not always tell that wait from work (the wait then tops the table as Runner.run's own
+time). The shares are thus of the time canaryd ran Python, or C called from Python
+(json, the transports' writes); libuv's own reads and writes without the GIL are not
+in them.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def read(output: Path) -> str | None:
 
 
 async def record(
-    py_spy: Path, pid: int, seconds: float, output: Path, rate: int = 250, attempts: int = 3
+    py_spy: Path, pid: int, seconds: float, output: Path, rate: int = 500, attempts: int = 3
 ) -> Profile:
     """Sample ``pid`` for ``seconds``. py-spy sometimes fails to attach at once ("Failed
     to find python version"): it is tried again."""
@@ -76,6 +81,7 @@ async def record(
             "--format",
             "raw",
             "--nolineno",
+            "--gil",
             "--output",
             str(output),
             stdout=asyncio.subprocess.DEVNULL,
