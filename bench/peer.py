@@ -210,7 +210,7 @@ async def until_first_round(fake: Proc, base: int, canaries: int, within: float)
         if time.monotonic() > deadline:
             print(f"  not every canary bumped after {within:g} s; measuring anyway", flush=True)
             return
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
 
 
 async def measure(
