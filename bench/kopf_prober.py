@@ -96,7 +96,9 @@ async def observe(
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, labels={LABEL: LABEL_VALUE}, interval=CYCLE, sharp=True)
-async def bump(body: kopf.Body, namespace: str, name: str, logger: Any, **_: Any) -> None:
+async def bump(
+    body: kopf.Body, namespace: str, name: str, stopped: kopf.DaemonStopped, logger: Any, **_: Any
+) -> None:
     """Judge the previous bump, then write the next one."""
     key = (namespace, name)
     track = tracks.setdefault(key, Track())
@@ -125,7 +127,8 @@ async def bump(body: kopf.Body, namespace: str, name: str, logger: Any, **_: Any
                 answer.raise_for_status()
                 written = await answer.json()
         except aiohttp.ClientError as err:
-            logger.warning(f"bump failed, no verdict next cycle: {err}")
+            if not stopped:  # the operator stopping closes the session under it
+                logger.warning(f"bump failed, no verdict next cycle: {err}")
             return
         generation = written["metadata"]["generation"]
         track.bumped, track.answered_at = generation, now()

@@ -48,8 +48,9 @@ GOAL = 0.1
 PROFILE_CYCLES = 6
 """The profile's length in cycles (at 500 samples/s)."""
 
-Start = Callable[[], Awaitable[tuple[Proc, str]]]
-"""Spawns a contender; returns it and its health endpoint's URL once that answers."""
+Start = Callable[[], Awaitable[tuple[Proc, str, Path | None]]]
+"""Spawns a contender; returns it, its health endpoint's URL once that answers, and the
+file its stderr goes to (None: the bench's own stderr)."""
 
 
 @dataclass
@@ -219,7 +220,7 @@ async def measure(
     figures = Figures(name)
     base = await generations(fake.url)
     spawned = time.monotonic()
-    proc, health = await start()
+    proc, health, log = await start()
     try:
         await until_first_round(fake, base, canaries, within=10 * cycle)
         figures.first_round = time.monotonic() - spawned
@@ -241,6 +242,8 @@ async def measure(
         figures.healthz = percentiles(latencies)
         figures.rss_mb = peak_rss_mb(proc.pid)
     finally:
+        if log is not None:
+            show_log(name, log)  # what it said while measured, not while stopping
         await proc.stop()
     print(
         f"  {name}: {figures.cpu_per_bump:.3f} CPU-ms per bump in the window "
@@ -253,36 +256,54 @@ async def measure(
     return figures
 
 
+def show_log(name: str, log: Path, lines: int = 5) -> None:
+    said = log.read_text(errors="replace").splitlines()
+    if said:
+        print(f"  {name} logged {len(said)} lines; the first {min(lines, len(said))}:")
+        for line in said[:lines]:
+            print(f"    {line}")
+
+
 def canaryd_start(kubeconfig: Path, cycle: float) -> Start:
-    async def start() -> tuple[Proc, str]:
+    async def start() -> tuple[Proc, str, Path | None]:
         proc, _ = await start_canaryd(kubeconfig, cycle)
-        return proc, proc.url + "/healthz"
+        return proc, proc.url + "/healthz", None
 
     return start
 
 
 def kopf_start(bin_dir: Path, kubeconfig: Path, cycle: float) -> Start:
-    async def start() -> tuple[Proc, str]:
+    async def start() -> tuple[Proc, str, Path | None]:
         health = f"http://127.0.0.1:{free_port()}/healthz"
-        process = await asyncio.create_subprocess_exec(
-            str(bin_dir / "kopf"),
-            "run",
-            "--standalone",
-            "--all-namespaces",
-            "--quiet",
-            "--liveness",
-            health,
-            str(PROBER),
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "CANARY_PROBER_CYCLE": f"{cycle}"},
-            cwd=ROOT,
-        )
+        log = kubeconfig.parent / "kopf-prober.log"
+        stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                str(bin_dir / "kopf"),
+                "run",
+                "--standalone",
+                "--all-namespaces",
+                "--quiet",
+                "--liveness",
+                health,
+                str(PROBER),
+                env={
+                    **os.environ,
+                    "KUBECONFIG": str(kubeconfig),
+                    "CANARY_PROBER_CYCLE": f"{cycle}",
+                },
+                cwd=ROOT,
+                stderr=stderr,
+            )
+        finally:
+            os.close(stderr)  # the child has its own copy
         proc = Proc(process)
         try:
             await wait_ok(health, within=120, every=0.05)
         except BaseException:
             await proc.stop()
             raise
-        return proc, health
+        return proc, health, log
 
     return start
 
