@@ -179,12 +179,14 @@ class Comparison:
         if self.profile is None:
             return self.profile_error
         p = self.profile
+        held = p.samples / max(p.rate * p.seconds, 1)
+        cpu = f", while its process used {p.cpu_share:.1%} of a core" if p.cpu_share else ""
         return (
             f"canaryd in the same scenario, a run of its own: py-spy {peervenv.PY_SPY_VERSION}, "
             f"{p.rate} samples/s for {p.seconds:g} s, {p.samples} samples with canaryd "
             f"holding the GIL (`--gil`: the loop's wait in epoll is left out, and so is "
-            f"libuv's I/O without the GIL); own = innermost frame, total = anywhere on "
-            f"the stack.\n\n{p.top()}"
+            f"libuv's I/O without the GIL), {held:.1%} of the time{cpu}; own = innermost "
+            f"frame, total = anywhere on the stack.\n\n{p.top()}"
         )
 
 
@@ -317,7 +319,10 @@ async def profile_canaryd(
         await until_first_round(fake, base, canaries, within=10 * cycle)
         await asyncio.sleep(cycle)
         output = kubeconfig.parent / "canaryd.pyspy.txt"
-        return await pyspy.record(bin_dir / "py-spy", proc.pid, seconds, output)
+        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        profile = await pyspy.record(bin_dir / "py-spy", proc.pid, seconds, output)
+        profile.cpu_share = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0)
+        return profile
     finally:
         await proc.stop()
 

@@ -27,6 +27,8 @@ class Profile:
     rate: int
     own: Counter[str]
     total: Counter[str]
+    cpu_share: float | None = None
+    """The process's CPU (user + system) while sampled, as a share of one core."""
 
     def top(self, entries: int = 15) -> str:
         """A markdown table of the functions with the most own samples."""
