@@ -159,4 +159,18 @@ handler's p99 was 6.23 ms in the same run: the machine's contention). A run earl
 that day at load average 3.2 gave 6.3%, /healthz p99 51.7 ms (bare handler 31.8 ms)
 and stages p99 35.6 ms (`answered`) and 46.2 ms (`observed`). Whether the CPU figure
 is a regression or the load was not investigated: it needs a quiet machine.
+
+The kopf peer was added on 2026-12-03 (issue 22). Three `bench/bench.py --peer-only
+--profile` runs, 2,000 canaries on a 5 s cycle, with load averages of 0.3 to 1.2 at the
+windows' starts (other sessions' tests on the same two cores in the later two):
+canaryd 0.282 / 0.298 / 0.296 CPU-ms per bump in steady state, the kopf 1.45.2 prober
+0.815 / 0.767 / 0.816: 0.35x / 0.39x / 0.36x, where the goal is 0.1x. From spawn:
+0.330 / 0.343 / 0.341 vs 1.024 / 0.968 / 1.026 (0.32x to 0.35x). Peak RSS 88 vs 104 MB;
+health p99 2.09 / 3.21 / 3.38 ms vs 14.7 / 23.0 / 35.6 ms for kopf's liveness
+endpoint; both wrote every bump (400 a second). The profile before issue 22's changes
+(only samples holding the GIL, 6.4% of the time while canaryd's process used 13.8% of
+a core): `StreamWriter.write` 15-18% own, `_LoopBoundMixin._get_loop` 6-10%,
+`asyncio.timeout` with `Timeout.reschedule`, `_on_timeout` and `__aexit__` about 15%
+together, `JSONDecoder.raw_decode` 3-5%, `Scheduler._next_due` 3-4% own and 17-20% in
+total, `KubeClient.request` 34% in total.
 """
