@@ -40,9 +40,11 @@ soak: $(STAMP)
 		$(BIN)/python -m pytest -p no:cacheprovider -s -q tests/test_soak.py
 
 # Benchmarks (not part of `make test`): canaryd and the fake API server as separate
-# processes, 1,000 and 10,000 canaries; about 5 minutes. Writes docs/PERFORMANCE.md.
+# processes, 1,000 and 10,000 canaries; then canaryd beside a kopf-based prober at 2,000
+# (kopf and py-spy installed into .cache/bench-peer-venv, not .venv) and a py-spy profile
+# of canaryd; about 8 minutes. Writes docs/PERFORMANCE.md.
 bench: $(STAMP)
-	$(BIN)/python bench/bench.py --output docs/PERFORMANCE.md
+	$(BIN)/python bench/bench.py --profile --output docs/PERFORMANCE.md
 
 # A real control plane (etcd, kube-apiserver, kube-controller-manager) built from Go
 # modules into .cache/controlplane; a no-op once that pinned build is there. Needs Go.
