@@ -285,7 +285,9 @@ class Scheduler:
                 heapq.heappop(self._heap)
                 return due, canary
             self._wake.clear()
-            timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+            timer = asyncio.get_running_loop().call_later(
+                max(delay, self.settings.scheduler_tick), self._wake.set
+            )
             try:
                 await self._wake.wait()
             finally:

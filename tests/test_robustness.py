@@ -416,3 +416,46 @@ async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_wait
         with pytest.raises(asyncio.CancelledError):
             await run
     assert not scheduler._idle, "a stopped pool has no idle waiter left"
+
+
+async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch):
+    """One wake of the loop per tick, not per canary: a deadline closer than a tick is
+    waited for a whole tick, after which every deadline due by then is taken without
+    waiting again. The tick is an eighth of the judge's slack, at most 25 ms."""
+    assert Settings(timeout=60.0).scheduler_tick == 0.025
+    assert Settings(timeout=1.0).scheduler_tick == pytest.approx(0.0125)
+    assert Settings(timeout=0.2).scheduler_tick == pytest.approx(0.0025)
+    now = [100.0]
+    registry = Registry(LABEL)
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    canaries = []
+    for i in range(3):
+        registry.observe(
+            "flinkdeployments",
+            {
+                **canary_copy(),
+                "metadata": {**canary_copy()["metadata"], "name": f"c{i}", "uid": f"u{i}"},
+            },
+        )
+        canary = registry.get(CanaryKey("flinkdeployments", "ns", f"c{i}"))
+        assert canary is not None
+        canaries.append(canary)
+        scheduler._push(now[0] + 0.001 * (i + 1), canary)
+    loop = asyncio.get_running_loop()
+    delays: list[float] = []
+    real_call_later = loop.call_later
+
+    def call_later(delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        delays.append(delay)
+        return real_call_later(0, callback, *args)  # the tick "passes" at once
+
+    monkeypatch.setattr(loop, "call_later", call_later)
+    taken = []
+    waiting = asyncio.create_task(scheduler._next_due())
+    await _until(lambda: bool(delays), "the scheduler waiting for its first deadline")
+    assert delays == [scheduler.settings.scheduler_tick], "a deadline 1 ms away waits a tick"
+    now[0] += scheduler.settings.scheduler_tick
+    taken.append((await waiting)[1])
+    taken.append((await scheduler._next_due())[1])
+    taken.append((await scheduler._next_due())[1])
+    assert taken == canaries and len(delays) == 1, "the tick's deadlines taken with no wait"
