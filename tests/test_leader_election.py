@@ -254,6 +254,12 @@ async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, 
         new = await group.leader(within=LEASE_DURATION + RETRY + 10)
         assert new is follower
         taken = loop.time()
+
+        async def new_bumps() -> bool:
+            return any(who == user(new.identity) for _, who in group.writers())
+
+        # Its first bumps come within a cycle of taking the lease, not with it.
+        await group.until(new_bumps, "the new leader's first bump", within=CYCLE + SLACK)
         writes = group.writers()
         last_old = max(at for at, who in writes if who == user(old.identity))
         first_new = min(at for at, who in writes if who == user(new.identity))
