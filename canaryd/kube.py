@@ -382,17 +382,16 @@ class KubeClient:
         headers: dict[str, str],
         time_limit: float,
     ) -> tuple[int, bytes, str | None]:
-        """(status, body, Retry-After) over the lean client, or aiohttp with a proxy."""
+        """(status, body, Retry-After) over the lean client, or aiohttp with a proxy.
+        The caller's timeout scope bounds the lean client; aiohttp gets ``time_limit``."""
         if self._http1 is not None:
-            block = self._header_block(headers)
-            async with asyncio.timeout(time_limit):
-                response = await self._http1.request(
-                    method,
-                    path,
-                    params=params,
-                    headers=block,
-                    body=data.encode() if data is not None else None,
-                )
+            response = await self._http1.request(
+                method,
+                path,
+                params=params,
+                headers=self._header_block(headers),
+                body=data.encode() if data is not None else None,
+            )
             return response.status, response.body, response.headers.get("retry-after")
         async with self._session.request(
             method,
@@ -459,29 +458,38 @@ class KubeClient:
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         # One deadline for the whole call (credentials, and the retry after a 401): a
-        # leader's write is abandoned by it, whatever it waited for.
+        # leader's write is abandoned by it, whatever it waited for. One timeout scope
+        # per attempt covers the credentials and the exchange (the lean client has none
+        # of its own: a scope costs more than the rest of the request's own code).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
+            sending = False
             try:
                 async with asyncio.timeout_at(deadline):
                     headers = await self._headers()
+                    if data is not None:
+                        headers["Content-Type"] = content_type
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        count_request(verb, "error")
+                        raise KubeError(
+                            ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout"
+                        )
+                    sending = True
+                    status, payload, retry_after = await self._exchange(
+                        method, path, params, data, headers, left
+                    )
+            except KubeError:
+                raise  # the credentials could not be had, or no time was left
             except TimeoutError as err:
-                raise error_from_exception(err, "Credentials") from err
-            if data is not None:
-                headers["Content-Type"] = content_type
-            left = deadline - loop.time()
-            if left <= 0:
+                if not sending:
+                    raise error_from_exception(err, "Credentials") from err
                 count_request(verb, "error")
-                raise KubeError(ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout")
-            try:
-                status, payload, retry_after = await self._exchange(
-                    method, path, params, data, headers, left
-                )
+                raise error_from_exception(err) from err
             except (
                 aiohttp.ClientError,
-                TimeoutError,
                 OSError,
                 asyncio.IncompleteReadError,
                 asyncio.LimitOverrunError,
