@@ -724,8 +724,14 @@ class Scheduler:
         self._no_bump(canary, reason)
 
     def _no_bump(self, canary: Canary, reason: str) -> None:
-        """Nothing to judge this cycle; an unhealthy verdict stands for two cycles."""
-        self.registry.no_verdict(canary, reason, self._clock(), 2 * self.settings.timeout)
+        """Nothing to judge this cycle; an unhealthy verdict stands for two cycles: it
+        ages at the second cycle's failed write. That write falls due two cycles after
+        the deadline whose judge reached the verdict, and either may run up to the
+        judge's slack late (the scheduler's tick, a busy loop): measured from the judge,
+        two cycles less the slack, or the verdict would age a cycle later whenever
+        the judge ran later than the write."""
+        ttl = 2 * self.settings.timeout - self.settings.judge_slack
+        self.registry.no_verdict(canary, reason, self._clock(), ttl)
 
     async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.

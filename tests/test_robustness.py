@@ -459,3 +459,25 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
     taken.append((await scheduler._next_due())[1])
     taken.append((await scheduler._next_due())[1])
     assert taken == canaries and len(delays) == 1, "the tick's deadlines taken with no wait"
+
+
+def test_an_unhealthy_verdict_ages_at_the_second_cycles_failed_write_whoever_ran_later():
+    """Writes fall due a cycle apart from the deadline whose judge reached the verdict;
+    the judge may have run later than the second cycle's write does (the scheduler's
+    tick, a busy loop). The verdict still ages at that write, not a cycle later."""
+    now = [100.0]
+    registry = Registry(LABEL)
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    registry.observe("flinkdeployments", canary_copy())
+    canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
+    assert canary is not None
+    late = scheduler.settings.scheduler_tick
+    now[0] = 100.0 + late  # the judge of the deadline at 100.0 ran a tick late
+    registry.judged(canary, CanaryState.UNHEALTHY, "not seen in time", now[0])
+    now[0] = 100.0 + CYCLE  # the first cycle's write, on time, fails
+    scheduler._no_bump(canary, "forbidden")
+    assert canary.state is CanaryState.UNHEALTHY, "one cycle: the verdict stands"
+    now[0] = 100.0 + 2 * CYCLE  # the second cycle's write, on time, fails
+    scheduler._no_bump(canary, "forbidden")
+    assert canary.state is CanaryState.UNKNOWN, canary.reason
+    assert "no bump written since: forbidden" in canary.reason
