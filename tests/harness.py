@@ -37,6 +37,31 @@ def canary_body(name: str = "canary", value: str = "true", **extra: Any) -> dict
     return {"metadata": metadata, **extra}
 
 
+async def until_poked(
+    predicate: Callable[[], bool],
+    what: str,
+    within: float,
+    *listeners: list[Callable[[], None]],
+    prefix: str = "",
+) -> None:
+    """Wait until ``predicate()`` holds, re-checked whenever something calls one of the
+    ``listeners`` lists' entries (no polling); an AssertionError naming ``what`` after
+    ``within`` seconds."""
+    poke = asyncio.Event()
+    for hooks in listeners:
+        hooks.append(poke.set)
+    try:
+        async with asyncio.timeout(within):
+            while not predicate():
+                poke.clear()
+                await poke.wait()
+    except TimeoutError:
+        raise AssertionError(f"{prefix}still waiting after {within:g}s for {what}") from None
+    finally:
+        for hooks in listeners:
+            hooks.remove(poke.set)
+
+
 @dataclass
 class Running:
     kube: FakeKube
@@ -55,19 +80,9 @@ class Running:
         return found
 
     async def until(self, predicate: Callable[[], bool], what: str, within: float = 5.0) -> None:
-        poke = asyncio.Event()
-        self.kube.listeners.append(poke.set)
-        self.daemon.registry.listeners.append(poke.set)
-        try:
-            async with asyncio.timeout(within):
-                while not predicate():
-                    poke.clear()
-                    await poke.wait()
-        except TimeoutError:
-            raise AssertionError(f"still waiting after {within}s for {what}") from None
-        finally:
-            self.kube.listeners.remove(poke.set)
-            self.daemon.registry.listeners.remove(poke.set)
+        """Wait until ``predicate()`` holds, re-checked at every change of the fake or
+        the registry."""
+        await until_poked(predicate, what, within, self.kube.listeners, self.registry.listeners)
 
     def tracked(
         self, name: str = "canary", namespace: str = "default", kind: str = "flinkdeployments"

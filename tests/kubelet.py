@@ -57,6 +57,7 @@ import yaml
 
 from canaryd.config import parse_duration
 from canaryd.testing.process import free_port
+from tests.harness import until_poked
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config"
@@ -539,17 +540,7 @@ class Kubelet:
 
     async def until(self, predicate: Callable[[], bool], what: str, within: float) -> None:
         """Wait until ``predicate()`` holds, re-checked at every kubelet event."""
-        poke = asyncio.Event()
-        self.listeners.append(poke.set)
-        try:
-            async with asyncio.timeout(within):
-                while not predicate():
-                    poke.clear()
-                    await poke.wait()
-        except TimeoutError:
-            raise AssertionError(f"kubelet: still waiting after {within:.1f}s for {what}") from None
-        finally:
-            self.listeners.remove(poke.set)
+        await until_poked(predicate, what, within, self.listeners, prefix="kubelet: ")
 
     # ------------------------------------------------------- one container
 
