@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,16 +293,25 @@ def test_an_older_copy_never_moves_generation_backwards():
     assert canary.generation == 4
 
 
+def _one_canary(
+    copy: dict[str, Any], clock: Callable[[], float]
+) -> tuple[Registry, Scheduler, Canary]:
+    """A registry tracking one canary (``copy``) and a scheduler on it with its own
+    clock and no API server: the judge and the transitions, driven by hand."""
+    registry = Registry(LABEL)
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=clock)  # type: ignore[arg-type]
+    registry.observe("flinkdeployments", copy)
+    canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
+    assert canary is not None
+    return registry, scheduler, canary
+
+
 def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
     """canaryd's own stall (GC, CPU starvation) delays the judge while the bump's event
     sits unread in a socket: the late judge must not decide alone."""
     now = [100.0]
-    registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
     copy = canary_copy()
-    registry.observe("flinkdeployments", copy)
-    canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
-    assert canary is not None
+    registry, scheduler, canary = _one_canary(copy, lambda: now[0])
     registry.bumped(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE  # the loop stalled for two cycles past the deadline
     scheduler._on_due(100.0 + CYCLE, canary)
@@ -322,11 +332,7 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
 
 def test_a_late_judge_still_finds_a_bump_that_never_arrived():
     now = [100.0]
-    registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
-    registry.observe("flinkdeployments", canary_copy())
-    canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
-    assert canary is not None
+    registry, scheduler, canary = _one_canary(canary_copy(), lambda: now[0])
     registry.bumped(canary, 3, 100.0, 100.0, 100.0 + CYCLE, 0.0)
     now[0] = 100.0 + 3 * CYCLE
     scheduler._on_due(100.0 + CYCLE, canary)
@@ -466,11 +472,7 @@ def test_an_unhealthy_verdict_ages_at_the_second_cycles_failed_write_whoever_ran
     the judge may have run later than the second cycle's write does (the scheduler's
     tick, a busy loop). The verdict still ages at that write, not a cycle later."""
     now = [100.0]
-    registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
-    registry.observe("flinkdeployments", canary_copy())
-    canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
-    assert canary is not None
+    registry, scheduler, canary = _one_canary(canary_copy(), lambda: now[0])
     late = scheduler.settings.scheduler_tick
     now[0] = 100.0 + late  # the judge of the deadline at 100.0 ran a tick late
     registry.judged(canary, CanaryState.UNHEALTHY, "not seen in time", now[0])
