@@ -377,8 +377,8 @@ class Scheduler:
                 try:
                     await waiter
                 finally:
-                    if not waiter.done() or waiter.cancelled():
-                        with contextlib.suppress(ValueError):
+                    if waiter.cancelled():  # this worker stopped: it is idle no more
+                        with contextlib.suppress(ValueError):  # skipped by a wake already
                             self._idle.remove(waiter)
             due, canary = self._ready.popleft()
             next_due: float | None
