@@ -106,7 +106,11 @@ async def start_canaryd(kubeconfig: Path, cycle: float) -> tuple[Proc, float]:
         cwd=ROOT,
     )
     proc = Proc(process, f"http://127.0.0.1:{port}")
-    await wait_ok(proc.url + "/readyz", within=120)
+    try:
+        await wait_ok(proc.url + "/readyz", within=120)
+    except BaseException:
+        await proc.stop()  # never left running behind a failed benchmark
+        raise
     return proc, time.monotonic() - started
 
 

@@ -2,9 +2,9 @@
 
 The bump is the hot path: one PATCH per canary per cycle. aiohttp's request
 machinery costs about 0.13 ms of CPU per request on uvloop here; writing the
-request bytes and reading the answer over asyncio streams costs about 0.04 ms
-(bench/bench.py, docs/PERFORMANCE.md). This client does only what kube-apiserver
-needs: one request at a time per connection, ``Content-Length`` request bodies,
+request bytes and parsing the answer in an asyncio.Protocol as it arrives costs a
+fraction of that (bench/bench.py, docs/PERFORMANCE.md). This client does only what
+kube-apiserver needs: one request at a time per connection, ``Content-Length`` request bodies,
 ``Content-Length`` or ``chunked`` responses, TLS through ``ssl``, and a pool of
 idle connections. Watches and proxied setups use aiohttp.
 """
@@ -16,9 +16,11 @@ import ssl
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlencode, urlsplit
 
 MAX_HEADER_LINES = 200
+MAX_HEAD = 2**20
 MAX_BODY = 64 * 1024 * 1024
 
 
@@ -33,13 +35,208 @@ class Response:
     body: bytes
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.used = False
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection. The answer is parsed as its bytes arrive, in the
+    transport's callback: no stream reader, no await per header line."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._waiter: asyncio.Future[tuple[Response, bool]] | None = None
+        self._method = "GET"
+        self._eof = False
+        self._lost: BaseException | None = None
+        self._head: tuple[int, dict[str, str], bool] | None = None  # status, headers, keep
+        self._length = -1  # body bytes left to wait for; -1: chunked or to EOF
+        self._chunked = False
+        self._chunk = _CHUNK_SIZE_LINE  # in a chunked body: what comes next
+        self._chunks: list[bytes] = []
+        self._chunked_size = 0
+        self._received = False
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not registered as asyncio.Transport: no isinstance.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._received = True
+        if self._waiter is not None:
+            self._advance()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        if self._waiter is not None:
+            self._advance()
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._lost = exc
+        if self._waiter is not None:
+            self._advance()
+
+    # the exchange
+
+    def usable(self) -> bool:
+        """Idle and still open: the server has not closed it (nor sent unasked bytes)."""
+        return not self._eof and not self._buffer and self.transport is not None
+
+    def exchange(self, payload: bytes, method: str) -> asyncio.Future[tuple[Response, bool]]:
+        """Send one request; the future is its answer and whether the connection can be
+        kept. It fails with IncompleteReadError (what arrived before the server closed),
+        ProtocolError or the transport's error."""
+        assert self.transport is not None and self._waiter is None
+        self._method = method
+        self._head, self._length, self._chunked = None, -1, False
+        self._chunk, self._chunks, self._chunked_size = _CHUNK_SIZE_LINE, [], 0
+        self._received = False
+        self._waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(payload)
+        return self._waiter
+
+    def nothing_received(self) -> bool:
+        return not self._received
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
+        self._eof = True
+
+    def _finish(self, body: bytes) -> None:
+        assert self._head is not None and self._waiter is not None
+        status, headers, keep = self._head
+        waiter, self._waiter = self._waiter, None
+        if not waiter.done():
+            waiter.set_result((Response(status, headers, body), keep and not self._eof))
+
+    def _fail(self, error: BaseException) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+        self._eof = True
+
+    def _truncated(self) -> None:
+        if self._lost is not None and isinstance(self._lost, OSError):
+            self._fail(self._lost)
+        else:
+            self._fail(asyncio.IncompleteReadError(bytes(self._buffer), None))
+
+    def _advance(self) -> None:
+        try:
+            if self._head is None and not self._read_head():
+                return
+            if self._chunked:
+                self._read_chunks()
+            elif self._length >= 0:
+                if len(self._buffer) >= self._length:
+                    body = bytes(self._buffer[: self._length])
+                    del self._buffer[: self._length]
+                    self._finish(body)
+                elif self._eof:
+                    self._truncated()
+            elif self._eof:  # a close-delimited body
+                body = bytes(self._buffer)
+                self._buffer.clear()
+                self._finish(body)
+            elif len(self._buffer) > MAX_BODY:
+                raise ProtocolError("response body too large")
+        except ProtocolError as err:
+            self._fail(err)
+
+    def _read_head(self) -> bool:
+        """Parse the status line and headers once they are all in; False: not yet."""
+        buffer = self._buffer
+        end, size = buffer.find(b"\r\n\r\n"), 4
+        if end < 0:
+            end, size = buffer.find(b"\n\n"), 2  # bare LF line ends, tolerated
+        if end < 0:
+            if len(buffer) > MAX_HEAD:
+                raise ProtocolError("response head too large")
+            if self._eof:
+                self._truncated()
+            return False
+        lines = buffer[:end].decode("latin-1").split("\n")
+        del buffer[: end + size]
+        if len(lines) > MAX_HEADER_LINES:
+            raise ProtocolError("too many header lines")
+        status_line = lines[0].rstrip("\r")
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ProtocolError(f"malformed header line {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+        keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
+        self._head = (status, headers, keep)
+        if self._method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            self._length = 0
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._chunked = True
+        elif "content-length" in headers:
+            try:
+                length = int(headers["content-length"])
+            except ValueError:
+                raise ProtocolError(
+                    f"malformed Content-Length {headers['content-length'][:40]!r}"
+                ) from None
+            if not 0 <= length <= MAX_BODY:
+                raise ProtocolError(f"unacceptable Content-Length {length}")
+            self._length = length
+        else:
+            self._head = (status, headers, False)  # the server closes to end the body
+        return True
+
+    def _read_chunks(self) -> None:
+        buffer = self._buffer
+        while True:
+            if self._chunk == _CHUNK_SIZE_LINE or self._chunk == _CHUNK_TRAILER:
+                newline = buffer.find(b"\n")
+                if newline < 0:
+                    if len(buffer) > MAX_HEAD:
+                        raise ProtocolError("chunk size line too long")
+                    if self._eof:
+                        self._truncated()
+                    return
+                line = bytes(buffer[:newline])
+                del buffer[: newline + 1]
+                if self._chunk == _CHUNK_TRAILER:
+                    if line in (b"", b"\r"):
+                        self._finish(b"".join(self._chunks))
+                        return
+                    continue  # a trailer line
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise ProtocolError(f"malformed chunk size {line[:40]!r}") from None
+                if size < 0:
+                    raise ProtocolError(f"malformed chunk size {line[:40]!r}")
+                if size == 0:
+                    self._chunk = _CHUNK_TRAILER
+                    continue
+                self._chunked_size += size
+                if self._chunked_size > MAX_BODY:
+                    raise ProtocolError("response body too large")
+                self._chunk = size
+            if len(buffer) < self._chunk + 2:
+                if self._eof:
+                    self._truncated()
+                return
+            self._chunks.append(bytes(buffer[: self._chunk]))
+            del buffer[: self._chunk + 2]  # the chunk and its CRLF
+            self._chunk = _CHUNK_SIZE_LINE
+
+
+_CHUNK_SIZE_LINE = -1
+_CHUNK_TRAILER = -2
 
 
 class ConnectTimeout(TimeoutError):
@@ -78,18 +275,18 @@ class Http1Client:
         address fails here, not at the end of a list's minute."""
         try:
             async with asyncio.timeout(self._connect_timeout):
-                reader, writer = await asyncio.open_connection(
+                _, connection = await asyncio.get_running_loop().create_connection(
+                    _Connection,
                     self.host,
                     self.port,
                     ssl=self.ssl,
                     server_hostname=self.server_hostname,
-                    limit=2**21,
                 )
         except TimeoutError:
             raise ConnectTimeout(
                 f"no connection to {self.host}:{self.port} within {self._connect_timeout:g}s"
             ) from None
-        return _Connection(reader, writer)
+        return connection
 
     @staticmethod
     def header_block(headers: Mapping[str, str]) -> bytes:
@@ -122,15 +319,20 @@ class Http1Client:
         )
         while True:
             reused = bool(self._idle)
-            connection = self._idle.pop() if reused else await self._connect()
+            if reused:
+                connection = self._idle.pop()
+                if not connection.usable():  # the server closed it while it was idle
+                    connection.close()
+                    continue
+            else:
+                connection = await self._connect()
             try:
-                connection.writer.write(payload)
-                response, keep = await self._read_response(connection.reader, method)
-            except (ConnectionError, asyncio.IncompleteReadError, EOFError) as err:
+                response, keep = await connection.exchange(payload, method)
+            except (ConnectionError, asyncio.IncompleteReadError) as err:
                 connection.close()
-                if reused and isinstance(err, ConnectionError | asyncio.IncompleteReadError):
-                    continue  # the server had closed the idle connection
-                raise
+                if reused and connection.nothing_received():
+                    continue  # the server had closed the idle connection: nothing answered
+                raise err from None
             except BaseException:
                 connection.close()  # cancelled or failed mid-exchange: never reuse it
                 raise
@@ -139,78 +341,6 @@ class Http1Client:
             else:
                 connection.close()
             return response
-
-    async def _read_response(
-        self, reader: asyncio.StreamReader, method: str
-    ) -> tuple[Response, bool]:
-        status_line = await reader.readuntil(b"\n")
-        parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        status = int(parts[1])
-        headers: dict[str, str] = {}
-        for _ in range(MAX_HEADER_LINES):
-            line = await reader.readuntil(b"\n")
-            if line in (b"\r\n", b"\n"):
-                break
-            name, sep, value = line.decode("latin-1").partition(":")
-            if not sep:
-                raise ProtocolError(f"malformed header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
-        else:
-            raise ProtocolError("too many header lines")
-        keep = headers.get("connection", "").lower() != "close" and parts[0] != b"HTTP/1.0"
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            return Response(status, headers, b""), keep
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            body = await self._read_chunked(reader)
-        elif "content-length" in headers:
-            try:
-                length = int(headers["content-length"])
-            except ValueError:
-                raise ProtocolError(
-                    f"malformed Content-Length {headers['content-length'][:40]!r}"
-                ) from None
-            if not 0 <= length <= MAX_BODY:
-                raise ProtocolError(f"unacceptable Content-Length {length}")
-            body = await reader.readexactly(length)
-        else:
-            body = await self._read_to_eof(reader)  # the server closes to end the body
-            keep = False
-        return Response(status, headers, body), keep
-
-    @staticmethod
-    async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
-        """A close-delimited body: one ``read()`` returns what has arrived so far, not
-        the whole body, so read until the server closes."""
-        chunks: list[bytes] = []
-        total = 0
-        while chunk := await reader.read(65536):
-            total += len(chunk)
-            if total > MAX_BODY:
-                raise ProtocolError("response body too large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    @staticmethod
-    async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            size_line = await reader.readuntil(b"\n")
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise ProtocolError(f"malformed chunk size {size_line[:40]!r}") from None
-            if size == 0:
-                while (await reader.readuntil(b"\n")) not in (b"\r\n", b"\n"):
-                    pass  # trailers
-                return b"".join(chunks)
-            total += size
-            if total > MAX_BODY:
-                raise ProtocolError("response body too large")
-            chunks.append(await reader.readexactly(size))
-            await reader.readexactly(2)  # the chunk's CRLF
 
     async def close(self) -> None:
         while self._idle:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
+import msgspec
 import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
@@ -88,6 +90,22 @@ def server_url_problem(host: str) -> str | None:
     if port == 0:
         return f"cluster server {host!r} has port 0"
     return None
+
+
+def decode_json(data: bytes) -> Any:
+    """JSON from the API server, decoded by msgspec (a quarter of the stdlib's time on a
+    canary's object; any size of integer, as the stdlib). Raises ValueError
+    (msgspec.DecodeError) on anything that is not JSON."""
+    return _decode(data)
+
+
+_decode = msgspec.json.Decoder().decode
+
+
+@functools.lru_cache(maxsize=2**14)
+def object_path(kind: str, namespace: str, name: str) -> str:
+    """The path of a registry kind's object, made once per canary (the bump's hot path)."""
+    return kind_of(kind).object_path(namespace, name)
 
 
 def segment(value: str) -> str:
@@ -198,7 +216,7 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> Ku
     """A KubeError from a non-2xx answer, reading the Status object when there is one."""
     reason, message = "", body[:300].decode("utf-8", "replace").strip()
     try:
-        decoded = json.loads(body)
+        decoded = decode_json(body)
     except ValueError:
         decoded = None
     kind = classify_status(status)
@@ -337,7 +355,7 @@ class KubeClient:
         self._watch_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context),
             trust_env=trust_env,
-            read_bufsize=2**21,  # a watch line can hold a large object (etcd: 1.5 MiB)
+            read_bufsize=2**21,  # how much of a stream is read ahead (lines are split after)
             headers=self._base_headers,
         )
 
@@ -512,7 +530,7 @@ class KubeClient:
                     error.args = (f"{error.args[0]} (also after reloading the credentials)",)
                 raise error
             try:
-                decoded = json.loads(payload)
+                decoded = decode_json(payload)
             except ValueError as err:
                 raise KubeError(
                     ErrorKind.TRANSIENT,
@@ -659,20 +677,31 @@ class KubeClient:
                     )
                 if on_connected is not None:
                     on_connected()
-                async for line in response.content:
-                    if not line.strip():
-                        continue
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        metrics.ERRORS.labels("watch_decode").inc()
-                        log.warning("watch_line_not_json", path=path, size=len(line))
-                        continue
-                    if isinstance(event, dict):
-                        yield event
-                    else:
-                        metrics.ERRORS.labels("watch_decode").inc()
-                        log.warning("watch_line_not_an_object", path=path)
+                # Lines are split from whatever arrived (a read can hold many events,
+                # or part of one): no await per line.
+                partial: list[bytes] = []
+                held = 0
+                async for chunk in response.content.iter_any():
+                    start = 0
+                    while (end := chunk.find(b"\n", start)) >= 0:
+                        line = chunk[start:end]
+                        start = end + 1
+                        if partial:
+                            partial.append(line)
+                            line, held = b"".join(partial), 0
+                            partial.clear()
+                        if len(line) > MAX_WATCH_LINE:
+                            raise _line_too_long()
+                        event = _watch_event(line, path)
+                        if event is not None:
+                            yield event
+                    if start < len(chunk):
+                        partial.append(chunk[start:])
+                        held += len(chunk) - start
+                        if held > MAX_WATCH_LINE:
+                            raise _line_too_long()
+                if partial and (event := _watch_event(b"".join(partial), path)) is not None:
+                    yield event  # the last line, without its newline
         except aiohttp.ConnectionTimeoutError as err:
             # A subclass of ServerTimeoutError: a black-holed address, not an idle stream.
             count_request("watch", "error")
@@ -686,7 +715,6 @@ class KubeClient:
                 ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
             ) from err
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
-            # ValueError: aiohttp's "Line is too long" for a line beyond its buffer.
             count_request("watch", "error")
             raise error_from_exception(err) from err
         except KubeError:
@@ -696,6 +724,36 @@ class KubeClient:
             metrics.ERRORS.labels("watch_request").inc()
             log.warning("watch_failed_unexpectedly", path=path, error=type(err).__name__)
             raise error_from_exception(err, "ClientError") from err
+
+
+MAX_WATCH_LINE = 2**24
+"""A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
+
+
+def _line_too_long() -> KubeError:
+    return KubeError(
+        ErrorKind.TRANSIENT,
+        f"a watch line longer than {MAX_WATCH_LINE} bytes",
+        reason="LineTooLong",
+    )
+
+
+def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
+    """One watch line's event; None (counted and logged) for a blank line or one that is
+    not a JSON object."""
+    if not line or line.isspace():
+        return None
+    try:
+        event = decode_json(line)
+    except ValueError:
+        metrics.ERRORS.labels("watch_decode").inc()
+        log.warning("watch_line_not_json", path=path, size=len(line))
+        return None
+    if isinstance(event, dict):
+        return event
+    metrics.ERRORS.labels("watch_decode").inc()
+    log.warning("watch_line_not_an_object", path=path)
+    return None
 
 
 # --------------------------------------------------------------- credentials

@@ -36,7 +36,7 @@ from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
-from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of
+from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of, object_path
 from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
 from canaryd.sync import ScopeSync
@@ -753,7 +753,7 @@ class Scheduler:
             )
             return self._after_failure(due)
         backoff: Backoff | None = None  # made on the first transient failure only
-        path = kind_of(canary.key.kind).object_path(canary.key.namespace, canary.key.name)
+        path = object_path(*canary.key)
         conflicts, reread = 0, False
         while True:
             try:

@@ -134,3 +134,101 @@ def test_only_http_and_https_urls():
     with pytest.raises(ValueError):
         Http1Client("unix:///var/run/x.sock")
     assert Http1Client("https://example.invalid:6443/prefix/").prefix == "/prefix"
+
+
+async def test_an_answer_in_pieces_with_bare_line_feeds(server):
+    """The answer is parsed as it arrives, however the server cuts it; bare LF line
+    ends are read too (RFC 9112 lets a recipient accept them)."""
+    body = b'{"items":["' + b"x" * 70_000 + b'"]}'
+    answer = b"HTTP/1.1 200 OK\nContent-Length: %d\n\n%s" % (len(body), body)
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"".join(
+            b"%x\r\n%s\r\n" % (len(part), part)
+            for part in (body[:3], body[3:40_000], body[40_000:])
+        )
+        + b"0\r\n\r\n"
+    )
+
+    pieces: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for raw in (answer, chunked):
+            await reader.readuntil(b"\r\n\r\n")
+            for i in range(0, len(raw), 997):  # many small writes, each one sent
+                writer.write(raw[i : i + 997])
+                await writer.drain()
+                pieces.append(raw[i : i + 997])
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        assert (await client.request("GET", "/a")).body == body
+        assert (await client.request("GET", "/b")).body == body  # the same connection
+        assert len(pieces) > 100
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_an_idle_connection_the_server_closed_is_not_written_to():
+    """The server answers and closes while the connection is pooled: the next request
+    goes on a new connection, and the old one is never written to."""
+    requests: list[bytes] = []
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()  # without Connection: close
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        await client.request("GET", "/1")
+        closed = asyncio.Event()
+        idle = client._idle[0]
+        eof_received = idle.eof_received
+
+        def noted() -> bool:
+            closed.set()
+            return eof_received()
+
+        idle.eof_received = noted  # type: ignore[method-assign]
+        if idle.usable():  # else the FIN came with the answer
+            async with asyncio.timeout(5):
+                await closed.wait()  # the server's FIN reached the pooled connection
+        assert not idle.usable()
+        assert (await client.request("GET", "/2")).body == b"{}"
+        assert connections == 2 and len(requests) == 2
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+def test_on_uvloop():
+    """canaryd runs on uvloop, whose transports are not asyncio's classes."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def exchange() -> bytes:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(ok(b'{"uv":1}')(b"") or b"")
+            await writer.drain()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+        try:
+            return (await client.request("GET", "/")).body
+        finally:
+            await client.close()
+            srv.close()
+            await srv.wait_closed()
+
+    assert uvloop.run(exchange()) == b'{"uv":1}'

@@ -14,6 +14,7 @@ import pytest
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.config import ConfigException
 
+from canaryd import kube as kube_module
 from canaryd import metrics
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
 from canaryd.http1 import Http1Client
@@ -483,3 +484,60 @@ def test_an_unhealthy_verdict_ages_at_the_second_cycles_failed_write_whoever_ran
     scheduler._no_bump(canary, "forbidden")
     assert canary.state is CanaryState.UNKNOWN, canary.reason
     assert "no bump written since: forbidden" in canary.reason
+
+
+async def _watch_answering(stream: bytes, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The events KubeClient.watch yields from a raw server that sends ``stream`` as
+    chunks of these sizes in turn, each written and sent on its own."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        at, turn = 0, 0
+        while at < len(stream):
+            part = stream[at : at + sizes[turn % len(sizes)]]
+            at, turn = at + len(part), turn + 1
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    configuration = k8s_client.Configuration()
+    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    kube_client = KubeClient(configuration, request_timeout=1.0)
+    try:
+        return [e async for e in kube_client.watch("/w", {}, idle_timeout=5.0)]
+    finally:
+        await kube_client.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_watch_lines_are_split_however_the_stream_is_cut():
+    """Several events in one read, one across many, a last one without its newline:
+    each is yielded once and whole. Blank lines are skipped; a line that is not a JSON
+    object is counted and skipped."""
+    events = [
+        {"type": "ADDED", "object": {"metadata": {"name": f"c{i}", "resourceVersion": str(i)}}}
+        for i in range(40)
+    ]
+    events[7]["object"]["spec"] = {"restartNonce": INT64_MAX * 4}  # any size of integer
+    lines = b"".join(json.dumps(e).encode() + b"\n" for e in events[:-1])
+    first = lines.index(b"\n") + 1
+    stream = (lines[:first] + b"\n\r\n" + lines[first:] + b"[1,2]\nnot json\n") + json.dumps(
+        events[-1]
+    ).encode()
+    decode_errors = metrics.ERRORS.labels("watch_decode")
+    before = decode_errors._value.get()
+    assert await _watch_answering(stream, (1, 5, 300, 7, 2000, 211)) == events
+    assert decode_errors._value.get() == before + 2
+
+
+async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
+    monkeypatch.setattr(kube_module, "MAX_WATCH_LINE", 10_000)
+    ok = json.dumps({"type": "ADDED", "object": {"metadata": {"name": "a"}}}).encode()
+    with pytest.raises(KubeError) as caught:
+        await _watch_answering(ok + b"\n" + b"x" * 20_000 + b"\n" + ok + b"\n", (4096,))
+    assert caught.value.kind is ErrorKind.TRANSIENT and caught.value.reason == "LineTooLong"
