@@ -12,12 +12,18 @@ idle connections. Watches and proxied setups use aiohttp.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import ssl
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlencode, urlsplit
+
+import structlog
+
+log = structlog.get_logger("canaryd.http1")
 
 MAX_HEADER_LINES = 200
 MAX_HEAD = 2**20
@@ -39,7 +45,10 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection. The answer is parsed as its bytes arrive, in the
     transport's callback: no stream reader, no await per header line."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The loop is kept: asyncio.get_running_loop() costs a getpid() system call per
+        # call on Python 3.11, several per bump.
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._waiter: asyncio.Future[tuple[Response, bool]] | None = None
@@ -61,10 +70,14 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._waiter is None:
+            # Bytes nobody asked for (no request in flight): the connection is out of
+            # step with the server. Dropped, not buffered.
+            self.close()
+            return
         self._buffer += data
         self._received = True
-        if self._waiter is not None:
-            self._advance()
+        self._advance()
 
     def eof_received(self) -> bool:
         self._eof = True
@@ -82,7 +95,12 @@ class _Connection(asyncio.Protocol):
 
     def usable(self) -> bool:
         """Idle and still open: the server has not closed it (nor sent unasked bytes)."""
-        return not self._eof and not self._buffer and self.transport is not None
+        return (
+            not self._eof
+            and not self._buffer
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
 
     def exchange(self, payload: bytes, method: str) -> asyncio.Future[tuple[Response, bool]]:
         """Send one request; the future is its answer and whether the connection can be
@@ -93,9 +111,16 @@ class _Connection(asyncio.Protocol):
         self._head, self._length, self._chunked = None, -1, False
         self._chunk, self._chunks, self._chunked_size = _CHUNK_SIZE_LINE, [], 0
         self._received = False
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         self.transport.write(payload)
         return self._waiter
+
+    def expire_at(self, deadline: float) -> asyncio.TimerHandle:
+        """At ``deadline`` the answer is abandoned with its connection (TimeoutError)."""
+        return self._loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._fail(TimeoutError("no answer before the deadline"))
 
     def nothing_received(self) -> bool:
         return not self._received
@@ -139,7 +164,10 @@ class _Connection(asyncio.Protocol):
                     self._finish(body)
                 elif self._eof:
                     self._truncated()
-            elif self._eof:  # a close-delimited body
+            elif self._eof:  # a close-delimited body: whole only if the server closed it
+                if self._lost is not None:
+                    self._truncated()  # reset, not closed: the body may be cut short
+                    return
                 body = bytes(self._buffer)
                 self._buffer.clear()
                 self._finish(body)
@@ -147,13 +175,20 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolError("response body too large")
         except ProtocolError as err:
             self._fail(err)
+        except Exception as err:  # a bug here must fail the request, not the transport
+            log.exception("http1_answer_unreadable")
+            error = ProtocolError(f"unreadable answer ({type(err).__name__}: {err})")
+            error.__cause__ = err
+            self._fail(error)
 
     def _read_head(self) -> bool:
         """Parse the status line and headers once they are all in; False: not yet."""
         buffer = self._buffer
-        end, size = buffer.find(b"\r\n\r\n"), 4
-        if end < 0:
-            end, size = buffer.find(b"\n\n"), 2  # bare LF line ends, tolerated
+        # The head ends at its first empty line: CRLF, or a bare LF (tolerated).
+        end, size = buffer.find(b"\n\r\n"), 3
+        bare = buffer.find(b"\n\n", 0, end if end >= 0 else len(buffer))
+        if bare >= 0:
+            end, size = bare, 2
         if end < 0:
             if len(buffer) > MAX_HEAD:
                 raise ProtocolError("response head too large")
@@ -162,13 +197,17 @@ class _Connection(asyncio.Protocol):
             return False
         lines = buffer[:end].decode("latin-1").split("\n")
         del buffer[: end + size]
+        lines[-1] = lines[-1].rstrip("\r")
         if len(lines) > MAX_HEADER_LINES:
             raise ProtocolError("too many header lines")
         status_line = lines[0].rstrip("\r")
         parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _DIGITS(parts[1]):
             raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
         status = int(parts[1])
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+            return self._read_head()
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -177,17 +216,15 @@ class _Connection(asyncio.Protocol):
             headers[name.strip().lower()] = value.strip()
         keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
         self._head = (status, headers, keep)
-        if self._method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if self._method == "HEAD" or status in (204, 304, 101):
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             self._chunked = True
         elif "content-length" in headers:
-            try:
-                length = int(headers["content-length"])
-            except ValueError:
-                raise ProtocolError(
-                    f"malformed Content-Length {headers['content-length'][:40]!r}"
-                ) from None
+            value = headers["content-length"]
+            if not _DIGITS(value):
+                raise ProtocolError(f"malformed Content-Length {value[:40]!r}")
+            length = int(value)
             if not 0 <= length <= MAX_BODY:
                 raise ProtocolError(f"unacceptable Content-Length {length}")
             self._length = length
@@ -213,12 +250,10 @@ class _Connection(asyncio.Protocol):
                         self._finish(b"".join(self._chunks))
                         return
                     continue  # a trailer line
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise ProtocolError(f"malformed chunk size {line[:40]!r}") from None
-                if size < 0:
+                digits = line.split(b";", 1)[0].strip()
+                if not _HEX(digits):
                     raise ProtocolError(f"malformed chunk size {line[:40]!r}")
+                size = int(digits, 16)
                 if size == 0:
                     self._chunk = _CHUNK_TRAILER
                     continue
@@ -226,17 +261,28 @@ class _Connection(asyncio.Protocol):
                 if self._chunked_size > MAX_BODY:
                     raise ProtocolError("response body too large")
                 self._chunk = size
-            if len(buffer) < self._chunk + 2:
+            size = self._chunk
+            if len(buffer) < size + 1 or (len(buffer) == size + 1 and buffer[size] == 13):
                 if self._eof:
                     self._truncated()
-                return
-            self._chunks.append(bytes(buffer[: self._chunk]))
-            del buffer[: self._chunk + 2]  # the chunk and its CRLF
+                return  # the chunk, or its line end, is not all in yet
+            if buffer[size : size + 2] == b"\r\n":
+                ending = 2
+            elif buffer[size] == 10:  # a bare LF
+                ending = 1
+            else:
+                raise ProtocolError("a chunk not followed by its line end")
+            self._chunks.append(bytes(buffer[:size]))
+            del buffer[: size + ending]
             self._chunk = _CHUNK_SIZE_LINE
 
 
 _CHUNK_SIZE_LINE = -1
 _CHUNK_TRAILER = -2
+_DIGITS = re.compile(r"[0-9]{1,18}").fullmatch
+"""A status code or Content-Length: ASCII digits only (int() also takes "+1", "1_0",
+"²" and spaces)."""
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}").fullmatch
 
 
 class ConnectTimeout(TimeoutError):
@@ -270,19 +316,27 @@ class Http1Client:
         self._max_idle = max_idle
         self._connect_timeout = connect_timeout
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, deadline: float | None = None) -> _Connection:
         """A new connection (TLS included) within the connect timeout: a black-holed
-        address fails here, not at the end of a list's minute."""
+        address fails here, not at the end of a list's minute. A request's deadline
+        that comes sooner is a TimeoutError as the exchange's is."""
+        loop = asyncio.get_running_loop()
+        connect_by = (
+            math.inf if self._connect_timeout is None else loop.time() + self._connect_timeout
+        )
+        by = connect_by if deadline is None else min(deadline, connect_by)
         try:
-            async with asyncio.timeout(self._connect_timeout):
-                _, connection = await asyncio.get_running_loop().create_connection(
-                    _Connection,
+            async with asyncio.timeout_at(None if by == math.inf else by):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(loop),
                     self.host,
                     self.port,
                     ssl=self.ssl,
                     server_hostname=self.server_hostname,
                 )
         except TimeoutError:
+            if by < connect_by:
+                raise  # the request's own deadline
             raise ConnectTimeout(
                 f"no connection to {self.host}:{self.port} within {self._connect_timeout:g}s"
             ) from None
@@ -301,9 +355,14 @@ class Http1Client:
         params: Mapping[str, str] | None = None,
         headers: bytes = b"",
         body: bytes | None = None,
+        deadline: float | None = None,
     ) -> Response:
         """One exchange; ``headers`` is a ``header_block``. A pooled connection the server
-        closed meanwhile is retried once on a fresh one (nothing was answered on it)."""
+        closed meanwhile is retried once on a fresh one (nothing was answered on it).
+
+        ``deadline`` (the loop's clock): TimeoutError when no answer came by then, its
+        connection closed so that a late answer is never read. One timer on the loop,
+        not a timeout scope: a scope costs more than the rest of the exchange."""
         target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
         length = b"Content-Length: %d\r\n" % len(body) if body is not None else b""
         payload = b"".join(
@@ -317,25 +376,36 @@ class Http1Client:
                 body or b"",
             )
         )
+        retried = False
         while True:
-            reused = bool(self._idle)
+            reused = bool(self._idle) and not retried
             if reused:
                 connection = self._idle.pop()
                 if not connection.usable():  # the server closed it while it was idle
                     connection.close()
                     continue
             else:
-                connection = await self._connect()
+                connection = await self._connect(deadline)
+            timer = None
             try:
-                response, keep = await connection.exchange(payload, method)
+                waiter = connection.exchange(payload, method)
+                if deadline is not None:
+                    timer = connection.expire_at(deadline)
+                response, keep = await waiter
             except (ConnectionError, asyncio.IncompleteReadError) as err:
                 connection.close()
                 if reused and connection.nothing_received():
-                    continue  # the server had closed the idle connection: nothing answered
+                    # The server had closed the idle connection: nothing was answered.
+                    # Once, on a fresh connection (never on the next idle one).
+                    retried = True
+                    continue
                 raise err from None
             except BaseException:
                 connection.close()  # cancelled or failed mid-exchange: never reuse it
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
             if keep and len(self._idle) < self._max_idle:
                 self._idle.append(connection)
             else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import inspect
 import json
 import math
 import os
@@ -96,7 +97,10 @@ def decode_json(data: bytes) -> Any:
     """JSON from the API server, decoded by msgspec (a quarter of the stdlib's time on a
     canary's object; any size of integer, as the stdlib). Raises ValueError
     (msgspec.DecodeError) on anything that is not JSON."""
-    return _decode(data)
+    try:
+        return _decode(data)
+    except RecursionError as err:  # nested past msgspec's depth: not JSON canaryd reads
+        raise ValueError(f"JSON nested too deeply: {err}") from err
 
 
 _decode = msgspec.json.Decoder().decode
@@ -321,6 +325,11 @@ class KubeClient:
         self._credentials_version = 0
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
+        self._loop = asyncio.get_running_loop()
+        """The loop it was made on (its aiohttp sessions are bound to it too), kept:
+        asyncio.get_running_loop() costs a getpid() system call on Python 3.11."""
+        self._hook_checked: object = None
+        self._hook_may_wait = False
         self.credentials_expiry: float | None = None
         """time.time() at which the loaded credentials expire (an exec plugin's
         expirationTimestamp), when known."""
@@ -399,9 +408,10 @@ class KubeClient:
         data: str | None,
         headers: dict[str, str],
         time_limit: float,
+        deadline: float,
     ) -> tuple[int, bytes, str | None]:
-        """(status, body, Retry-After) over the lean client, or aiohttp with a proxy.
-        The caller's timeout scope bounds the lean client; aiohttp gets ``time_limit``."""
+        """(status, body, Retry-After) over the lean client, answered by ``deadline`` (the
+        loop's clock), or aiohttp with a proxy, within ``time_limit``."""
         if self._http1 is not None:
             response = await self._http1.request(
                 method,
@@ -409,6 +419,7 @@ class KubeClient:
                 params=params,
                 headers=self._header_block(headers),
                 body=data.encode() if data is not None else None,
+                deadline=deadline,
             )
             return response.status, response.body, response.headers.get("retry-after")
         async with self._session.request(
@@ -476,33 +487,30 @@ class KubeClient:
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         # One deadline for the whole call (credentials, and the retry after a 401): a
-        # leader's write is abandoned by it, whatever it waited for. One timeout scope
-        # per attempt covers the credentials and the exchange (the lean client has none
-        # of its own: a scope costs more than the rest of the request's own code).
-        loop = asyncio.get_running_loop()
+        # leader's write is abandoned by it, whatever it waited for. The lean client
+        # bounds its exchange with a timer of its own; a timeout scope (which costs more
+        # than the rest of the request's own code) is used only where something else
+        # could wait: credentials from an async refresh hook, or aiohttp.
+        loop = self._loop
         deadline = loop.time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
-            sending = False
+            stage = ["credentials"]
             try:
-                async with asyncio.timeout_at(deadline):
-                    headers = await self._headers()
-                    if data is not None:
-                        headers["Content-Type"] = content_type
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        count_request(verb, "error")
-                        raise KubeError(
-                            ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout"
-                        )
-                    sending = True
-                    status, payload, retry_after = await self._exchange(
-                        method, path, params, data, headers, left
+                if self._http1 is not None and not self._credentials_may_wait():
+                    answer = await self._attempt(
+                        verb, method, path, params, data, content_type, deadline, stage
                     )
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        answer = await self._attempt(
+                            verb, method, path, params, data, content_type, deadline, stage
+                        )
+                status, payload, retry_after = answer
             except KubeError:
                 raise  # the credentials could not be had, or no time was left
             except TimeoutError as err:
-                if not sending:
+                if stage[0] == "credentials":
                     raise error_from_exception(err, "Credentials") from err
                 count_request(verb, "error")
                 raise error_from_exception(err) from err
@@ -545,6 +553,43 @@ class KubeClient:
                 )
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _attempt(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        data: str | None,
+        content_type: str,
+        deadline: float,
+        stage: list[str],
+    ) -> tuple[int, bytes, str | None]:
+        """One try of a request: the credentials, then the exchange by ``deadline``;
+        ``stage[0]`` says which was under way."""
+        headers = await self._headers()
+        if data is not None:
+            headers["Content-Type"] = content_type
+        left = deadline - self._loop.time()
+        if left <= 0:
+            count_request(verb, "error")
+            raise KubeError(ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout")
+        stage[0] = "exchange"
+        return await self._exchange(method, path, params, data, headers, left, deadline)
+
+    def _credentials_may_wait(self) -> bool:
+        """Whether reading the credentials can wait: kubernetes-asyncio awaits what its
+        refresh hook returns, and only an async hook returns something to wait for (the
+        in-cluster token's hook reads a file, the kubeconfig's has none)."""
+        hook = self._config.refresh_api_key_hook
+        if hook is None:
+            return False
+        if hook is not self._hook_checked:
+            self._hook_checked = hook
+            self._hook_may_wait = inspect.iscoroutinefunction(hook) or not (
+                inspect.isfunction(hook) or inspect.ismethod(hook)
+            )
+        return self._hook_may_wait
 
     async def _reload_credentials(self, version: int | None = None) -> bool:
         """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
@@ -731,6 +776,7 @@ MAX_WATCH_LINE = 2**24
 
 
 def _line_too_long() -> KubeError:
+    count_request("watch", "error")
     return KubeError(
         ErrorKind.TRANSIENT,
         f"a watch line longer than {MAX_WATCH_LINE} bytes",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -122,6 +124,11 @@ async def test_connection_close_is_honoured(server):
         b"HTTP/1.1 abc OK\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 2\xb20 OK\r\n\r\n",  # a Latin-1 superscript two is no digit
+        b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}XY0\r\n\r\n",
     ],
 )
 async def test_malformed_answers_are_protocol_errors(server, raw):
@@ -232,3 +239,153 @@ def test_on_uvloop():
             await srv.wait_closed()
 
     assert uvloop.run(exchange()) == b'{"uv":1}'
+
+
+async def test_no_answer_by_the_deadline_is_a_timeout_and_the_connection_is_dropped():
+    """The deadline is one timer on the loop: past it the request fails with
+    TimeoutError and its connection is closed, so the late answer is never read; the
+    next request gets its answer on a new connection."""
+    answered = asyncio.Event()
+    late: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if not late:
+            late.append(b"held")
+            await answered.wait()  # answers only after the client gave up
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    loop = asyncio.get_running_loop()
+    try:
+        with pytest.raises(TimeoutError):
+            await client.request("GET", "/slow", deadline=loop.time() + 0.05)
+        assert not client._idle, "a connection whose answer was abandoned is not pooled"
+        answered.set()
+        response = await client.request("GET", "/next", deadline=loop.time() + 5)
+        assert response.body == b"{}"
+        with pytest.raises(TimeoutError):  # a deadline already past
+            await client.request("GET", "/past", deadline=loop.time() - 1)
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("raw", "body"),
+    [
+        (  # an interim answer, then the answer
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+            b"{}",
+        ),
+        (  # bare LF line ends, a body holding CRLF CRLF
+            b'HTTP/1.1 200 OK\nContent-Length: 11\n\n{"a":\r\n\r\n1}',
+            b'{"a":\r\n\r\n1}',
+        ),
+        (  # bare LF chunk lines
+            b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\n{"a"\n3\n:1}\n0\n\n',
+            b'{"a":1}',
+        ),
+    ],
+)
+async def test_odd_but_valid_answers(server, raw, body):
+    client = Http1Client(await server([lambda _: raw]))
+    response = await client.request("GET", "/")
+    assert (response.status, response.body) == (200, body)
+    await client.close()
+
+
+async def test_a_reset_during_a_close_delimited_body_is_an_error():
+    """A body that ends when the server closes is whole only if the server closed the
+    connection; a reset may have cut it short."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\n\r\n{"a":1, "b"')
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await client.request("GET", "/")
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_a_request_the_server_drops_unanswered_is_sent_twice_at_most():
+    """A pooled connection that fails with nothing answered is retried once, on a fresh
+    connection: not once per idle connection in the pool."""
+    seen = 0
+    answering = True
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                if not answering:
+                    seen += 1
+                    writer.close()  # read it, answer nothing
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        await asyncio.gather(*(client.request("GET", f"/{i}") for i in range(6)))
+        assert len(client._idle) == 6
+        answering = False
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await client.request("PATCH", "/x", body=b"{}")
+        assert seen == 2
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_bytes_nobody_asked_for_close_an_idle_connection():
+    pooled = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        await pooled.wait()
+        writer.write(b"x" * 1_000_000)  # unasked
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        await client.request("GET", "/")
+        idle = client._idle[0]
+        closed = asyncio.Event()
+        lost = idle.connection_lost
+
+        def noted(exc: Exception | None) -> None:
+            lost(exc)
+            closed.set()
+
+        idle.connection_lost = noted  # type: ignore[method-assign]
+        pooled.set()
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert not idle.usable() and len(idle._buffer) == 0
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()

@@ -428,8 +428,9 @@ async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_wait
 async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch):
     """One wake of the loop per tick, not per canary: a deadline closer than a tick is
     waited for a whole tick, after which every deadline due by then is taken without
-    waiting again. The tick is an eighth of the judge's slack, at most 25 ms."""
-    assert Settings(timeout=60.0).scheduler_tick == 0.025
+    waiting again. The tick is an eighth of the judge's slack, at most 100 ms."""
+    assert Settings(timeout=60.0).scheduler_tick == 0.1
+    assert Settings(timeout=5.0).scheduler_tick == pytest.approx(0.0625)
     assert Settings(timeout=1.0).scheduler_tick == pytest.approx(0.0125)
     assert Settings(timeout=0.2).scheduler_tick == pytest.approx(0.0025)
     now = [100.0]
@@ -526,13 +527,13 @@ async def test_watch_lines_are_split_however_the_stream_is_cut():
     events[7]["object"]["spec"] = {"restartNonce": INT64_MAX * 4}  # any size of integer
     lines = b"".join(json.dumps(e).encode() + b"\n" for e in events[:-1])
     first = lines.index(b"\n") + 1
-    stream = (lines[:first] + b"\n\r\n" + lines[first:] + b"[1,2]\nnot json\n") + json.dumps(
-        events[-1]
-    ).encode()
+    deep = b"[" * 5000 + b"]" * 5000  # nested past the decoder's depth
+    last = json.dumps(events[-1]).encode()  # no newline after it
+    stream = lines[:first] + b"\n\r\n" + lines[first:] + b"[1,2]\nnot json\n" + deep + b"\n" + last
     decode_errors = metrics.ERRORS.labels("watch_decode")
     before = decode_errors._value.get()
     assert await _watch_answering(stream, (1, 5, 300, 7, 2000, 211)) == events
-    assert decode_errors._value.get() == before + 2
+    assert decode_errors._value.get() == before + 3
 
 
 async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
@@ -541,3 +542,45 @@ async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
     with pytest.raises(KubeError) as caught:
         await _watch_answering(ok + b"\n" + b"x" * 20_000 + b"\n" + ok + b"\n", (4096,))
     assert caught.value.kind is ErrorKind.TRANSIENT and caught.value.reason == "LineTooLong"
+
+
+async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not_come():
+    """One deadline for the whole request: an async refresh hook that never returns
+    fails it as a credentials problem, a server that never answers as a timeout. A
+    plain (sync) hook, as the in-cluster token's, needs no timeout scope around it."""
+    held = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await held.wait()  # never answers
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    configuration = k8s_client.Configuration()
+    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    configuration.api_key = {"BearerToken": "Bearer t"}
+    kube_client = KubeClient(configuration, request_timeout=0.2)
+    try:
+
+        async def stuck_hook(_: Any) -> None:
+            await held.wait()
+
+        configuration.refresh_api_key_hook = stuck_hook
+        assert kube_client._credentials_may_wait()
+        with pytest.raises(KubeError) as caught:
+            await kube_client.request("get", "GET", "/version")
+        assert caught.value.reason == "Credentials"
+
+        def file_hook(_: Any) -> None:
+            pass
+
+        configuration.refresh_api_key_hook = file_hook
+        assert not kube_client._credentials_may_wait()
+        with pytest.raises(KubeError) as caught:
+            await kube_client.request("get", "GET", "/version")
+        assert caught.value.kind is ErrorKind.TRANSIENT
+        assert caught.value.reason != "Credentials" and "TimeoutError" in str(caught.value)
+    finally:
+        held.set()
+        await kube_client.close()
+        server.close()
+        await server.wait_closed()
