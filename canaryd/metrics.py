@@ -12,8 +12,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -54,7 +56,8 @@ class _LoopHistogramChild:
 
     def observe(self, amount: float) -> None:
         self._sum += amount
-        self._buckets[bisect.bisect_left(self._bounds, amount)] += 1
+        if amount == amount:  # NaN is in no bucket (as prometheus_client counts it)
+            self._buckets[bisect.bisect_left(self._bounds, amount)] += 1
 
 
 class _LoopMetric(Collector):
@@ -124,7 +127,8 @@ class LoopCounter(_LoopMetric):
             assert isinstance(child, _LoopCounterChild)
             labels = dict(zip(self._labelnames, values, strict=True))
             family.add_sample(self._name + "_total", labels, child._value.value)
-            family.add_sample(self._name + "_created", labels, child.created)
+            if _created_series():
+                family.add_sample(self._name + "_created", labels, child.created)
         yield family
 
 
@@ -166,17 +170,19 @@ class LoopHistogram(_LoopMetric):
             cumulative = 0
             for bound, count in zip(self._bounds, child._buckets, strict=True):
                 cumulative += count
-                le = "+Inf" if bound == math.inf else _float_label(bound)
+                le = floatToGoString(bound)  # type: ignore[no-untyped-call]
                 family.add_sample(self._name + "_bucket", {**labels, "le": le}, cumulative)
             family.add_sample(self._name + "_count", labels, cumulative)
             family.add_sample(self._name + "_sum", labels, child._sum)
-            family.add_sample(self._name + "_created", labels, child.created)
+            if _created_series():
+                family.add_sample(self._name + "_created", labels, child.created)
         yield family
 
 
-def _float_label(bound: float) -> str:
-    """An ``le`` value as prometheus_client writes it (``0.005``, ``1.0``)."""
-    return repr(float(bound))
+def _created_series() -> bool:
+    """Whether ``_created`` samples are written: prometheus_client's own switch
+    (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics())."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
 
 
 API_REQUESTS = LoopCounter(

@@ -10,6 +10,7 @@ be had from the package registries here.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -288,6 +289,7 @@ def test_the_hot_path_metrics_are_exposed_as_prometheus_clients_are():
     """canaryd's lock-free counters and histograms (metrics.LoopCounter, LoopHistogram)
     write the exposition prometheus_client's Counter and Histogram write for the same
     observations: names, HELP, TYPE, labels, cumulative buckets, +Inf, _count, _sum."""
+    import prometheus_client
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
     from canaryd.metrics import LoopCounter, LoopHistogram
@@ -297,7 +299,7 @@ def test_the_hot_path_metrics_are_exposed_as_prometheus_clients_are():
         Counter("t_requests_total", "Doc 'quoted'.", ["verb", "code"], registry=theirs),
         LoopCounter("t_requests", "Doc 'quoted'.", ["verb", "code"], registry=ours),
     )
-    buckets = (0.005, 0.01, 1, 2, 300)
+    buckets = (0.005, 0.01, 1, 2, 300, 1e6)
     histograms = (
         Histogram("t_seconds", "H.", ["kind"], buckets=buckets, registry=theirs),
         LoopHistogram("t_seconds", "H.", ["kind"], buckets=buckets, registry=ours),
@@ -317,6 +319,7 @@ def test_the_hot_path_metrics_are_exposed_as_prometheus_clients_are():
         histogram.labels("fs")  # exported empty
     for histogram in plain:
         histogram.observe(0.5)
+        histogram.observe(math.nan)  # in no bucket, in the sum
 
     def exposed(registry: CollectorRegistry) -> str:
         text = generate_latest(registry).decode()
@@ -324,3 +327,10 @@ def test_the_hot_path_metrics_are_exposed_as_prometheus_clients_are():
 
     assert exposed(ours) == exposed(theirs)
     assert 't_seconds_bucket{kind="fd",le="0.01"} 3.0' in exposed(ours)
+    assert 'le="1e+06"' in exposed(ours)
+    prometheus_client.disable_created_metrics()  # PROMETHEUS_DISABLE_CREATED_SERIES
+    try:
+        assert "_created" not in exposed(ours)
+        assert exposed(ours) == exposed(theirs)
+    finally:
+        prometheus_client.enable_created_metrics()
