@@ -17,8 +17,7 @@ import re
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 from urllib.parse import urlencode, urlsplit
 
 import structlog
@@ -34,8 +33,7 @@ class ProtocolError(Exception):
     """The server's answer is not HTTP/1.1 we can read."""
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     status: int
     headers: Mapping[str, str]  # names lowercased
     body: bytes
@@ -133,6 +131,8 @@ class _Connection(asyncio.Protocol):
     def _finish(self, body: bytes) -> None:
         assert self._head is not None and self._waiter is not None
         status, headers, keep = self._head
+        # A pooled connection keeps nothing of the answer it delivered.
+        self._head, self._chunks = None, []
         waiter, self._waiter = self._waiter, None
         if not waiter.done():
             waiter.set_result((Response(status, headers, body), keep and not self._eof))
@@ -195,12 +195,10 @@ class _Connection(asyncio.Protocol):
             if self._eof:
                 self._truncated()
             return False
-        lines = buffer[:end].decode("latin-1").split("\n")
+        text = buffer[:end].decode("latin-1")
         del buffer[: end + size]
-        lines[-1] = lines[-1].rstrip("\r")
-        if len(lines) > MAX_HEADER_LINES:
-            raise ProtocolError("too many header lines")
-        status_line = lines[0].rstrip("\r")
+        status_line, _, fields = text.partition("\n")
+        status_line = status_line.rstrip("\r")
         parts = status_line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _DIGITS(parts[1]):
             raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
@@ -208,12 +206,7 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints): the real one follows.
             return self._read_head()
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ProtocolError(f"malformed header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
+        headers = _fields(fields)
         keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
         self._head = (status, headers, keep)
         if self._method == "HEAD" or status in (204, 304, 101):
@@ -275,6 +268,22 @@ class _Connection(asyncio.Protocol):
             self._chunks.append(bytes(buffer[:size]))
             del buffer[: size + ending]
             self._chunk = _CHUNK_SIZE_LINE
+
+
+def _fields(text: str) -> dict[str, str]:
+    """The header lines (after the status line) as a dict, names lowercased."""
+    if not text:
+        return {}
+    lines = text.split("\n")
+    if len(lines) >= MAX_HEADER_LINES:
+        raise ProtocolError("too many header lines")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise ProtocolError(f"malformed header line {line[:80]!r}")
+        headers[name.strip().lower()] = value.strip()
+    return headers
 
 
 _CHUNK_SIZE_LINE = -1

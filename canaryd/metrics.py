@@ -148,8 +148,9 @@ class LoopHistogram(_LoopMetric):
         if bounds[-1] != math.inf:
             bounds.append(math.inf)
         self._bounds = tuple(bounds)
-        if not self._labelnames:
-            self._labels(())
+        self._only = self._child(()) if not self._labelnames else None
+        if self._only is not None:
+            self._children[()] = self._only
 
     def _child(self, values: tuple[str, ...]) -> _LoopHistogramChild:
         return _LoopHistogramChild(self._bounds)
@@ -160,7 +161,10 @@ class LoopHistogram(_LoopMetric):
         return child
 
     def observe(self, amount: float) -> None:
-        self.labels().observe(amount)
+        """For a histogram without labels (its one child, looked up once)."""
+        if self._only is None:
+            raise ValueError(f"{self._name} has labels {self._labelnames}: use labels()")
+        self._only.observe(amount)
 
     def collect(self) -> Iterator[Metric]:
         family = Metric(self._name, self._doc, "histogram")

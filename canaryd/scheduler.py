@@ -896,7 +896,11 @@ class Scheduler:
     ) -> float:
         now = self._clock()
         metadata = written.get("metadata") or {}
-        generation = metadata.get("generation") if isinstance(metadata, Mapping) else None
+        generation = (
+            metadata.get("generation")
+            if (type(metadata) is dict or isinstance(metadata, Mapping))
+            else None
+        )
         self.registry.refresh(canary, written)
         if repaired:
             log.warning(

@@ -84,7 +84,11 @@ class Phase(enum.Enum):
 
 def _rv(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata")
-    value = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
+    value = (
+        metadata.get("resourceVersion")
+        if (type(metadata) is dict or isinstance(metadata, Mapping))
+        else None
+    )
     return str(value) if value else ""
 
 
@@ -243,7 +247,7 @@ class ListWatch:
                     on_connected=self._opened,
                 ):
                     kind, obj = event.get("type"), event.get("object")
-                    if not isinstance(obj, Mapping):
+                    if not (type(obj) is dict or isinstance(obj, Mapping)):
                         metrics.ERRORS.labels("watch_decode").inc()
                         log.warning(
                             "watch_event_without_object", scope=str(self.scope), type=str(kind)
