@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
-import msgspec
 import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
@@ -94,16 +93,12 @@ def server_url_problem(host: str) -> str | None:
 
 
 def decode_json(data: bytes) -> Any:
-    """JSON from the API server, decoded by msgspec (a quarter of the stdlib's time on a
-    canary's object; any size of integer, as the stdlib). Raises ValueError
-    (msgspec.DecodeError) on anything that is not JSON."""
+    """JSON from the API server. Raises ValueError on anything that is not JSON, nested
+    past the interpreter's depth included."""
     try:
-        return _decode(data)
-    except RecursionError as err:  # nested past msgspec's depth: not JSON canaryd reads
+        return json.loads(data)
+    except RecursionError as err:
         raise ValueError(f"JSON nested too deeply: {err}") from err
-
-
-_decode = msgspec.json.Decoder().decode
 
 
 @functools.lru_cache(maxsize=2**14)
