@@ -428,9 +428,9 @@ async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_wait
 async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch):
     """One wake of the loop per tick, not per canary: a deadline closer than a tick is
     waited for a whole tick, after which every deadline due by then is taken without
-    waiting again. The tick is an eighth of the judge's slack, at most 100 ms."""
-    assert Settings(timeout=60.0).scheduler_tick == 0.1
-    assert Settings(timeout=5.0).scheduler_tick == pytest.approx(0.0625)
+    waiting again. The tick is an eighth of the judge's slack, at most 25 ms."""
+    assert Settings(timeout=60.0).scheduler_tick == 0.025
+    assert Settings(timeout=5.0).scheduler_tick == 0.025
     assert Settings(timeout=1.0).scheduler_tick == pytest.approx(0.0125)
     assert Settings(timeout=0.2).scheduler_tick == pytest.approx(0.0025)
     now = [100.0]

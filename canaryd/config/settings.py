@@ -155,9 +155,10 @@ class Settings:
         due within it together: a burst of bumps per wake of the event loop, not a wake
         per canary (400 a second at 2,000 canaries on a 5 s cycle; the wakes, not the
         bumps, were a third of canaryd's CPU). A deadline is met at most a tick late: an
-        eighth of the judge's slack, at most 100 ms (62.5 ms on a 5 s cycle, where a
-        25 ms cap cost a fifth more CPU per bump; docs/PERFORMANCE.md)."""
-        return min(0.1, self.judge_slack / 8)
+        eighth of the judge's slack, at most 25 ms. A 100 ms cap cost a fifth less CPU
+        per bump on a 5 s cycle, but a burst's work held /healthz back (p99 2.0-3.3 ms
+        at 10,000 canaries against 1.7-1.9; docs/PERFORMANCE.md)."""
+        return min(0.025, self.judge_slack / 8)
 
     @property
     def resume_grace(self) -> float:
