@@ -183,47 +183,48 @@ class _Connection(asyncio.Protocol):
 
     def _read_head(self) -> bool:
         """Parse the status line and headers once they are all in; False: not yet."""
-        buffer = self._buffer
-        # The head ends at its first empty line: CRLF, or a bare LF (tolerated).
-        end, size = buffer.find(b"\n\r\n"), 3
-        bare = buffer.find(b"\n\n", 0, end if end >= 0 else len(buffer))
-        if bare >= 0:
-            end, size = bare, 2
-        if end < 0:
-            if len(buffer) > MAX_HEAD:
-                raise ProtocolError("response head too large")
-            if self._eof:
-                self._truncated()
-            return False
-        text = buffer[:end].decode("latin-1")
-        del buffer[: end + size]
-        status_line, _, fields = text.partition("\n")
-        status_line = status_line.rstrip("\r")
-        parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _DIGITS(parts[1]):
-            raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        status = int(parts[1])
-        if 100 <= status < 200 and status != 101:
-            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
-            return self._read_head()
-        headers = _fields(fields)
-        keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
-        self._head = (status, headers, keep)
-        if self._method == "HEAD" or status in (204, 304, 101):
-            self._length = 0
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            self._chunked = True
-        elif "content-length" in headers:
-            value = headers["content-length"]
-            if not _DIGITS(value):
-                raise ProtocolError(f"malformed Content-Length {value[:40]!r}")
-            length = int(value)
-            if not 0 <= length <= MAX_BODY:
-                raise ProtocolError(f"unacceptable Content-Length {length}")
-            self._length = length
-        else:
-            self._head = (status, headers, False)  # the server closes to end the body
-        return True
+        while True:  # past any interim answers
+            buffer = self._buffer
+            # The head ends at its first empty line: CRLF, or a bare LF (tolerated).
+            end, size = buffer.find(b"\n\r\n"), 3
+            bare = buffer.find(b"\n\n", 0, end if end >= 0 else len(buffer))
+            if bare >= 0:
+                end, size = bare, 2
+            if end < 0:
+                if len(buffer) > MAX_HEAD:
+                    raise ProtocolError("response head too large")
+                if self._eof:
+                    self._truncated()
+                return False
+            text = buffer[:end].decode("latin-1")
+            del buffer[: end + size]
+            status_line, _, fields = text.partition("\n")
+            status_line = status_line.rstrip("\r")
+            parts = status_line.split(None, 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _DIGITS(parts[1]):
+                raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+            status = int(parts[1])
+            if 100 <= status < 200 and status != 101:
+                # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+                continue
+            headers = _fields(fields)
+            keep = headers.get("connection", "").lower() != "close" and parts[0] != "HTTP/1.0"
+            self._head = (status, headers, keep)
+            if self._method == "HEAD" or status in (204, 304, 101):
+                self._length = 0
+            elif "chunked" in headers.get("transfer-encoding", "").lower():
+                self._chunked = True
+            elif "content-length" in headers:
+                value = headers["content-length"]
+                if not _DIGITS(value):
+                    raise ProtocolError(f"malformed Content-Length {value[:40]!r}")
+                length = int(value)
+                if not 0 <= length <= MAX_BODY:
+                    raise ProtocolError(f"unacceptable Content-Length {length}")
+                self._length = length
+            else:
+                self._head = (status, headers, False)  # the server closes to end the body
+            return True
 
     def _read_chunks(self) -> None:
         buffer = self._buffer

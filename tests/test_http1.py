@@ -281,6 +281,11 @@ async def test_no_answer_by_the_deadline_is_a_timeout_and_the_connection_is_drop
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
             b"{}",
         ),
+        (  # many interim answers in one read: read in a loop, not one call deep each
+            b"HTTP/1.1 103 Early Hints\r\n\r\n" * 5000
+            + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+            b"{}",
+        ),
         (  # bare LF line ends, a body holding CRLF CRLF
             b'HTTP/1.1 200 OK\nContent-Length: 11\n\n{"a":\r\n\r\n1}',
             b'{"a":\r\n\r\n1}',
