@@ -296,6 +296,7 @@ class Options:
     peer_canaries: int = 2000
     peer_cycle: float = 5.0
     peer_cycles: int = 4
+    peer_rounds: int = 3
 
 
 async def run_peer(tmp: Path, options: Options) -> Comparison:
@@ -305,6 +306,7 @@ async def run_peer(tmp: Path, options: Options) -> Comparison:
         cycle=options.peer_cycle,
         cycles=options.peer_cycles,
         profile=options.profile,
+        rounds=options.peer_rounds,
     )
     print("\n" + comparison.table(), flush=True)
     if comparison.profile is not None or comparison.profile_error:
@@ -355,7 +357,7 @@ def arguments() -> Options:
     parser.add_argument(
         "--peer-only",
         action="store_true",
-        help="only canaryd beside the kopf prober (about 2 minutes); --output writes that "
+        help="only canaryd beside the kopf prober (about 5 minutes); --output writes that "
         "section alone",
     )
     parser.add_argument(
@@ -368,6 +370,12 @@ def arguments() -> Options:
     parser.add_argument("--peer-cycle", type=float, default=Options.peer_cycle, help="seconds")
     parser.add_argument(
         "--peer-cycles", type=int, default=Options.peer_cycles, help="cycles in the window"
+    )
+    parser.add_argument(
+        "--peer-rounds",
+        type=int,
+        default=Options.peer_rounds,
+        help="interleaved rounds of each contender (their medians are compared)",
     )
     return Options(**vars(parser.parse_args()))
 

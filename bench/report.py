@@ -42,6 +42,7 @@ def peer_section(peer: Comparison) -> str:
         canaries=f"{peer.canaries:,}",
         cycle=f"{peer.cycle:g}",
         cycles=peer.cycles,
+        rounds=len(peer.canaryd.rounds),
         window=f"{peer.cycles * peer.cycle:g}",
         kopf=peer.kopf_version,
         table=peer.table(),
@@ -58,7 +59,9 @@ PEER = """## Against a kopf-based prober
 Issue 22's goal is checked where it is built: canaryd and a small kopf-based prober
 (bench/kopf_prober.py, kopf {kopf} from the bench's own venv, `.cache/bench-peer-venv`)
 doing the same job, one after the other against the same fake API server process in
-the same run: {canaries} canaries, a {cycle} s cycle. Every cycle the prober's
+the same run: {canaries} canaries, a {cycle} s cycle, in {rounds} interleaved rounds
+(canaryd then the prober, then the prober then canaryd, ...), so that what else the
+shared machine does weighs on both alike. Every cycle the prober's
 `@kopf.timer` (sharp, one per canary) judges the previous bump and writes
 spec.restartNonce + 1 as a merge patch with a resourceVersion precondition; an
 `@kopf.on.event` handler notes the generations the watch delivers; an `@kopf.on.probe`
@@ -73,7 +76,8 @@ and the bumps written (the rise of the sum of the canaries' generations, one LIS
 each end); "from spawn" divides all its CPU by all its bumps up to the window's end.
 The health endpoint (canaryd's /healthz, kopf's liveness endpoint, which caches the
 probe's result for 10 s) is then measured with 20 paced clients for 5 s, and the peak
-RSS read (VmHWM).
+RSS read (VmHWM). Each figure below is the median of its rounds (the ratio is of the
+medians; peak RSS is the highest round's).
 
 {table}
 
