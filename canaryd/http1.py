@@ -16,7 +16,8 @@ import math
 import re
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import NamedTuple, cast
 from urllib.parse import urlencode, urlsplit
 
@@ -39,6 +40,17 @@ class Response(NamedTuple):
     body: bytes
 
 
+Answered = Callable[[Response | BaseException, bool], None]
+"""Told a request's outcome, once: the answer and whether its connection can be kept,
+or what ended the exchange (IncompleteReadError with what arrived before the server
+closed, ProtocolError, TimeoutError at the deadline, the transport's error)."""
+
+Outcome = Callable[[Response | BaseException | None], None]
+"""``Http1Client.send``'s callback: the answer, what failed it, or None when nothing was
+answered on a pooled connection the server had closed (the awaitable ``request``
+retries that on a fresh connection)."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection. The answer is parsed as its bytes arrive, in the
     transport's callback: no stream reader, no await per header line."""
@@ -49,7 +61,7 @@ class _Connection(asyncio.Protocol):
         self._loop = loop
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._waiter: asyncio.Future[tuple[Response, bool]] | None = None
+        self._on_answer: Answered | None = None  # the request in flight's, if any
         self._method = "GET"
         self._eof = False
         self._lost: BaseException | None = None
@@ -68,7 +80,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None:
+        if self._on_answer is None:
             # Bytes nobody asked for (no request in flight): the connection is out of
             # step with the server. Dropped, not buffered.
             self.close()
@@ -79,14 +91,14 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self._eof = True
-        if self._waiter is not None:
+        if self._on_answer is not None:
             self._advance()
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
         self._lost = exc
-        if self._waiter is not None:
+        if self._on_answer is not None:
             self._advance()
 
     # the exchange
@@ -100,18 +112,24 @@ class _Connection(asyncio.Protocol):
             and not self.transport.is_closing()
         )
 
-    def exchange(self, payload: bytes, method: str) -> asyncio.Future[tuple[Response, bool]]:
-        """Send one request; the future is its answer and whether the connection can be
-        kept. It fails with IncompleteReadError (what arrived before the server closed),
-        ProtocolError or the transport's error."""
-        assert self.transport is not None and self._waiter is None
+    def exchange(self, payload: bytes, method: str, on_answer: Answered) -> None:
+        """Send one request; ``on_answer`` is told its outcome once, from the transport's
+        callback (never from within this call)."""
+        assert self.transport is not None and self._on_answer is None
         self._method = method
         self._head, self._length, self._chunked = None, -1, False
         self._chunk, self._chunks, self._chunked_size = _CHUNK_SIZE_LINE, [], 0
         self._received = False
-        self._waiter = self._loop.create_future()
-        self.transport.write(payload)
-        return self._waiter
+        self._on_answer = on_answer
+        try:
+            self.transport.write(payload)
+        except BaseException:
+            self._on_answer = None
+            raise
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
     def expire_at(self, deadline: float) -> asyncio.TimerHandle:
         """At ``deadline`` the answer is abandoned with its connection (TimeoutError)."""
@@ -129,21 +147,20 @@ class _Connection(asyncio.Protocol):
         self._eof = True
 
     def _finish(self, body: bytes) -> None:
-        assert self._head is not None and self._waiter is not None
+        assert self._head is not None and self._on_answer is not None
         status, headers, keep = self._head
         # A pooled connection keeps nothing of the answer it delivered.
         self._head, self._chunks = None, []
-        waiter, self._waiter = self._waiter, None
-        if not waiter.done():
-            waiter.set_result((Response(status, headers, body), keep and not self._eof))
+        on_answer, self._on_answer = self._on_answer, None
+        on_answer(Response(status, headers, body), keep and not self._eof)
 
     def _fail(self, error: BaseException) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
+        on_answer, self._on_answer = self._on_answer, None
         if self.transport is not None:
             self.transport.close()
         self._eof = True
+        if on_answer is not None:
+            on_answer(error, False)
 
     def _truncated(self) -> None:
         if self._lost is not None and isinstance(self._lost, OSError):
@@ -299,6 +316,61 @@ class ConnectTimeout(TimeoutError):
     """No connection within the connect timeout."""
 
 
+def _settle(
+    waiter: asyncio.Future[tuple[Response, bool]], outcome: Response | BaseException, keep: bool
+) -> None:
+    if waiter.done():
+        return  # the request was cancelled meanwhile
+    if isinstance(outcome, BaseException):
+        waiter.set_exception(outcome)
+    else:
+        waiter.set_result((outcome, keep))
+
+
+class _Sent:
+    """One ``Http1Client.send`` in flight: its connection, its deadline's timer, and who
+    is told its outcome, a turn of the loop after it came (a bug there is logged, never
+    the transport's).
+
+    The turn keeps the order in which things arrived: an answer is handled after what
+    came in before it in the same read of the sockets (a watch event, whose task was
+    woken first), as an awaiting task's would be. Handled at once, inside the read, a
+    bump could count as answered before an older event of its watch was delivered,
+    and the judge would take that event for a sign that the stream still works."""
+
+    __slots__ = ("client", "connection", "on_outcome", "timer")
+
+    def __init__(
+        self,
+        client: Http1Client,
+        connection: _Connection,
+        timer: asyncio.TimerHandle,
+        on_outcome: Outcome,
+    ) -> None:
+        self.client, self.connection, self.timer = client, connection, timer
+        self.on_outcome = on_outcome
+
+    def __call__(self, outcome: Response | BaseException, keep: bool) -> None:
+        self.timer.cancel()
+        told: Response | BaseException | None = outcome
+        if isinstance(outcome, BaseException):
+            self.connection.close()
+            if (
+                isinstance(outcome, (ConnectionError, asyncio.IncompleteReadError))
+                and self.connection.nothing_received()
+            ):
+                told = None  # the server had closed the pooled connection: not answered
+        else:
+            self.client._done_with(self.connection, keep)
+        self.connection.loop.call_soon(self._tell, told)
+
+    def _tell(self, told: Response | BaseException | None) -> None:
+        try:
+            self.on_outcome(told)
+        except Exception:
+            log.exception("http1_outcome_callback_failed")
+
+
 class Http1Client:
     def __init__(
         self,
@@ -357,6 +429,44 @@ class Http1Client:
         """Encode header lines once; callers cache the block (it is the same per request)."""
         return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
 
+    def _payload(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        headers: bytes,
+        body: bytes | None,
+    ) -> bytes:
+        target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
+        length = b"Content-Length: %d\r\n" % len(body) if body is not None else b""
+        return b"".join(
+            (
+                f"{method} {target} HTTP/1.1\r\nHost: ".encode("ascii"),
+                self._host_header,
+                b"\r\n",
+                headers,
+                length,
+                b"\r\n",
+                body or b"",
+            )
+        )
+
+    def _pooled(self) -> _Connection | None:
+        """An idle connection the server has not closed meanwhile (nor sent unasked
+        bytes on), if there is one; those it closed are dropped."""
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.usable():
+                return connection
+            connection.close()
+        return None
+
+    def _done_with(self, connection: _Connection, keep: bool) -> None:
+        if keep and len(self._idle) < self._max_idle:
+            self._idle.append(connection)
+        else:
+            connection.close()
+
     async def request(
         self,
         method: str,
@@ -373,32 +483,17 @@ class Http1Client:
         ``deadline`` (the loop's clock): TimeoutError when no answer came by then, its
         connection closed so that a late answer is never read. One timer on the loop,
         not a timeout scope: a scope costs more than the rest of the exchange."""
-        target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
-        length = b"Content-Length: %d\r\n" % len(body) if body is not None else b""
-        payload = b"".join(
-            (
-                f"{method} {target} HTTP/1.1\r\nHost: ".encode("ascii"),
-                self._host_header,
-                b"\r\n",
-                headers,
-                length,
-                b"\r\n",
-                body or b"",
-            )
-        )
+        payload = self._payload(method, path, params, headers, body)
         retried = False
         while True:
-            reused = bool(self._idle) and not retried
-            if reused:
-                connection = self._idle.pop()
-                if not connection.usable():  # the server closed it while it was idle
-                    connection.close()
-                    continue
-            else:
+            connection = None if retried else self._pooled()
+            reused = connection is not None
+            if connection is None:
                 connection = await self._connect(deadline)
             timer = None
             try:
-                waiter = connection.exchange(payload, method)
+                waiter: asyncio.Future[tuple[Response, bool]] = connection.loop.create_future()
+                connection.exchange(payload, method, partial(_settle, waiter))
                 if deadline is not None:
                     timer = connection.expire_at(deadline)
                 response, keep = await waiter
@@ -416,11 +511,41 @@ class Http1Client:
             finally:
                 if timer is not None:
                     timer.cancel()
-            if keep and len(self._idle) < self._max_idle:
-                self._idle.append(connection)
-            else:
-                connection.close()
+            self._done_with(connection, keep)
             return response
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        on_outcome: Outcome,
+        *,
+        headers: bytes = b"",
+        body: bytes | None = None,
+        deadline: float,
+    ) -> bool:
+        """``request`` without a task: sent now on an idle pooled connection, and
+        ``on_outcome`` told a turn of the loop after it came (the answer, what failed it, or
+        None: the server had closed the pooled connection, nothing was answered, the
+        awaitable ``request`` retries it on a fresh one). False, and nothing sent, when no
+        idle connection is open (``request`` makes one)."""
+        connection = self._pooled()
+        if connection is None:
+            return False
+        timer = connection.expire_at(deadline)
+        try:
+            connection.exchange(
+                self._payload(method, path, None, headers, body),
+                method,
+                _Sent(self, connection, timer, on_outcome),
+            )
+        except (OSError, RuntimeError):
+            # The transport refused the bytes: whatever went out, the server gets no
+            # whole request once the connection is closed; ``request`` tries anew.
+            timer.cancel()
+            connection.close()
+            return False
+        return True
 
     async def close(self) -> None:
         while self._idle:

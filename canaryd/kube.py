@@ -21,10 +21,10 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -34,7 +34,7 @@ from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
-from canaryd.http1 import Http1Client, ProtocolError
+from canaryd.http1 import Http1Client, ProtocolError, Response
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -92,11 +92,26 @@ def server_url_problem(host: str) -> str | None:
     return None
 
 
+_WHITESPACE: Callable[[str, int], Any] = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+"""The stdlib decoder's C scanner, called directly: json.loads(bytes) runs four Python
+functions around it (the encoding's detection, the decoder's whitespace checks), as
+much again as the scan of an object canaryd reads, twice per bump."""
+
+
 def decode_json(data: bytes) -> Any:
     """JSON from the API server. Raises ValueError on anything that is not JSON, nested
     past the interpreter's depth included."""
     try:
-        return json.loads(data)
+        if data[:1] == b"{":  # an object in UTF-8, as the API server sends it
+            text = data.decode()
+            try:
+                value, end = _scan(text, 0)
+            except StopIteration:
+                value, end = None, -1  # not JSON there: json.loads says why, below
+            if end == len(text) or (end > 0 and _WHITESPACE(text, end).end() == len(text)):
+                return value
+        return json.loads(data)  # anything else, and every error, as json.loads has it
     except RecursionError as err:
         raise ValueError(f"JSON nested too deeply: {err}") from err
 
@@ -282,6 +297,67 @@ def failure_cause(err: KubeError) -> str:
 
 
 _REQUEST_COUNTERS: dict[tuple[str, int | str], Any] = {}
+
+
+def _failed(verb: str, err: BaseException) -> KubeError:
+    """An exchange that ended without an answer, counted: the KubeError it is."""
+    count_request(verb, "error")
+    if isinstance(
+        err,
+        (
+            TimeoutError,
+            aiohttp.ClientError,
+            OSError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ProtocolError,
+        ),
+    ):
+        return error_from_exception(err)
+    # The boundary: all else is a KubeError too.
+    metrics.ERRORS.labels("request").inc()
+    log.warning("request_failed_unexpectedly", verb=verb, error=type(err).__name__)
+    return error_from_exception(err, "ClientError")
+
+
+def _result(status: int, payload: bytes, retry_after: str | None, attempt: int) -> dict[str, Any]:
+    """An answer's decoded object, or the KubeError it is."""
+    if status >= 300:
+        # Raised where it is made: a local naming it would keep it, its traceback and this
+        # frame (the answer with it) in a reference cycle until the collector ran.
+        raise _status_error(status, payload, retry_after, attempt)
+    try:
+        decoded = decode_json(payload)
+    except ValueError as err:
+        raise KubeError(
+            ErrorKind.TRANSIENT, "the API server sent a body that is not JSON", status=status
+        ) from err
+    if not isinstance(decoded, dict):
+        raise KubeError(
+            ErrorKind.TRANSIENT, "the API server sent JSON that is not an object", status=status
+        )
+    return decoded
+
+
+def _status_error(status: int, payload: bytes, retry_after: str | None, attempt: int) -> KubeError:
+    error = error_from_response(status, payload, retry_after)
+    if status == 401 and attempt == 2:
+        error.args = (f"{error.args[0]} (also after reloading the credentials)",)
+    return error
+
+
+_T = TypeVar("_T")
+
+
+def _now(coroutine: Coroutine[Any, Any, _T]) -> _T | None:
+    """A coroutine run to its end now, if it ends without waiting (the credentials when
+    no refresh hook can wait); None, and the coroutine closed, if it would wait."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    coroutine.close()
+    return None
 
 
 def count_request(verb: str, code: int | str) -> None:
@@ -507,47 +583,77 @@ class KubeClient:
             except TimeoutError as err:
                 if stage[0] == "credentials":
                     raise error_from_exception(err, "Credentials") from err
-                count_request(verb, "error")
-                raise error_from_exception(err) from err
-            except (
-                aiohttp.ClientError,
-                OSError,
-                asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError,
-                ProtocolError,
-            ) as err:
-                count_request(verb, "error")
-                raise error_from_exception(err) from err
-            except Exception as err:  # the boundary: all else is a KubeError
-                count_request(verb, "error")
-                metrics.ERRORS.labels("request").inc()
-                log.warning("request_failed_unexpectedly", verb=verb, error=type(err).__name__)
-                raise error_from_exception(err, "ClientError") from err
-            self.last_answer = time.monotonic()
-            count_request(verb, status)
+                raise _failed(verb, err) from err
+            except Exception as err:
+                raise _failed(verb, err) from err
+            self._answered(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 continue
-            if status >= 300:
-                error = error_from_response(status, payload, retry_after)
-                if status == 401 and attempt == 2:
-                    error.args = (f"{error.args[0]} (also after reloading the credentials)",)
-                raise error
-            try:
-                decoded = decode_json(payload)
-            except ValueError as err:
-                raise KubeError(
-                    ErrorKind.TRANSIENT,
-                    "the API server sent a body that is not JSON",
-                    status=status,
-                ) from err
-            if not isinstance(decoded, dict):
-                raise KubeError(
-                    ErrorKind.TRANSIENT,
-                    "the API server sent JSON that is not an object",
-                    status=status,
-                )
-            return decoded
+            return _result(status, payload, retry_after, attempt)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def start(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        on_done: Callable[[dict[str, Any] | KubeError | None], None],
+        *,
+        data: str,
+        content_type: str = "application/json",
+        time_limit: float | None = None,
+    ) -> bool:
+        """``request`` without a task, where the lean client can: sent now on an idle
+        pooled connection, ``on_done`` told a turn of the loop after the answer came
+        (never from within this call) what ``request`` would return or raise, or None:
+        nothing this call can
+        conclude (a 401, which ``request`` answers by reloading the credentials; a pooled
+        connection the server had closed), to be done again with ``request``. False, and
+        nothing sent, where only ``request`` can: aiohttp, credentials that may wait, no
+        idle connection."""
+        if self._http1 is None or self._credentials_may_wait():
+            return False
+        deadline = self._loop.time() + (time_limit or self._request_timeout)
+        try:
+            headers = _now(self._headers())
+        except KubeError as err:
+            self._loop.call_soon(on_done, err)
+            return True
+        if headers is None:
+            return False
+        headers["Content-Type"] = content_type
+
+        def answered(outcome: Response | BaseException | None) -> None:
+            if outcome is None:
+                on_done(None)
+            elif isinstance(outcome, BaseException):
+                on_done(_failed(verb, outcome))
+            else:
+                self._answered(verb, outcome.status)
+                if outcome.status == 401:
+                    on_done(None)
+                    return
+                try:
+                    result = _result(
+                        outcome.status, outcome.body, outcome.headers.get("retry-after"), 1
+                    )
+                except KubeError as err:
+                    on_done(err)
+                else:
+                    on_done(result)
+
+        return self._http1.send(
+            method,
+            path,
+            answered,
+            headers=self._header_block(headers),
+            body=data.encode(),
+            deadline=deadline,
+        )
+
+    def _answered(self, verb: str, status: int) -> None:
+        self.last_answer = time.monotonic()
+        count_request(verb, status)
 
     async def _attempt(
         self,

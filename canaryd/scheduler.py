@@ -2,11 +2,15 @@
 
 One task walks a deadline heap (not a task per canary). At a canary's deadline it
 judges the previous bump there and then, synchronously — judging never queues
-behind writes — and hands the next bump to a pool of bump workers: at least
-``max_concurrent_bumps``, more when slow writes (an admission webhook in the path)
-need them, so that no fixed share of canaries is skipped every cycle. A canary's
-first bump is placed at a stable offset within the cycle (a hash of its identity),
-so N canaries spread over the cycle instead of firing N writes at once.
+behind writes — and sends the next bump: in the common case at once, on an idle
+pooled connection, its answer handled in a callback (no task per bump;
+``_bump_now``, at most ``max_concurrent_bumps`` at a time); otherwise, and for
+whatever that first try is answered with but success, through a pool of bump
+workers: at least ``max_concurrent_bumps``, more when slow writes (an admission
+webhook in the path) need them, so that no fixed share of canaries is skipped every
+cycle. A canary's first bump is placed at a stable offset within the cycle (a hash
+of its identity), so N canaries spread over the cycle instead of firing N writes at
+once.
 
 Every write to the registry after an ``await`` first checks that the record is still
 the one tracked (``Registry.owns``): an answer that arrives after the canary was
@@ -27,6 +31,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import structlog
@@ -54,13 +59,17 @@ UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
 def bump_body(resource_version: str, nonce: int) -> str:
     """The merge patch of a bump: the precondition and spec.restartNonce, nothing else.
 
-    Serialised by hand (it is the hot path); ``json.dumps`` quotes the opaque
-    resourceVersion.
+    Serialised by hand (it is the hot path); the opaque resourceVersion is quoted by the
+    stdlib encoder's string function (what ``json.dumps`` of a string calls, without
+    its four Python calls around it).
     """
     return (
-        f'{{"metadata":{{"resourceVersion":{json.dumps(resource_version)}}},'
+        f'{{"metadata":{{"resourceVersion":{_json_string(resource_version)}}},'
         f'"spec":{{"restartNonce":{int(nonce)}}}}}'
     )
+
+
+_json_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 
 
 def wall_time(timestamp: float) -> str:
@@ -87,8 +96,9 @@ class Scheduler:
         self._due_seq: dict[CanaryKey, int] = {}
         """Each canary's one live heap entry (an earlier one of it is void)."""
         self._wake = asyncio.Event()
-        self._ready: deque[tuple[float, Canary]] = deque()
-        """Bumps that are due, in order, each with the time it fell due."""
+        self._ready: deque[tuple[float, Canary, KubeError | None]] = deque()
+        """Bumps for the workers, in order: each with the time it fell due, and the error
+        that answered its first try when that was sent without a worker (``_bump_now``)."""
         self._idle: deque[asyncio.Future[None]] = deque()
         """One future per idle bump worker: a queued bump wakes exactly one of them."""
         self._deferred: set[Canary] = set()
@@ -113,8 +123,6 @@ class Scheduler:
         self._aging: asyncio.TimerHandle | None = None
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
-        self.may_write: Callable[[], bool] = lambda: True
-        """Asked right before every write (the leader elector's ``holds_lease``)."""
         self.operator: OperatorMetrics | None = None
         """--reconciled-by operator-metrics: the operator's metrics endpoint."""
         self._awaiting: list[tuple[float, Canary]] = []
@@ -155,6 +163,9 @@ class Scheduler:
         self._stopping = False
         """Set by ``finish_writes``: canaryd is stopping, no write is sent any more."""
         self._writes_in_flight = 0
+        """Bumps sent and not answered yet, by the workers and by ``_bump_now``."""
+        self._sent_now = 0
+        """Those sent by ``_bump_now`` (without a worker)."""
         self._no_writes_in_flight = asyncio.Event()
         self._no_writes_in_flight.set()
         registry.observer = self
@@ -352,8 +363,13 @@ class Scheduler:
         self._queue_bump(due, canary)
 
     def _queue_bump(self, due: float, canary: Canary) -> None:
-        """Hand the canary's next bump to the workers."""
-        self._ready.append((due, canary))
+        """Send the canary's next bump now, or hand it to the workers."""
+        if not self._ready and self._bump_now(due, canary):
+            return
+        self._for_workers(due, canary, None)
+
+    def _for_workers(self, due: float, canary: Canary, failed: KubeError | None) -> None:
+        self._ready.append((due, canary, failed))
         while self._idle:
             waiter = self._idle.popleft()
             if not waiter.done():
@@ -380,16 +396,20 @@ class Scheduler:
                     if waiter.cancelled():  # this worker stopped: it is idle no more
                         with contextlib.suppress(ValueError):  # skipped by a wake already
                             self._idle.remove(waiter)
-            due, canary = self._ready.popleft()
+            due, canary, failed = self._ready.popleft()
             next_due: float | None
             try:
-                next_due = await self.bump_nonce(canary, due)
+                next_due = await self.bump_nonce(canary, due, failed=failed)
             except Exception:
                 # A bug must not stop the scheduler: say so, count it, try next cycle.
                 metrics.ERRORS.labels("scheduler").inc()
                 log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
                 self._no_bump(canary, "internal error; see logs")
                 next_due = self._after_failure(due)
+            finally:
+                # The worker keeps no failure: with its traceback it would hold the frames
+                # it went through (and the answer) while this worker waits.
+                failed = None
             if next_due is not None and self.registry.owns(canary):
                 self._push(next_due, canary)
 
@@ -419,15 +439,20 @@ class Scheduler:
 
     def _apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
         """Do what a judgement says: count it, log it, make the registry's transition,
-        reschedule what waits. Returns False when the verdict waits."""
+        reschedule what waits. Returns False when the verdict waits.
+
+        The cases read the judgement's fields as attributes: on Python 3.11 a positional
+        capture (``case Healthy(reason)``) costs twice as much, and in a match of several
+        such cases its line kept a few blocks more as it ran (tests/test_soak.py)."""
         match judgement:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
-            case Healthy(reason):
+            case Healthy():
                 HEALTHY_VERDICTS.inc()
                 self._deferred.discard(canary)
-                self.registry.judged(canary, CanaryState.HEALTHY, reason, now)
-            case Unhealthy(reason):
+                self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, now)
+            case Unhealthy():
+                reason = judgement.reason
                 UNHEALTHY_VERDICTS.inc()
                 self._deferred.discard(canary)
                 # The verdict an operator is paged for: a warning naming the canary when
@@ -436,8 +461,9 @@ class Scheduler:
                     "canary_unhealthy", canary=str(canary.key), reason=reason
                 )
                 self.registry.judged(canary, CanaryState.UNHEALTHY, reason, now)
-            case NoVerdict(reason, counted, fresh, missing):
-                metrics.VERDICTS.labels(counted).inc()
+            case NoVerdict():
+                reason, missing = judgement.reason, judgement.missing_series
+                metrics.VERDICTS.labels(judgement.counted).inc()
                 self._deferred.discard(canary)
                 if missing is not None and canary.key not in self._missing_series:
                     self._missing_series.add(canary.key)
@@ -449,24 +475,25 @@ class Scheduler:
                         hint="the operator does not watch its namespace, or has not "
                         "reconciled it since it started",
                     )
-                if fresh:
+                if judgement.fresh:
                     self.registry.fresh_check(canary, reason)
                 else:
                     self._no_bump(canary, reason)
-            case Recheck(at):
+            case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
                 self.registry.rechecking(canary)
-                self._push(at, canary)
+                self._push(judgement.at, canary)
                 return False
-            case Defer(until, why, first):
-                if first:
+            case Defer():
+                until = judgement.until
+                if judgement.first:
                     metrics.VERDICTS.labels("deferred").inc()
                     log.debug(
                         "verdict_deferred",
                         canary=str(canary.key),
                         generation=canary.bumped_generation,
-                        why=why,
+                        why=judgement.why,
                     )
                     self.registry.deferred(canary, until)
                     self._deferred.add(canary)
@@ -733,11 +760,95 @@ class Scheduler:
         ttl = 2 * self.settings.timeout - self.settings.judge_slack
         self.registry.no_verdict(canary, reason, self._clock(), ttl)
 
-    async def bump_nonce(self, canary: Canary, due: float | None = None) -> float | None:
+    def _bump_now(self, due: float, canary: Canary) -> bool:
+        """The common case of ``bump_nonce`` without a worker: the PATCH sent now on an idle
+        connection, its answer handled in a callback a loop turn after it came
+        (``_bump_answered``). False, and nothing sent, for anything else: the workers do
+        it (``bump_nonce``), and whatever the first try is answered with but success goes
+        to them too."""
+        now = self._clock()
+        if (
+            # The common case is a quick write: slow ones (an admission webhook in the
+            # path) queue for the workers, whose pool grows with the write latency and
+            # stays bounded (MAX_BUMP_WORKERS), as the connections with it.
+            self._sent_now >= self.settings.max_concurrent_bumps
+            or now > due + self.settings.timeout / 2
+            or self._stopping
+            or self.standby_reason is not None
+            or not self.registry.owns(canary)
+        ):
+            return False
+        time_limit = self.write_time_limit()
+        if time_limit is None:
+            return False
+        repairing = canary.nonce_problem
+        nonce = 1 if repairing else canary.nonce + 1
+        before = max(canary.generation, canary.last_bumped_generation or 0)
+        sent = self._clock()
+        if not self.kube.start(
+            "patch",
+            "PATCH",
+            object_path(*canary.key),
+            partial(self._bump_answered, canary, due, nonce, repairing, before, sent),
+            data=bump_body(canary.resource_version, nonce),
+            content_type=MERGE_PATCH,
+            time_limit=time_limit,
+        ):
+            return False
+        self._sent_now += 1
+        self._writes_in_flight += 1
+        self._no_writes_in_flight.clear()
+        return True
+
+    def _bump_answered(
+        self,
+        canary: Canary,
+        due: float,
+        nonce: int,
+        repairing: str | None,
+        before: int,
+        sent: float,
+        outcome: dict[str, Any] | KubeError | None,
+    ) -> None:
+        """``_bump_now``'s answer: written, or the workers take it from there."""
+        self._sent_now -= 1
+        self._writes_in_flight -= 1
+        if not self._writes_in_flight:
+            self._no_writes_in_flight.set()
+        try:
+            if outcome is None:  # nothing concluded: the workers send it again
+                self._for_workers(due, canary, None)
+                return
+            if isinstance(outcome, KubeError):
+                if outcome.status is not None:  # answered; a timeout is overload, not latency
+                    self._note_latency(self._clock() - sent)
+                if self.registry.owns(canary):
+                    self._for_workers(due, canary, outcome)
+                return
+            self._note_latency(self._clock() - sent)
+            if not self.registry.owns(canary) or self.standby_reason is not None:
+                return
+            next_due = self._written(canary, outcome, nonce, repairing, due, before, sent)
+        except Exception:
+            # A bug must not lose the canary: say so, count it, try next cycle.
+            metrics.ERRORS.labels("scheduler").inc()
+            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
+            if not self.registry.owns(canary):
+                return
+            self._no_bump(canary, "internal error; see logs")
+            next_due = self._after_failure(due)
+        if self.registry.owns(canary):
+            self._push(next_due, canary)
+
+    async def bump_nonce(
+        self, canary: Canary, due: float | None = None, *, failed: KubeError | None = None
+    ) -> float | None:
         """Write restartNonce + 1 with a resourceVersion precondition.
 
         Returns when the next cycle is due, or None when the record is no longer the
-        one tracked (dropped, or replaced by a new object of the same name).
+        one tracked (dropped, or replaced by a new object of the same name). ``failed``:
+        the first try was sent without a worker (``_bump_now``) and answered this; it is
+        handled as a try of this call's would be.
         """
         timeout = self.settings.timeout
         now = self._clock()
@@ -745,7 +856,7 @@ class Scheduler:
         give_up_at = due + timeout / 2
         if not self.registry.owns(canary):
             return None
-        if now > give_up_at:
+        if failed is None and now > give_up_at:
             # It waited for a worker past its retry window: writes are backed up (slow
             # answers). Skipping keeps the scheduler's lag bounded.
             self._write_failed(
@@ -757,6 +868,9 @@ class Scheduler:
         conflicts, reread = 0, False
         while True:
             try:
+                if failed is not None:
+                    err, failed = failed, None
+                    raise err
                 if reread:
                     fresh = await self.kube.request("get", "GET", path)
                     gone = self.registry.reread(canary, fresh)

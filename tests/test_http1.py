@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from canaryd.http1 import Http1Client, ProtocolError
+from canaryd.http1 import Http1Client, ProtocolError, Response
 
 Answer = Callable[[bytes], bytes | None]  # request bytes -> raw answer (None: close)
 
@@ -390,6 +390,103 @@ async def test_bytes_nobody_asked_for_close_an_idle_connection():
         async with asyncio.timeout(5):
             await closed.wait()
         assert not idle.usable() and len(idle._buffer) == 0
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def _sent(
+    client: Http1Client, path: str, deadline: float
+) -> tuple[bool, asyncio.Future[object]]:
+    """``send`` with a future for its outcome (the answer, the error, or None)."""
+    told: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+    def on_outcome(outcome: object) -> None:
+        assert not told.done(), "an outcome is told once"
+        told.set_result(outcome)
+
+    return client.send("PATCH", path, on_outcome, body=b"{}", deadline=deadline), told
+
+
+async def test_send_goes_out_on_an_idle_connection_only(server):
+    """``send`` (no task: the outcome is told in a callback) needs an idle
+    pooled connection; without one nothing is sent and it says so. Its connection goes
+    back to the pool when the answer keeps it."""
+    seen: list[bytes] = []
+
+    def answer(request: bytes) -> bytes:
+        seen.append(request)
+        return ok(b'{"n":%d}' % len(seen))(request)  # type: ignore[return-value]
+
+    client = Http1Client(await server([answer, answer, answer]))
+    loop = asyncio.get_running_loop()
+    sent, _ = await _sent(client, "/x", loop.time() + 5)
+    assert not sent and not seen, "no idle connection: nothing sent"
+    assert (await client.request("GET", "/first")).body == b'{"n":1}'
+    sent, told = await _sent(client, "/x", loop.time() + 5)
+    assert sent and not client._idle
+    response = await asyncio.wait_for(told, 5)
+    assert isinstance(response, Response) and response.body == b'{"n":2}'
+    assert seen[1].startswith(b"PATCH /x HTTP/1.1\r\n") and seen[1].endswith(b"\r\n\r\n{}")
+    assert len(client._idle) == 1, "kept for the next request"
+    sent, told = await _sent(client, "/y", loop.time() + 5)
+    assert sent and (await asyncio.wait_for(told, 5)).body == b'{"n":3}'  # type: ignore[attr-defined]
+    await client.close()
+
+
+async def test_send_tells_a_closed_pooled_connection_as_nothing_answered(server):
+    """The server closed the pooled connection instead of answering: nothing was
+    answered, told as None (``request`` retries it on a fresh connection), and the
+    connection is not pooled again."""
+    client = Http1Client(await server([ok(), lambda _: None, ok(b'{"b":2}')]))
+    await client.request("GET", "/1")
+    sent, told = await _sent(client, "/2", asyncio.get_running_loop().time() + 5)
+    assert sent and await asyncio.wait_for(told, 5) is None and not client._idle
+    assert (await client.request("GET", "/3")).body == b'{"b":2}'
+    await client.close()
+
+
+async def test_send_past_its_deadline_is_a_timeout_and_a_callback_bug_is_contained():
+    """No answer by the deadline: TimeoutError told, the connection closed (its late
+    answer never read). A callback that raises is logged; the transport carries on."""
+    held = asyncio.Event()
+    requests = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                requests += 1
+                if requests == 2:
+                    await held.wait()  # the sent one: answered too late
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    loop = asyncio.get_running_loop()
+    try:
+        await client.request("GET", "/warm")
+        sent, told = await _sent(client, "/slow", loop.time() + 0.05)
+        assert sent and isinstance(await asyncio.wait_for(told, 5), TimeoutError)
+        assert not client._idle, "a connection whose answer was abandoned is not pooled"
+        held.set()
+        await client.request("GET", "/warm-again")
+
+        called = asyncio.Event()
+
+        def broken(outcome: object) -> None:
+            called.set()
+            raise RuntimeError("a bug in the caller")
+
+        assert client.send("GET", "/a", broken, deadline=loop.time() + 5)
+        await asyncio.wait_for(called.wait(), 5)
+        assert client._idle, "answered and pooled despite the callback's bug"
+        assert (await client.request("GET", "/after")).body == b"{}"
     finally:
         await client.close()
         srv.close()

@@ -17,6 +17,7 @@ import heapq
 import json
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,13 +90,39 @@ class Cluster:
 class StubKube:
     """Answers nothing by itself: every request waits until the test answers it."""
 
-    def __init__(self, cluster: Cluster, registry: Registry) -> None:
+    def __init__(self, cluster: Cluster, registry: Registry, *, send_now: bool = False) -> None:
         self.cluster, self.registry = cluster, registry
         self.pending: list[Pending] = []
         self.violations: list[str] = []
         self.last_answer = math.inf  # the API server answers (only the watch drops here)
+        self.send_now = send_now
+        """Whether ``start`` sends (as the lean client with an idle connection does)."""
+
+    def start(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        on_done: Callable[[dict[str, Any] | KubeError | None], None],
+        **kwargs: Any,
+    ) -> bool:
+        if not self.send_now:
+            return False
+        future = self._pend(method, path, kwargs)
+
+        def done(_: Any) -> None:
+            if not future.cancelled():
+                on_done(future.exception() or future.result())  # type: ignore[arg-type]
+
+        future.add_done_callback(done)
+        return True
 
     async def request(self, verb: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._pend(method, path, kwargs)
+
+    def _pend(
+        self, method: str, path: str, kwargs: dict[str, Any]
+    ) -> asyncio.Future[dict[str, Any]]:
         name = path.rsplit("/", 1)[1]
         body = json.loads(kwargs["data"]) if kwargs.get("data") else None
         if method == "PATCH":
@@ -108,7 +135,7 @@ class StubKube:
                 self.violations.append(f"PATCH {name} with rv {rv} of another uid")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pending.append(Pending(method, name, body, future))
-        return await future
+        return future
 
 
 def error(code: int) -> KubeError:
@@ -116,12 +143,12 @@ def error(code: int) -> KubeError:
 
 
 class Run:
-    def __init__(self) -> None:
+    def __init__(self, *, send_now: bool = False) -> None:
         self.now = 100.0
         self.cluster = Cluster()
         self.settings = Settings(timeout=CYCLE, max_concurrent_bumps=2)
         self.registry = Registry(LABEL)
-        self.kube = StubKube(self.cluster, self.registry)
+        self.kube = StubKube(self.cluster, self.registry, send_now=send_now)
         self.scheduler = Scheduler(
             self.settings,
             self.registry,
@@ -261,8 +288,10 @@ STEP = st.one_of(
 )
 
 
-async def play(steps: list[tuple[Any, ...]]) -> list[str]:
-    run = Run()
+async def play(steps: list[tuple[Any, ...]], *, send_now: bool = False) -> list[str]:
+    """The steps played; the rules they broke. ``send_now``: bumps are sent without a
+    worker where they can be (Scheduler._bump_now), as with the lean client."""
+    run = Run(send_now=send_now)
     # Backoff and conflict-jitter sleeps are instant: time is the test's clock.
     fast = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if k[0] != "_"})
 
@@ -311,9 +340,9 @@ async def play(steps: list[tuple[Any, ...]]) -> list[str]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(STEP, min_size=1, max_size=120))
-def test_random_interleavings_keep_the_verdict_and_ownership_rules(steps):
-    violations = asyncio.run(play(steps))
+@given(st.lists(STEP, min_size=1, max_size=120), st.booleans())
+def test_random_interleavings_keep_the_verdict_and_ownership_rules(steps, send_now):
+    violations = asyncio.run(play(steps, send_now=send_now))
     assert not violations, violations
 
 
@@ -328,6 +357,7 @@ def test_the_model_catches_a_scheduler_that_drops_on_404(monkeypatch):
     steps: list[tuple[Any, ...]] = [("deliver",), ("deliver",)]
     steps += [("tick",)] * 4 + [("answer", 0, 404)] + [("tick",)] * 2
     assert any("not tracked" in v for v in asyncio.run(play(steps)))
+    assert any("not tracked" in v for v in asyncio.run(play(steps, send_now=True)))
 
 
 def test_error_kinds_are_what_the_model_assumes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,14 @@ from kubernetes_asyncio.config import ConfigException
 
 from canaryd import kube as kube_module
 from canaryd import metrics
+from canaryd import scheduler as scheduler_module
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
 from canaryd.http1 import Http1Client
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
 from canaryd.testing.apiserver import Fault
+from tests.conftest import TOKEN
 from tests.harness import (
     CYCLE,
     LABEL,
@@ -81,6 +84,70 @@ async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, mo
         assert "RuntimeError" in str(caught.value)
     finally:
         await kube_client.close()
+
+
+async def test_start_tells_what_request_would_return_or_raise(kube):
+    """``KubeClient.start`` (the bump without a task) sends on an idle pooled connection
+    and tells, in a callback after the answer came, what ``request`` would return or raise, or
+    None where only ``request`` can go on (a 401: it reloads the credentials). Without
+    an idle connection, or with credentials that may wait, nothing is sent."""
+    create_canary(kube)
+    configuration = k8s_client.Configuration()
+    configuration.host = kube.url
+    configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
+    kube_client = KubeClient(configuration, request_timeout=1.0)
+    path = kube_module.object_path("flinkdeployments", "default", "canary")
+    loop = asyncio.get_running_loop()
+
+    async def started(data: str) -> Any:
+        told: asyncio.Future[Any] = loop.create_future()
+        assert kube_client.start(
+            "patch", "PATCH", path, told.set_result, data=data, content_type=kube_module.MERGE_PATCH
+        )
+        assert not told.done(), "told in a callback, never at once"
+        return await asyncio.wait_for(told, 5)
+
+    try:
+        assert not kube_client.start("patch", "PATCH", path, print, data="{}"), "no idle one"
+        fresh = await kube_client.request("get", "GET", path)  # one now idle
+        rv = fresh["metadata"]["resourceVersion"]
+        written = await started(scheduler_module.bump_body(rv, 7))
+        assert written["spec"]["restartNonce"] == 7
+        assert written["metadata"]["generation"] == fresh["metadata"]["generation"] + 1
+        stale = await started(scheduler_module.bump_body(rv, 8))
+        assert isinstance(stale, KubeError) and stale.kind is ErrorKind.CONFLICT
+        kube.inject(Fault(verb="patch", code=503, retry_after=3))
+        unavailable = await started(scheduler_module.bump_body(rv, 8))
+        assert isinstance(unavailable, KubeError) and unavailable.retry_after == 3
+        kube.inject(Fault(verb="patch", code=401))
+        assert await started(scheduler_module.bump_body(rv, 8)) is None
+
+        async def waiting_hook(_: Any) -> None:
+            pass
+
+        configuration.refresh_api_key_hook = waiting_hook
+        assert not kube_client.start("patch", "PATCH", path, print, data="{}")
+    finally:
+        await kube_client.close()
+
+
+async def test_steady_state_bumps_are_sent_without_a_worker(kube, kubeconfig, monkeypatch):
+    """The hot path: once a pooled connection is idle, each bump is sent from the
+    scheduler and concluded in the answer's callback (no worker task, no coroutine
+    chain); failures still go to the workers (the fault tests cover those)."""
+    sent_now: list[bool] = []
+    original = Scheduler._bump_now
+
+    def spy(self: Scheduler, due: float, canary: Canary) -> bool:
+        sent_now.append(original(self, due, canary))
+        return sent_now[-1]
+
+    monkeypatch.setattr(Scheduler, "_bump_now", spy)
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        await run.until_bumps(len(run.bumps()) + 3)
+    assert sent_now.count(True) >= 3, sent_now
 
 
 async def test_a_malformed_content_length_is_a_kube_error():
@@ -266,7 +333,7 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     registry.observe("flinkdeployments", canary_copy())
     canary = registry.get(canary.key)
     assert canary is not None
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: 100.0)  # type: ignore[arg-type]
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: 100.0)  # type: ignore[arg-type]
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
     next_due = scheduler._written(canary, answer, 2, None, 100.0, 2, 100.0)
     assert canary.bumped_generation is None  # nothing to judge
@@ -294,13 +361,26 @@ def test_an_older_copy_never_moves_generation_backwards():
     assert canary.generation == 4
 
 
+class _Unsent:
+    """No API server: nothing is sent without a worker (the workers' bump_nonce is the
+    test's, or never reached)."""
+
+    last_answer = math.inf
+
+    def start(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+
+UNSENT = _Unsent()
+
+
 def _one_canary(
     copy: dict[str, Any], clock: Callable[[], float]
 ) -> tuple[Registry, Scheduler, Canary]:
     """A registry tracking one canary (``copy``) and a scheduler on it with its own
     clock and no API server: the judge and the transitions, driven by hand."""
     registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=clock)  # type: ignore[arg-type]
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=clock)  # type: ignore[arg-type]
     registry.observe("flinkdeployments", copy)
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
@@ -391,12 +471,12 @@ async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_wait
     costs every idle worker a turn of the loop per bump), every queued bump is taken,
     and cancelling the pool leaves no worker registered as idle."""
     registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None)  # type: ignore[arg-type]
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT)  # type: ignore[arg-type]
     workers = scheduler.settings.max_concurrent_bumps
     release = asyncio.Event()
     bumped: list[Canary] = []
 
-    async def bump_nonce(canary: Canary, due: float | None = None) -> float | None:
+    async def bump_nonce(canary: Canary, due: float | None = None, **_: Any) -> float | None:
         bumped.append(canary)
         await release.wait()
         return None
@@ -435,7 +515,7 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
     assert Settings(timeout=0.2).scheduler_tick == pytest.approx(0.0025)
     now = [100.0]
     registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: now[0])  # type: ignore[arg-type]
     canaries = []
     for i in range(3):
         registry.observe(
@@ -534,6 +614,55 @@ async def test_watch_lines_are_split_however_the_stream_is_cut():
     before = decode_errors._value.get()
     assert await _watch_answering(stream, (1, 5, 300, 7, 2000, 211)) == events
     assert decode_errors._value.get() == before + 3
+
+
+@pytest.mark.parametrize("rv", ["12345", 'a"b', "\\", "\u00e9\n\x00", "", "\U0001f600"])
+def test_the_bump_body_quotes_any_resource_version(rv):
+    """resourceVersion is opaque: whatever it holds, the merge patch is JSON that carries
+    it unchanged, with the nonce and nothing else."""
+    assert json.loads(scheduler_module.bump_body(rv, 2**63 - 2)) == {
+        "metadata": {"resourceVersion": rv},
+        "spec": {"restartNonce": 2**63 - 2},
+    }
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a":1}',
+        b'{"a":{"b":[1,2.5,"x",null,true]}}\r\n',
+        b' {"a":1}',
+        b'{"a":1} x',
+        b'{"a":1}{"b":2}',
+        b'{"a":1}\x0b',  # whitespace to str.isspace, not to JSON
+        b'{"a":',
+        b"{",
+        b'{"a":NaN}',
+        b'{"a":"\xff"}',
+        b"\xef\xbb\xbf{}",
+        b"[1]",
+        b"",
+        b'{"a":' * 100_000,
+        b'{"n":%d}' % (INT64_MAX * 2**40),
+    ],
+    ids=lambda data: repr(data[:24]),
+)
+def test_the_fast_json_decoder_answers_as_json_loads(data):
+    """decode_json calls the stdlib's scanner directly for an object; whatever it is
+    given, it returns what json.loads returns or raises a ValueError where it does
+    (nesting too deep included, which json.loads raises as a RecursionError)."""
+    try:
+        expected: Any = json.loads(data)
+    except RecursionError:
+        expected = ValueError
+    except ValueError as err:
+        expected = type(err)
+    try:
+        got: Any = kube_module.decode_json(data)
+    except ValueError as err:
+        assert isinstance(expected, type) and isinstance(err, expected), (err, expected)
+    else:
+        assert got == expected or (got != got and expected != expected)
 
 
 async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
