@@ -352,6 +352,7 @@ class _Sent:
 
     def __call__(self, outcome: Response | BaseException, keep: bool) -> None:
         self.timer.cancel()
+        self.client._sent.discard(self)
         told: Response | BaseException | None = outcome
         if isinstance(outcome, BaseException):
             self.connection.close()
@@ -396,6 +397,9 @@ class Http1Client:
         self._host_header = host_header.encode("ascii")
         self._idle: deque[_Connection] = deque()
         self._max_idle = max_idle
+        self._sent: set[_Sent] = set()
+        """``send``s in flight: ``close`` ends them too (no task owns them)."""
+        self._closed = False
         self._connect_timeout = connect_timeout
 
     async def _connect(self, deadline: float | None = None) -> _Connection:
@@ -462,7 +466,7 @@ class Http1Client:
         return None
 
     def _done_with(self, connection: _Connection, keep: bool) -> None:
-        if keep and len(self._idle) < self._max_idle:
+        if keep and not self._closed and len(self._idle) < self._max_idle:
             self._idle.append(connection)
         else:
             connection.close()
@@ -533,20 +537,23 @@ class Http1Client:
         if connection is None:
             return False
         timer = connection.expire_at(deadline)
+        sent = _Sent(self, connection, timer, on_outcome)
         try:
-            connection.exchange(
-                self._payload(method, path, None, headers, body),
-                method,
-                _Sent(self, connection, timer, on_outcome),
-            )
+            connection.exchange(self._payload(method, path, None, headers, body), method, sent)
         except (OSError, RuntimeError):
             # The transport refused the bytes: whatever went out, the server gets no
             # whole request once the connection is closed; ``request`` tries anew.
             timer.cancel()
             connection.close()
             return False
+        self._sent.add(sent)
         return True
 
     async def close(self) -> None:
+        """Close every connection: the idle ones, and those of ``send``s in flight (their
+        outcome: the connection's error). Nothing is pooled after this."""
+        self._closed = True
         while self._idle:
             self._idle.pop().close()
+        for sent in list(self._sent):
+            sent.connection.close()

@@ -104,11 +104,13 @@ def decode_json(data: bytes) -> Any:
     past the interpreter's depth included."""
     try:
         if data[:1] == b"{":  # an object in UTF-8, as the API server sends it
-            text = data.decode()
             try:
+                text = data.decode()
                 value, end = _scan(text, 0)
-            except StopIteration:
-                value, end = None, -1  # not JSON there: json.loads says why, below
+            except (StopIteration, ValueError):
+                # Not that (another encoding, a surrogate json.loads lets through, not
+                # JSON at all): json.loads decides, below.
+                value, end, text = None, -1, ""
             if end == len(text) or (end > 0 and _WHITESPACE(text, end).end() == len(text)):
                 return value
         return json.loads(data)  # anything else, and every error, as json.loads has it
@@ -394,6 +396,9 @@ class KubeClient:
         self._reload_backoff = Backoff(1.0, 30.0)
         """A failing credential plugin is retried after 1 s, doubling to 30 s."""
         self._credentials_version = 0
+        self._refused_version = -1
+        """The credentials a bump sent without a task (``start``) was refused with (401):
+        ``request``, which sends it again, reloads them first."""
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
         self._loop = asyncio.get_running_loop()
@@ -564,6 +569,8 @@ class KubeClient:
         # could wait: credentials from an async refresh hook, or aiohttp.
         loop = self._loop
         deadline = loop.time() + (time_limit or self._request_timeout)
+        if self._refused_version == self._credentials_version:
+            await self._reload_credentials(self._refused_version)  # once for all of them
         for attempt in (1, 2):
             version = self._credentials_version
             stage = ["credentials"]
@@ -606,14 +613,14 @@ class KubeClient:
         """``request`` without a task, where the lean client can: sent now on an idle
         pooled connection, ``on_done`` told a turn of the loop after the answer came
         (never from within this call) what ``request`` would return or raise, or None:
-        nothing this call can
-        conclude (a 401, which ``request`` answers by reloading the credentials; a pooled
-        connection the server had closed), to be done again with ``request``. False, and
-        nothing sent, where only ``request`` can: aiohttp, credentials that may wait, no
-        idle connection."""
+        nothing this call can conclude (a 401 where the credentials can be reloaded,
+        which ``request`` does before it sends again; a pooled connection the server had
+        closed), to be done again with ``request``. False, and nothing sent, where only
+        ``request`` can: aiohttp, credentials that may wait, no idle connection."""
         if self._http1 is None or self._credentials_may_wait():
             return False
         deadline = self._loop.time() + (time_limit or self._request_timeout)
+        version = self._credentials_version
         try:
             headers = _now(self._headers())
         except KubeError as err:
@@ -630,7 +637,8 @@ class KubeClient:
                 on_done(_failed(verb, outcome))
             else:
                 self._answered(verb, outcome.status)
-                if outcome.status == 401:
+                if outcome.status == 401 and self._reload is not None:
+                    self._refused_version = version  # request() reloads, then sends again
                     on_done(None)
                     return
                 try:

@@ -491,3 +491,37 @@ async def test_send_past_its_deadline_is_a_timeout_and_a_callback_bug_is_contain
         await client.close()
         srv.close()
         await srv.wait_closed()
+
+
+async def test_close_ends_the_sends_in_flight_and_pools_nothing_after():
+    """No task owns a ``send``: closing the client closes its connection too (its outcome
+    told as for any connection lost), and an answer that comes later pools nothing."""
+    answer = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"PATCH"):
+                    await answer.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    loop = asyncio.get_running_loop()
+    try:
+        await client.request("GET", "/warm")
+        sent, told = await _sent(client, "/held", loop.time() + 5)
+        assert sent
+        await client.close()
+        outcome = await asyncio.wait_for(told, 5)
+        assert outcome is None or isinstance(outcome, BaseException), outcome
+        answer.set()
+        assert (await client.request("GET", "/after")).body == b"{}"
+        assert not client._idle, "a closed client pools nothing"
+    finally:
+        srv.close()
+        await srv.wait_closed()

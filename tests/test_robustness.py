@@ -88,47 +88,73 @@ async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, mo
 
 async def test_start_tells_what_request_would_return_or_raise(kube):
     """``KubeClient.start`` (the bump without a task) sends on an idle pooled connection
-    and tells, in a callback after the answer came, what ``request`` would return or raise, or
-    None where only ``request`` can go on (a 401: it reloads the credentials). Without
-    an idle connection, or with credentials that may wait, nothing is sent."""
+    and tells, in a callback after the answer came, what ``request`` would return or
+    raise, or None where only ``request`` can go on: a 401 when the credentials can be
+    reloaded (``request`` reloads them before it sends again, once for every bump
+    refused with them). Without an idle connection, or with credentials that may wait,
+    nothing is sent."""
     create_canary(kube)
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
     configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
-    kube_client = KubeClient(configuration, request_timeout=1.0)
+    reloads: list[object] = []
+
+    async def reload(config: Any) -> None:
+        reloads.append(config)
+
+    plain = KubeClient(configuration, request_timeout=1.0)
+    reloading = KubeClient(configuration, request_timeout=1.0, reload=reload)
     path = kube_module.object_path("flinkdeployments", "default", "canary")
     loop = asyncio.get_running_loop()
 
-    async def started(data: str) -> Any:
+    async def started(client: KubeClient, data: str) -> Any:
         told: asyncio.Future[Any] = loop.create_future()
-        assert kube_client.start(
+        assert client.start(
             "patch", "PATCH", path, told.set_result, data=data, content_type=kube_module.MERGE_PATCH
         )
         assert not told.done(), "told in a callback, never at once"
         return await asyncio.wait_for(told, 5)
 
     try:
-        assert not kube_client.start("patch", "PATCH", path, print, data="{}"), "no idle one"
-        fresh = await kube_client.request("get", "GET", path)  # one now idle
+        assert not plain.start("patch", "PATCH", path, print, data="{}"), "no idle one"
+        fresh = await plain.request("get", "GET", path)  # one now idle
         rv = fresh["metadata"]["resourceVersion"]
-        written = await started(scheduler_module.bump_body(rv, 7))
+        written = await started(plain, scheduler_module.bump_body(rv, 7))
         assert written["spec"]["restartNonce"] == 7
         assert written["metadata"]["generation"] == fresh["metadata"]["generation"] + 1
-        stale = await started(scheduler_module.bump_body(rv, 8))
+        stale = await started(plain, scheduler_module.bump_body(rv, 8))
         assert isinstance(stale, KubeError) and stale.kind is ErrorKind.CONFLICT
         kube.inject(Fault(verb="patch", code=503, retry_after=3))
-        unavailable = await started(scheduler_module.bump_body(rv, 8))
+        unavailable = await started(plain, scheduler_module.bump_body(rv, 8))
         assert isinstance(unavailable, KubeError) and unavailable.retry_after == 3
         kube.inject(Fault(verb="patch", code=401))
-        assert await started(scheduler_module.bump_body(rv, 8)) is None
+        refused = await started(plain, scheduler_module.bump_body(rv, 8))
+        assert isinstance(refused, KubeError) and refused.status == 401, "nothing to reload"
+
+        rv = (await reloading.request("get", "GET", path))["metadata"]["resourceVersion"]
+        kube.inject(Fault(verb="patch", code=401))
+        assert await started(reloading, scheduler_module.bump_body(rv, 9)) is None
+        assert not reloads, "reloaded by request(), not in the callback"
+        patches = len(kube.requests_for("patch"))
+        again = await reloading.request(
+            "patch",
+            "PATCH",
+            path,
+            data=scheduler_module.bump_body(rv, 9),
+            content_type=kube_module.MERGE_PATCH,
+        )
+        assert again["spec"]["restartNonce"] == 9
+        assert len(reloads) == 1, "the credentials reloaded before the PATCH was sent again"
+        assert len(kube.requests_for("patch")) == patches + 1, "sent again once, not twice"
 
         async def waiting_hook(_: Any) -> None:
             pass
 
         configuration.refresh_api_key_hook = waiting_hook
-        assert not kube_client.start("patch", "PATCH", path, print, data="{}")
+        assert not plain.start("patch", "PATCH", path, print, data="{}")
     finally:
-        await kube_client.close()
+        await plain.close()
+        await reloading.close()
 
 
 async def test_steady_state_bumps_are_sent_without_a_worker(kube, kubeconfig, monkeypatch):
@@ -640,6 +666,9 @@ def test_the_bump_body_quotes_any_resource_version(rv):
         b'{"a":NaN}',
         b'{"a":"\xff"}',
         b"\xef\xbb\xbf{}",
+        '{"a":1}'.encode("utf-16-le"),  # json.loads detects the encoding
+        '{"a":1}'.encode("utf-32-le"),
+        b'{"a":"\xed\xa0\x80"}',  # a lone surrogate: json.loads lets it through
         b"[1]",
         b"",
         b'{"a":' * 100_000,
