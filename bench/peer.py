@@ -11,8 +11,10 @@ more (warm-up) cycle passed, a window of ``cycles`` cycles measures its process 
 (/proc/PID/stat) and the bumps written (the rise of the sum of the canaries'
 metadata.generation, read with a LIST at both ends: every bump raises a generation by
 one and nothing else does); then 20 paced clients measure its health endpoint, and its
-peak RSS (VmHWM) is read. With ``profile``, canaryd runs once more under py-spy (a run
-of its own, so the profiler's cost is in no figure).
+peak RSS (VmHWM) is read. Each round ends with bench/floor.py measured the same way: a
+bump and nothing else, what any bumper in Python on canaryd's stack pays, so that the
+goal can be read against it. With ``profile``, canaryd runs once more under py-spy (a
+run of its own, so the profiler's cost is in no figure).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -45,6 +48,7 @@ from measure import (
 from canaryd.testing.process import free_port
 
 PROBER = Path(__file__).resolve().parent / "kopf_prober.py"
+FLOOR = Path(__file__).resolve().parent / "floor.py"
 CANARIES_PATH = "/apis/flink.apache.org/v1beta1/flinkdeployments"
 GOAL = 0.1
 """Issue 22: canaryd's steady-state CPU per bump at most this share of the prober's."""
@@ -155,6 +159,8 @@ class Comparison:
     kopf_version: str
     canaryd: Runs
     kopf: Runs
+    floor: Runs = field(default_factory=lambda: Runs("floor"))
+    """bench/floor.py: a bump and nothing else."""
     profile: pyspy.Profile | None = None
     profile_error: str = ""
 
@@ -192,6 +198,15 @@ class Comparison:
                 c.spread() + " ms",
                 k.spread() + " ms",
                 ", ".join(f"{r:.2f}x" for r in self.round_ratios()),
+                "-",
+                "",
+            ),
+            (
+                "the floor: a bump and nothing else (bench/floor.py: the PATCH, its answer "
+                "and its watch event in Python on canaryd's stack, none of its logic)",
+                f"{self.floor.cpu_per_bump:.3f} ms ({self.floor.spread()})",
+                "-",
+                f"{self.floor.cpu_per_bump / max(k.cpu_per_bump, 1e-9):.2f}x",
                 "-",
                 "",
             ),
@@ -405,6 +420,38 @@ async def profile_canaryd(
         await proc.stop()
 
 
+async def measure_floor(fake: Proc, canaries: int, cycle: float, cycles: int) -> Figures:
+    """bench/floor.py's CPU per bump, measured as the contenders' is (no health endpoint)."""
+    figures = Figures("floor")
+    base = await generations(fake.url)
+    spawned = time.monotonic()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(FLOOR), fake.url, f"{cycle}", cwd=ROOT
+    )
+    proc = Proc(process)
+    try:
+        await until_first_round(fake, base, canaries, within=10 * cycle)
+        figures.first_round = time.monotonic() - spawned
+        await asyncio.sleep(cycle)
+        figures.load = load_average()
+        gen0, cpu0, t0 = await generations(fake.url), cpu_seconds(proc.pid), time.monotonic()
+        await asyncio.sleep(cycles * cycle)
+        cpu1, t1 = cpu_seconds(proc.pid), time.monotonic()
+        gen1 = await generations(fake.url)
+        figures.window, figures.window_cpu = t1 - t0, cpu1 - cpu0
+        figures.window_bumps, figures.total_bumps = gen1 - gen0, gen1 - base
+        figures.total_cpu = cpu1
+        figures.rss_mb = peak_rss_mb(proc.pid)
+    finally:
+        await proc.stop()
+    print(
+        f"  floor: {figures.cpu_per_bump:.3f} CPU-ms per bump in the window "
+        f"({figures.window_bumps} bumps, {figures.window_cpu:.2f} CPU-s in {figures.window:.1f} s)",
+        flush=True,
+    )
+    return figures
+
+
 async def compare(
     tmp: Path,
     canaries: int = 2000,
@@ -420,7 +467,7 @@ async def compare(
         raise ValueError(f"rounds must be at least 1, not {rounds}")
     bin_dir = peervenv.ensure()
     kopf_version = peervenv.version(bin_dir, "kopf")
-    ours, theirs = Runs("canaryd"), Runs("kopf prober")
+    ours, theirs, floor = Runs("canaryd"), Runs("kopf prober"), Runs("floor")
     async with fake_server(tmp, canaries, namespaces) as (fake, kubeconfig):
         contenders = [
             (ours, canaryd_start(kubeconfig, cycle)),
@@ -434,7 +481,9 @@ async def compare(
                     flush=True,
                 )
                 runs.rounds.append(await measure(runs.name, start, fake, canaries, cycle, cycles))
-        comparison = Comparison(canaries, cycle, cycles, kopf_version, ours, theirs)
+            print(f"round {round_ + 1} of {rounds}: the floor (bench/floor.py)", flush=True)
+            floor.rounds.append(await measure_floor(fake, canaries, cycle, cycles))
+        comparison = Comparison(canaries, cycle, cycles, kopf_version, ours, theirs, floor)
         if profile:
             print("canaryd under py-spy", flush=True)
             try:

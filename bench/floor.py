@@ -1,0 +1,124 @@
+"""The floor under issue 22's goal: a bump and nothing else, for ``make bench``'s peer
+comparison (bench/peer.py).
+
+What any bumper written in Python on this stack pays per bump, with none of canaryd's
+logic (no judge, no registry, no metrics, no retries, no scheduling but a counter):
+every 25 ms the canaries that fell due get their PATCH (spec.restartNonce + 1 with a
+resourceVersion precondition, sent on canaryd's lean client without a task, the
+answer's JSON decoded), and one watch of every canary (aiohttp, as canaryd's, lines
+split from each read and decoded) keeps each canary's resourceVersion. The canaries are
+bumped in the order the first list gave them, each once a cycle, on uvloop.
+
+Run: ``python bench/floor.py URL CYCLE`` (the fake API server's URL, seconds); it runs
+until it is stopped. It is a measuring stick, not a prober: a failed bump is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+
+from canaryd.http1 import Http1Client, Response
+from canaryd.kube import decode_json
+
+CANARIES = "/apis/flink.apache.org/v1beta1/flinkdeployments"
+TICK = 0.025
+HEADERS = Http1Client.header_block(
+    {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
+)
+
+
+async def watch(http: aiohttp.ClientSession, url: str, rv: str, versions: dict[str, str]) -> None:
+    params = {"watch": "true", "resourceVersion": rv}
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with http.get(url + CANARIES, params=params, timeout=timeout) as response:
+        partial = b""
+        async for chunk in response.content.iter_any():
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            for line in lines:
+                if line:
+                    metadata = decode_json(line)["object"]["metadata"]
+                    versions[metadata["namespace"] + "/" + metadata["name"]] = metadata[
+                        "resourceVersion"
+                    ]
+
+
+def answered(outcome: Response | BaseException | None) -> None:
+    if isinstance(outcome, Response) and outcome.status < 300:
+        decode_json(outcome.body)
+
+
+async def bump(url: str, cycle: float, stop: asyncio.Event) -> None:
+    client = Http1Client(url, max_idle=32)
+    http = aiohttp.ClientSession()
+    listed: dict[str, Any] = decode_json((await client.request("GET", CANARIES)).body)
+    keys = [f"{i['metadata']['namespace']}/{i['metadata']['name']}" for i in listed["items"]]
+    versions = {
+        f"{i['metadata']['namespace']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"]
+        for i in listed["items"]
+    }
+    paths = {
+        key: "/apis/flink.apache.org/v1beta1/namespaces/{}/flinkdeployments/{}".format(
+            *key.split("/")
+        )
+        for key in keys
+    }
+    nonces = dict.fromkeys(keys, 0)
+    watching = asyncio.ensure_future(
+        watch(http, url, listed["metadata"]["resourceVersion"], versions)
+    )
+    loop = asyncio.get_running_loop()
+    every, sent, started = cycle / max(len(keys), 1), 0, loop.time()
+    try:
+        while not stop.is_set():
+            now = loop.time()
+            while sent < (now - started) / every:
+                key = keys[sent % len(keys)]
+                nonces[key] += 1
+                body = b'{"metadata":{"resourceVersion":"%s"},"spec":{"restartNonce":%d}}' % (
+                    versions[key].encode(),
+                    nonces[key],
+                )
+                deadline = now + cycle / 2
+                if not client.send(
+                    "PATCH", paths[key], answered, headers=HEADERS, body=body, deadline=deadline
+                ):
+                    # No idle connection: one more, as canaryd's workers would make it.
+                    request = client.request(
+                        "PATCH", paths[key], headers=HEADERS, body=body, deadline=deadline
+                    )
+                    asyncio.ensure_future(request).add_done_callback(
+                        lambda done: done.cancelled() or done.exception() or answered(done.result())
+                    )
+                sent += 1
+            try:
+                async with asyncio.timeout(TICK):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+    finally:
+        watching.cancel()
+        await http.close()
+        await client.close()
+
+
+def main() -> None:
+    import uvloop
+
+    url, cycle = sys.argv[1], float(sys.argv[2])
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await bump(url, cycle, stop)
+
+    uvloop.run(run())
+
+
+if __name__ == "__main__":
+    main()
