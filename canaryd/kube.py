@@ -108,11 +108,10 @@ def decode_json(data: bytes) -> Any:
                 text = data.decode()
                 value, end = _scan(text, 0)
             except (StopIteration, ValueError):
-                # Not that (another encoding, a surrogate json.loads lets through, not
-                # JSON at all): json.loads decides, below.
-                value, end, text = None, -1, ""
-            if end == len(text) or (end > 0 and _WHITESPACE(text, end).end() == len(text)):
-                return value
+                pass  # not that (another encoding, a lone surrogate, not JSON): see below
+            else:
+                if end == len(text) or _WHITESPACE(text, end).end() == len(text):
+                    return value
         return json.loads(data)  # anything else, and every error, as json.loads has it
     except RecursionError as err:
         raise ValueError(f"JSON nested too deeply: {err}") from err
@@ -631,24 +630,13 @@ class KubeClient:
         headers["Content-Type"] = content_type
 
         def answered(outcome: Response | BaseException | None) -> None:
-            if outcome is None:
-                on_done(None)
-            elif isinstance(outcome, BaseException):
-                on_done(_failed(verb, outcome))
-            else:
-                self._answered(verb, outcome.status)
-                if outcome.status == 401 and self._reload is not None:
-                    self._refused_version = version  # request() reloads, then sends again
-                    on_done(None)
-                    return
-                try:
-                    result = _result(
-                        outcome.status, outcome.body, outcome.headers.get("retry-after"), 1
-                    )
-                except KubeError as err:
-                    on_done(err)
-                else:
-                    on_done(result)
+            # on_done is told exactly once, whatever happens here: untold, the bump
+            # would hold its place in flight and its canary would never be due again.
+            try:
+                told = self._concluded(verb, version, outcome)
+            except Exception as err:  # noqa: BLE001 - _failed logs and counts it
+                told = _failed(verb, err)  # the boundary: all else is a KubeError
+            on_done(told)
 
         return self._http1.send(
             method,
@@ -658,6 +646,24 @@ class KubeClient:
             body=data.encode(),
             deadline=deadline,
         )
+
+    def _concluded(
+        self, verb: str, version: int, outcome: Response | BaseException | None
+    ) -> dict[str, Any] | KubeError | None:
+        """What ``start``'s send came to, as ``request`` would have it (None: what only
+        ``request`` can go on with)."""
+        if outcome is None:
+            return None
+        if isinstance(outcome, BaseException):
+            return _failed(verb, outcome)
+        self._answered(verb, outcome.status)
+        if outcome.status == 401 and self._reload is not None:
+            self._refused_version = version  # request() reloads, then sends again
+            return None
+        try:
+            return _result(outcome.status, outcome.body, outcome.headers.get("retry-after"), 1)
+        except KubeError as err:
+            return err
 
     def _answered(self, verb: str, status: int) -> None:
         self.last_answer = time.monotonic()

@@ -205,7 +205,8 @@ BUMPS = LoopCounter(
 BUMP_WORKERS = Gauge(
     "canaryd_bump_workers",
     "Bump workers: at least 16, more when slow writes need them (bumps per second "
-    "times seconds per bump, twice over; at most 256).",
+    "times seconds per bump, twice over; at most 256). Quick bumps are sent without "
+    "one, at most 16 at a time.",
     registry=REGISTRY,
 )
 BUMP_STAGES = ("answered", "observed", "reconciled")

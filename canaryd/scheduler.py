@@ -781,9 +781,7 @@ class Scheduler:
         time_limit = self.write_time_limit()
         if time_limit is None:
             return False
-        repairing = canary.nonce_problem
-        nonce = 1 if repairing else canary.nonce + 1
-        before = max(canary.generation, canary.last_bumped_generation or 0)
+        repairing, nonce, before = self._next_write(canary)
         sent = self._clock()
         if not self.kube.start(
             "patch",
@@ -796,9 +794,26 @@ class Scheduler:
         ):
             return False
         self._sent_now += 1
+        self._write_sent()
+        return True
+
+    @staticmethod
+    def _next_write(canary: Canary) -> tuple[str | None, int, int]:
+        """What the next bump repairs (if anything), the nonce it writes, and the
+        generation before it: the watch may deliver the write's own event before its
+        answer arrives."""
+        repairing = canary.nonce_problem
+        nonce = 1 if repairing else canary.nonce + 1
+        return repairing, nonce, max(canary.generation, canary.last_bumped_generation or 0)
+
+    def _write_sent(self) -> None:
         self._writes_in_flight += 1
         self._no_writes_in_flight.clear()
-        return True
+
+    def _write_ended(self) -> None:
+        self._writes_in_flight -= 1
+        if not self._writes_in_flight:
+            self._no_writes_in_flight.set()
 
     def _bump_answered(
         self,
@@ -812,9 +827,7 @@ class Scheduler:
     ) -> None:
         """``_bump_now``'s answer: written, or the workers take it from there."""
         self._sent_now -= 1
-        self._writes_in_flight -= 1
-        if not self._writes_in_flight:
-            self._no_writes_in_flight.set()
+        self._write_ended()
         try:
             if outcome is None:  # nothing concluded: the workers send it again
                 self._for_workers(due, canary, None)
@@ -883,14 +896,9 @@ class Scheduler:
                 time_limit = None if self._stopping else self.write_time_limit()
                 if self.standby_reason is not None or time_limit is None:
                     return None  # not the leader (or not for long enough), or stopping
-                repairing = canary.nonce_problem
-                nonce = 1 if repairing else canary.nonce + 1
-                # What the generation was before this write: the watch may deliver the
-                # write's own event before its answer arrives.
-                before = max(canary.generation, canary.last_bumped_generation or 0)
+                repairing, nonce, before = self._next_write(canary)
                 sent = self._clock()
-                self._writes_in_flight += 1
-                self._no_writes_in_flight.clear()
+                self._write_sent()
                 try:
                     written = await self.kube.request(
                         "patch",
@@ -905,9 +913,7 @@ class Scheduler:
                         self._note_latency(self._clock() - sent)
                     raise
                 finally:
-                    self._writes_in_flight -= 1
-                    if not self._writes_in_flight:
-                        self._no_writes_in_flight.set()
+                    self._write_ended()
                 self._note_latency(self._clock() - sent)
             except KubeError as err:
                 if not self.registry.owns(canary):

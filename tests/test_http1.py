@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from canaryd.http1 import Http1Client, ProtocolError, Response
+from canaryd.http1 import Http1Client, ProtocolError, Response, _Connection
 
 Answer = Callable[[bytes], bytes | None]  # request bytes -> raw answer (None: close)
 
@@ -55,6 +57,34 @@ def ok(body: bytes = b'{"a":1}', extra: bytes = b"") -> Answer:
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d"
         b"\r\n%s\r\n%s" % (len(body), extra, body)
     )
+
+
+@contextlib.asynccontextmanager
+async def holding(
+    hold: Callable[[bytes], bool],
+) -> AsyncIterator[tuple[Http1Client, asyncio.Event]]:
+    """A client of a server that answers ``{}`` to every request but holds the answer to
+    those whose head ``hold`` picks until the event is set (a slow or stuck server)."""
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                if hold(await reader.readuntil(b"\r\n\r\n")):
+                    await release.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        yield client, release
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
 
 
 async def test_request_bytes_and_content_length_answer(server):
@@ -245,33 +275,16 @@ async def test_no_answer_by_the_deadline_is_a_timeout_and_the_connection_is_drop
     """The deadline is one timer on the loop: past it the request fails with
     TimeoutError and its connection is closed, so the late answer is never read; the
     next request gets its answer on a new connection."""
-    answered = asyncio.Event()
-    late: list[bytes] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        if not late:
-            late.append(b"held")
-            await answered.wait()  # answers only after the client gave up
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-        await writer.drain()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
     loop = asyncio.get_running_loop()
-    try:
+    async with holding(lambda head: b"/slow" in head) as (client, release):
         with pytest.raises(TimeoutError):
             await client.request("GET", "/slow", deadline=loop.time() + 0.05)
         assert not client._idle, "a connection whose answer was abandoned is not pooled"
-        answered.set()
+        release.set()
         response = await client.request("GET", "/next", deadline=loop.time() + 5)
         assert response.body == b"{}"
         with pytest.raises(TimeoutError):  # a deadline already past
             await client.request("GET", "/past", deadline=loop.time() - 1)
-    finally:
-        await client.close()
-        srv.close()
-        await srv.wait_closed()
 
 
 @pytest.mark.parametrize(
@@ -450,31 +463,13 @@ async def test_send_tells_a_closed_pooled_connection_as_nothing_answered(server)
 async def test_send_past_its_deadline_is_a_timeout_and_a_callback_bug_is_contained():
     """No answer by the deadline: TimeoutError told, the connection closed (its late
     answer never read). A callback that raises is logged; the transport carries on."""
-    held = asyncio.Event()
-    requests = 0
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal requests
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                requests += 1
-                if requests == 2:
-                    await held.wait()  # the sent one: answered too late
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
     loop = asyncio.get_running_loop()
-    try:
+    async with holding(lambda head: b"/slow" in head) as (client, release):
         await client.request("GET", "/warm")
         sent, told = await _sent(client, "/slow", loop.time() + 0.05)
         assert sent and isinstance(await asyncio.wait_for(told, 5), TimeoutError)
         assert not client._idle, "a connection whose answer was abandoned is not pooled"
-        held.set()
+        release.set()
         await client.request("GET", "/warm-again")
 
         called = asyncio.Event()
@@ -487,41 +482,51 @@ async def test_send_past_its_deadline_is_a_timeout_and_a_callback_bug_is_contain
         await asyncio.wait_for(called.wait(), 5)
         assert client._idle, "answered and pooled despite the callback's bug"
         assert (await client.request("GET", "/after")).body == b"{}"
-    finally:
-        await client.close()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_close_ends_the_sends_in_flight_and_pools_nothing_after():
     """No task owns a ``send``: closing the client closes its connection too (its outcome
     told as for any connection lost), and an answer that comes later pools nothing."""
-    answer = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"PATCH"):
-                    await answer.wait()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    client = Http1Client(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
     loop = asyncio.get_running_loop()
-    try:
+    async with holding(lambda head: head.startswith(b"PATCH")) as (client, release):
         await client.request("GET", "/warm")
         sent, told = await _sent(client, "/held", loop.time() + 5)
         assert sent
         await client.close()
         outcome = await asyncio.wait_for(told, 5)
         assert outcome is None or isinstance(outcome, BaseException), outcome
-        answer.set()
+        release.set()
         assert (await client.request("GET", "/after")).body == b"{}"
         assert not client._idle, "a closed client pools nothing"
-    finally:
-        srv.close()
-        await srv.wait_closed()
+
+
+class _Transport:
+    """Writes go nowhere: the answer is fed to the protocol by hand."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_an_answer_is_told_after_what_was_queued_before_it():
+    """The judge relies on order: a watch event read before a bump's answer is handled
+    before it (a task woken by the event runs first). So ``send`` tells its outcome a
+    loop turn after the answer is parsed, never inside the read."""
+    loop = asyncio.get_running_loop()
+    client = Http1Client("http://127.0.0.1:1")
+    connection = _Connection(loop)
+    connection.connection_made(_Transport())  # type: ignore[arg-type]
+    client._idle.append(connection)
+    order: list[str] = []
+    assert client.send("PATCH", "/x", lambda _: order.append("answer"), deadline=loop.time() + 5)
+    loop.call_soon(order.append, "the event read before it")
+    connection.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    assert order == [] and client._idle == deque([connection]), "parsed and pooled, not told"
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert order == ["the event read before it", "answer"]

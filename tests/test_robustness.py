@@ -157,6 +157,44 @@ async def test_start_tells_what_request_would_return_or_raise(kube):
         await reloading.close()
 
 
+async def test_a_bug_concluding_a_sent_answer_is_a_kube_error_told_once(kube, monkeypatch):
+    """Whatever goes wrong while ``start``'s answer is concluded, its caller is told,
+    once, as a KubeError: untold, a bump would stay in flight for good (stopping would
+    wait for it forever) and its canary would never be due again."""
+    create_canary(kube)
+    configuration = k8s_client.Configuration()
+    configuration.host = kube.url
+    configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
+    kube_client = KubeClient(configuration, request_timeout=1.0)
+    path = kube_module.object_path("flinkdeployments", "default", "canary")
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug below the scheduler")
+
+    told: list[Any] = []
+    try:
+        rv = (await kube_client.request("get", "GET", path))["metadata"]["resourceVersion"]
+        monkeypatch.setattr(kube_module, "_result", broken)
+        errors = counter(metrics.ERRORS, "request")
+        done = asyncio.Event()
+        assert kube_client.start(
+            "patch",
+            "PATCH",
+            path,
+            lambda outcome: (told.append(outcome), done.set()),
+            data=scheduler_module.bump_body(rv, 3),
+            content_type=kube_module.MERGE_PATCH,
+        )
+        await asyncio.wait_for(done.wait(), 5)
+        for _ in range(3):
+            await asyncio.sleep(0)  # a second telling would come within these turns
+        (outcome,) = told
+        assert isinstance(outcome, KubeError) and "RuntimeError" in str(outcome)
+        assert counter(metrics.ERRORS, "request") == errors + 1
+    finally:
+        await kube_client.close()
+
+
 async def test_steady_state_bumps_are_sent_without_a_worker(kube, kubeconfig, monkeypatch):
     """The hot path: once a pooled connection is idle, each bump is sent from the
     scheduler and concluded in the answer's callback (no worker task, no coroutine
