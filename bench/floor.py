@@ -1,11 +1,11 @@
-"""The floor under issue 22's goal: a bump and nothing else, for ``make bench``'s peer
-comparison (bench/peer.py).
+"""The floor: a bump and nothing else, for ``make bench``'s peer comparison
+(bench/peer.py), shown as information.
 
 What any bumper written in Python on this stack pays per bump, with none of canaryd's
 logic (no judge, no registry, no metrics, no retries, no scheduling but a counter):
 every 25 ms the canaries that fell due get their PATCH (spec.restartNonce + 1 with a
-resourceVersion precondition, sent on canaryd's lean client without a task, the
-answer's JSON decoded), and one watch of every canary (aiohttp, as canaryd's, lines
+resourceVersion precondition, over aiohttp as canaryd's, a task each, the answer's
+JSON decoded), and one watch of every canary (aiohttp, as canaryd's, lines
 split from each read and decoded) keeps each canary's resourceVersion. The canaries are
 bumped in the order the first list gave them, each once a cycle, on uvloop.
 
@@ -22,14 +22,11 @@ from typing import Any
 
 import aiohttp
 
-from canaryd.http1 import Http1Client, Response
 from canaryd.kube import decode_json
 
 CANARIES = "/apis/flink.apache.org/v1beta1/flinkdeployments"
 TICK = 0.025
-HEADERS = Http1Client.header_block(
-    {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
-)
+HEADERS = {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
 
 
 async def watch(http: aiohttp.ClientSession, url: str, rv: str, versions: dict[str, str]) -> None:
@@ -48,15 +45,20 @@ async def watch(http: aiohttp.ClientSession, url: str, rv: str, versions: dict[s
                     ]
 
 
-def answered(outcome: Response | BaseException | None) -> None:
-    if isinstance(outcome, Response) and outcome.status < 300:
-        decode_json(outcome.body)
+async def patch(http: aiohttp.ClientSession, url: str, body: bytes, time_limit: float) -> None:
+    timeout = aiohttp.ClientTimeout(total=time_limit)
+    try:
+        async with http.patch(url, data=body, headers=HEADERS, timeout=timeout) as response:
+            if response.status < 300:
+                decode_json(await response.read())
+    except (aiohttp.ClientError, TimeoutError):
+        pass  # a measuring stick: a failed bump is dropped
 
 
 async def bump(url: str, cycle: float, stop: asyncio.Event) -> None:
-    client = Http1Client(url, max_idle=32)
     http = aiohttp.ClientSession()
-    listed: dict[str, Any] = decode_json((await client.request("GET", CANARIES)).body)
+    async with http.get(url + CANARIES) as response:
+        listed: dict[str, Any] = decode_json(await response.read())
     keys = [f"{i['metadata']['namespace']}/{i['metadata']['name']}" for i in listed["items"]]
     versions = {
         f"{i['metadata']['namespace']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"]
@@ -74,6 +76,7 @@ async def bump(url: str, cycle: float, stop: asyncio.Event) -> None:
     )
     loop = asyncio.get_running_loop()
     every, sent, started = cycle / max(len(keys), 1), 0, loop.time()
+    pending: set[asyncio.Task[None]] = set()
     try:
         while not stop.is_set():
             now = loop.time()
@@ -84,17 +87,9 @@ async def bump(url: str, cycle: float, stop: asyncio.Event) -> None:
                     versions[key].encode(),
                     nonces[key],
                 )
-                deadline = now + cycle / 2
-                if not client.send(
-                    "PATCH", paths[key], answered, headers=HEADERS, body=body, deadline=deadline
-                ):
-                    # No idle connection: one more, as canaryd's workers would make it.
-                    request = client.request(
-                        "PATCH", paths[key], headers=HEADERS, body=body, deadline=deadline
-                    )
-                    asyncio.ensure_future(request).add_done_callback(
-                        lambda done: done.cancelled() or done.exception() or answered(done.result())
-                    )
+                task = asyncio.create_task(patch(http, url + paths[key], body, cycle / 2))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
                 sent += 1
             try:
                 async with asyncio.timeout(TICK):
@@ -103,8 +98,9 @@ async def bump(url: str, cycle: float, stop: asyncio.Event) -> None:
                 pass
     finally:
         watching.cancel()
+        for task in pending:
+            task.cancel()
         await http.close()
-        await client.close()
 
 
 def main() -> None:

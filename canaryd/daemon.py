@@ -161,6 +161,7 @@ class Daemon:
         try:
             self.watcher = Watcher(settings, self.registry, kube, open_files)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
+            metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
             if settings.leader_elect:
                 self.elector = LeaderElector(
                     settings,
@@ -170,7 +171,7 @@ class Daemon:
                     on_stopped_leading=scheduler.standby,
                     on_new_leader=self._new_leader,
                 )
-                scheduler.write_time_limit = self.elector.write_time_limit
+                scheduler.writer.permit = self.elector.write_permit
                 scheduler.standby(None)  # until this replica holds the lease
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes

@@ -1,12 +1,18 @@
-"""Kubernetes access: credentials from kubernetes-asyncio, a lean aiohttp hot path, and
-the one place where API errors are classified.
+"""Kubernetes access: credentials from kubernetes-asyncio, every request and watch over
+aiohttp, and the one place where API errors are classified.
 
-kubernetes-asyncio loads kubeconfig and in-cluster credentials, builds the TLS
-context and refreshes service-account tokens. Requests go through a plain
-``aiohttp.ClientSession``: kubernetes-asyncio's own session sets
-``trust_env=True``, a per-request proxy/netrc lookup that costs about 0.7 ms of
-CPU a request (DESIGN.md, "Performance facts"). canaryd turns ``trust_env`` on
-only when a proxy is configured in the environment, so proxies still work.
+kubernetes-asyncio loads kubeconfig and in-cluster credentials and refreshes
+service-account tokens; canaryd builds the TLS context from what it loaded. Requests
+and watches go through two ``aiohttp.ClientSession``s (watches hold their connection
+for minutes: a pool of their own). ``trust_env`` (a per-request proxy/netrc lookup) is
+on only when a proxy is configured in the environment.
+
+A reloaded client certificate or CA bundle makes a new TLS context: aiohttp pools
+connections by context, so no request after the reload goes over a connection made
+with the old one (those left idle are closed by the pool's keep-alive timeout). aiohttp
+retries a request on a pooled connection the server had closed only for idempotent
+methods: a PATCH whose connection failed is reported, never resent here (the
+scheduler resends it identical, see canaryd.scheduler).
 """
 
 from __future__ import annotations
@@ -14,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import inspect
 import json
 import math
 import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar, cast
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -34,7 +39,6 @@ from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
-from canaryd.http1 import Http1Client, ProtocolError, Response
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -92,27 +96,11 @@ def server_url_problem(host: str) -> str | None:
     return None
 
 
-_WHITESPACE: Callable[[str, int], Any] = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
-_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-"""The stdlib decoder's C scanner, called directly: json.loads(bytes) runs four Python
-functions around it (the encoding's detection, the decoder's whitespace checks), as
-much again as the scan of an object canaryd reads, twice per bump."""
-
-
 def decode_json(data: bytes) -> Any:
     """JSON from the API server. Raises ValueError on anything that is not JSON, nested
     past the interpreter's depth included."""
     try:
-        if data[:1] == b"{":  # an object in UTF-8, as the API server sends it
-            try:
-                text = data.decode()
-                value, end = _scan(text, 0)
-            except (StopIteration, ValueError):
-                pass  # not that (another encoding, a lone surrogate, not JSON): see below
-            else:
-                if end == len(text) or _WHITESPACE(text, end).end() == len(text):
-                    return value
-        return json.loads(data)  # anything else, and every error, as json.loads has it
+        return json.loads(data)
     except RecursionError as err:
         raise ValueError(f"JSON nested too deeply: {err}") from err
 
@@ -297,23 +285,10 @@ def failure_cause(err: KubeError) -> str:
 # -------------------------------------------------------------------- client
 
 
-_REQUEST_COUNTERS: dict[tuple[str, int | str], Any] = {}
-
-
 def _failed(verb: str, err: BaseException) -> KubeError:
     """An exchange that ended without an answer, counted: the KubeError it is."""
     count_request(verb, "error")
-    if isinstance(
-        err,
-        (
-            TimeoutError,
-            aiohttp.ClientError,
-            OSError,
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            ProtocolError,
-        ),
-    ):
+    if isinstance(err, (TimeoutError, aiohttp.ClientError, OSError)):
         return error_from_exception(err)
     # The boundary: all else is a KubeError too.
     metrics.ERRORS.labels("request").inc()
@@ -321,12 +296,14 @@ def _failed(verb: str, err: BaseException) -> KubeError:
     return error_from_exception(err, "ClientError")
 
 
-def _result(status: int, payload: bytes, retry_after: str | None, attempt: int) -> dict[str, Any]:
-    """An answer's decoded object, or the KubeError it is."""
+def _result(status: int, payload: bytes, retry_after: str | None, reloaded: bool) -> dict[str, Any]:
+    """An answer's decoded object, or the KubeError it is (``reloaded``: a 401 that
+    came after the credentials were reloaded for it)."""
     if status >= 300:
-        # Raised where it is made: a local naming it would keep it, its traceback and this
-        # frame (the answer with it) in a reference cycle until the collector ran.
-        raise _status_error(status, payload, retry_after, attempt)
+        error = error_from_response(status, payload, retry_after)
+        if status == 401 and reloaded:
+            error.args = (f"{error.args[0]} (also after reloading the credentials)",)
+        raise error
     try:
         decoded = decode_json(payload)
     except ValueError as err:
@@ -340,38 +317,27 @@ def _result(status: int, payload: bytes, retry_after: str | None, attempt: int) 
     return decoded
 
 
-def _status_error(status: int, payload: bytes, retry_after: str | None, attempt: int) -> KubeError:
-    error = error_from_response(status, payload, retry_after)
-    if status == 401 and attempt == 2:
-        error.args = (f"{error.args[0]} (also after reloading the credentials)",)
-    return error
-
-
-_T = TypeVar("_T")
-
-
-def _now(coroutine: Coroutine[Any, Any, _T]) -> _T | None:
-    """A coroutine run to its end now, if it ends without waiting (the credentials when
-    no refresh hook can wait); None, and the coroutine closed, if it would wait."""
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return cast(_T, done.value)
-    coroutine.close()
-    return None
-
-
 def count_request(verb: str, code: int | str) -> None:
-    """canaryd_api_requests_total{verb,code}, with the labelled child looked up once."""
-    child = _REQUEST_COUNTERS.get((verb, code))
-    if child is None:
-        child = _REQUEST_COUNTERS[(verb, code)] = metrics.API_REQUESTS.labels(verb, str(code))
-    child.inc()
+    """canaryd_api_requests_total{verb,code}."""
+    metrics.API_REQUESTS.labels(verb, str(code)).inc()
+
+
+def tls_files_stamp(*paths: str | None) -> tuple[object, ...]:
+    """What tells a rotated TLS file (its path, modification time and size): a
+    changed stamp means a new TLS context."""
+    stamp: list[object] = []
+    for path in paths:
+        try:
+            info = os.stat(path) if path else None
+        except OSError:
+            info = None
+        stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
+    return tuple(stamp)
 
 
 class KubeClient:
-    """The requests canaryd makes: single-object calls over the lean HTTP/1.1 client,
-    watches (and everything, when a proxy is configured) over one aiohttp session."""
+    """The requests canaryd makes, over aiohttp: single-object calls on one session,
+    watches on another (each holds its connection for minutes)."""
 
     def __init__(
         self,
@@ -393,55 +359,42 @@ class KubeClient:
         self._reload_ok = True
         self._reload_not_before = -math.inf
         self._reload_backoff = Backoff(1.0, 30.0)
-        """A failing credential plugin is retried after 1 s, doubling to 30 s."""
+        """A failing credential plugin, or credentials refused again right after a
+        reload (an authentication webhook down), is retried after 1 s, doubling to 30 s:
+        a lasting 401 runs no reload per refused request."""
+        self._refused_reloaded = False
+        """Credentials were refused right after a reload (until a request succeeds)."""
         self._credentials_version = 0
-        self._refused_version = -1
-        """The credentials a bump sent without a task (``start``) was refused with (401):
-        ``request``, which sends it again, reloads them first."""
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
-        self._loop = asyncio.get_running_loop()
-        """The loop it was made on (its aiohttp sessions are bound to it too), kept:
-        asyncio.get_running_loop() costs a getpid() system call on Python 3.11."""
-        self._hook_checked: object = None
-        self._hook_may_wait = False
         self.credentials_expiry: float | None = None
         """time.time() at which the loaded credentials expire (an exec plugin's
         expirationTimestamp), when known."""
-        self._cert_stamp = self._cert_files_stamp()
         self.last_answer = -math.inf
         """time.monotonic() of the last HTTP answer of any status, a watch's included:
         whether the API server was reachable at all since some moment."""
-        ssl_context = self._tls = self._ssl_context()
-        # The lean client for request/response calls, unless a proxy is in play (then
-        # aiohttp, which speaks to proxies).
-        self._http1: Http1Client | None = None
-        if not trust_env and not self._proxy:
-            self._http1 = Http1Client(
-                self.host,
-                ssl_context=ssl_context if isinstance(ssl_context, ssl.SSLContext) else None,
-                server_hostname=configuration.tls_server_name or None,
-                max_idle=32,
-                connect_timeout=self._connect_timeout,
-            )
-        self._base_headers = {"Accept": "application/json", "User-Agent": "canaryd"}
-        self._header_blocks: dict[tuple[str | None, str | None], bytes] = {}
-        # Request/response calls when a proxy is in play. Bounded: a request that cannot
-        # get a connection in time fails (ClientTimeout.connect covers the pool wait).
+        self._tls_stamp = self._tls_files()
+        self._tls: ssl.SSLContext | bool = self._ssl_context()
+        headers = {"Accept": "application/json", "User-Agent": "canaryd"}
+        # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
+        # connect covers the wait for the pool). As many as bumps may be in flight
+        # (Settings.max_bumps_in_flight), each holding one.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64, ssl=ssl_context),
-            trust_env=trust_env,
-            headers=self._base_headers,
+            connector=aiohttp.TCPConnector(limit=256), trust_env=trust_env, headers=headers
         )
         # Watches, each holding its connection for minutes: a pool of their own with no
         # limit, so that every scope always gets one however many namespaces are watched
         # and no watch ever waits behind another, or behind a bump.
         self._watch_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context),
+            connector=aiohttp.TCPConnector(limit=0),
             trust_env=trust_env,
             read_bufsize=2**21,  # how much of a stream is read ahead (lines are split after)
-            headers=self._base_headers,
+            headers=headers,
         )
+
+    def _tls_files(self) -> tuple[object, ...]:
+        cfg = self._config
+        return tls_files_stamp(cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file)
 
     def _ssl_context(self) -> ssl.SSLContext | bool:
         if not self.host.startswith("https"):
@@ -456,57 +409,28 @@ class KubeClient:
             context.verify_mode = ssl.CERT_NONE
         return context
 
+    def tls_rotated(self) -> bool:
+        """Re-read the TLS files (CA bundle, client certificate and key) when they changed
+        on disk: a new context, so every later request and watch opens a connection that
+        presents and trusts the new ones. Returns whether they changed."""
+        stamp = self._tls_files()
+        if stamp == self._tls_stamp:
+            return False
+        try:
+            context = self._ssl_context()
+        except (OSError, ssl.SSLError, ValueError) as err:
+            # Half-written files (a rotation in progress): the old context stays, and
+            # the next look tries again.
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("tls_files_reload_failed", error=type(err).__name__)
+            return False
+        self._tls_stamp, self._tls = stamp, context
+        log.info("tls_files_reloaded")
+        return True
+
     async def close(self) -> None:
         await self._session.close()
         await self._watch_session.close()
-        if self._http1 is not None:
-            await self._http1.close()
-
-    def _header_block(self, headers: Mapping[str, str]) -> bytes:
-        """The encoded header lines for this credential and content type, made once (a new
-        token makes a new entry; only the latest few are kept)."""
-        key = (headers.get("authorization"), headers.get("Content-Type"))
-        block = self._header_blocks.get(key)
-        if block is None:
-            if len(self._header_blocks) >= 8:
-                self._header_blocks.clear()
-            block = self._header_blocks[key] = Http1Client.header_block(
-                {**self._base_headers, **headers}
-            )
-        return block
-
-    async def _exchange(
-        self,
-        method: str,
-        path: str,
-        params: Mapping[str, str] | None,
-        data: str | None,
-        headers: dict[str, str],
-        time_limit: float,
-        deadline: float,
-    ) -> tuple[int, bytes, str | None]:
-        """(status, body, Retry-After) over the lean client, answered by ``deadline`` (the
-        loop's clock), or aiohttp with a proxy, within ``time_limit``."""
-        if self._http1 is not None:
-            response = await self._http1.request(
-                method,
-                path,
-                params=params,
-                headers=self._header_block(headers),
-                body=data.encode() if data is not None else None,
-                deadline=deadline,
-            )
-            return response.status, response.body, response.headers.get("retry-after")
-        async with self._session.request(
-            method,
-            self.host + path,
-            params=params,
-            data=data,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=time_limit, connect=self._connect_timeout),
-            **self._request_kwargs(),
-        ) as reply:
-            return reply.status, await reply.read(), reply.headers.get("Retry-After")
 
     async def _headers(self) -> dict[str, str]:
         """The credential headers. Raises KubeError (transient) when they cannot be had:
@@ -531,7 +455,7 @@ class KubeClient:
         return headers
 
     def _request_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"ssl": self._tls}
         if self._proxy:
             kwargs["proxy"] = self._proxy
         if self._config.tls_server_name:
@@ -557,154 +481,66 @@ class KubeClient:
         an already serialised JSON body, ``body`` one to serialise; ``time_limit``
         replaces the request timeout (lists, a leader's writes). Whatever has not been
         answered within it is abandoned: its connection is closed, so a late answer is
-        never read.
+        never read. One deadline covers the whole call (credentials, and the one retry
+        after a 401 with reloaded credentials).
         """
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
-        # One deadline for the whole call (credentials, and the retry after a 401): a
-        # leader's write is abandoned by it, whatever it waited for. The lean client
-        # bounds its exchange with a timer of its own; a timeout scope (which costs more
-        # than the rest of the request's own code) is used only where something else
-        # could wait: credentials from an async refresh hook, or aiohttp.
-        loop = self._loop
-        deadline = loop.time() + (time_limit or self._request_timeout)
-        if self._refused_version == self._credentials_version:
-            await self._reload_credentials(self._refused_version)  # once for all of them
+        deadline = asyncio.get_running_loop().time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
-            stage = ["credentials"]
+            stage = "credentials"
             try:
-                if self._http1 is not None and not self._credentials_may_wait():
-                    answer = await self._attempt(
-                        verb, method, path, params, data, content_type, deadline, stage
-                    )
-                else:
-                    async with asyncio.timeout_at(deadline):
-                        answer = await self._attempt(
-                            verb, method, path, params, data, content_type, deadline, stage
-                        )
-                status, payload, retry_after = answer
+                async with asyncio.timeout_at(deadline):
+                    headers = await self._headers()
+                    if data is not None:
+                        headers["Content-Type"] = content_type
+                    stage = "exchange"
+                    async with self._session.request(
+                        method,
+                        self.host + path,
+                        params=params,
+                        data=data,
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(connect=self._connect_timeout),
+                        **self._request_kwargs(),
+                    ) as reply:
+                        status, payload = reply.status, await reply.read()
+                        retry_after = reply.headers.get("Retry-After")
             except KubeError:
-                raise  # the credentials could not be had, or no time was left
+                raise  # the credentials could not be had
+            except aiohttp.ConnectionTimeoutError as err:
+                # A black-holed address: no connection (or none from the pool) in time.
+                count_request(verb, "error")
+                raise KubeError(
+                    ErrorKind.TRANSIENT,
+                    f"no connection within {self._connect_timeout:g}s",
+                    reason="ConnectTimeout",
+                ) from err
             except TimeoutError as err:
-                if stage[0] == "credentials":
+                if stage == "credentials":
                     raise error_from_exception(err, "Credentials") from err
                 raise _failed(verb, err) from err
             except Exception as err:
                 raise _failed(verb, err) from err
-            self._answered(verb, status)
+            self.last_answer = time.monotonic()
+            count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 continue
-            return _result(status, payload, retry_after, attempt)
+            if status == 401 and attempt == 2:
+                self._refused_after_reload()
+            elif status < 300:
+                self._reload_backoff.reset()
+                self._refused_reloaded = False
+            return _result(status, payload, retry_after, self._refused_reloaded)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def start(
-        self,
-        verb: str,
-        method: str,
-        path: str,
-        on_done: Callable[[dict[str, Any] | KubeError | None], None],
-        *,
-        data: str,
-        content_type: str = "application/json",
-        time_limit: float | None = None,
-    ) -> bool:
-        """``request`` without a task, where the lean client can: sent now on an idle
-        pooled connection, ``on_done`` told a turn of the loop after the answer came
-        (never from within this call) what ``request`` would return or raise, or None:
-        nothing this call can conclude (a 401 where the credentials can be reloaded,
-        which ``request`` does before it sends again; a pooled connection the server had
-        closed), to be done again with ``request``. False, and nothing sent, where only
-        ``request`` can: aiohttp, credentials that may wait, no idle connection."""
-        if self._http1 is None or self._credentials_may_wait():
-            return False
-        deadline = self._loop.time() + (time_limit or self._request_timeout)
-        version = self._credentials_version
-        try:
-            headers = _now(self._headers())
-        except KubeError as err:
-            self._loop.call_soon(on_done, err)
-            return True
-        if headers is None:
-            return False
-        headers["Content-Type"] = content_type
-
-        def answered(outcome: Response | BaseException | None) -> None:
-            # on_done is told exactly once, whatever happens here: untold, the bump
-            # would hold its place in flight and its canary would never be due again.
-            try:
-                told = self._concluded(verb, version, outcome)
-            except Exception as err:  # noqa: BLE001 - _failed logs and counts it
-                told = _failed(verb, err)  # the boundary: all else is a KubeError
-            on_done(told)
-
-        return self._http1.send(
-            method,
-            path,
-            answered,
-            headers=self._header_block(headers),
-            body=data.encode(),
-            deadline=deadline,
-        )
-
-    def _concluded(
-        self, verb: str, version: int, outcome: Response | BaseException | None
-    ) -> dict[str, Any] | KubeError | None:
-        """What ``start``'s send came to, as ``request`` would have it (None: what only
-        ``request`` can go on with)."""
-        if outcome is None:
-            return None
-        if isinstance(outcome, BaseException):
-            return _failed(verb, outcome)
-        self._answered(verb, outcome.status)
-        if outcome.status == 401 and self._reload is not None:
-            self._refused_version = version  # request() reloads, then sends again
-            return None
-        try:
-            return _result(outcome.status, outcome.body, outcome.headers.get("retry-after"), 1)
-        except KubeError as err:
-            return err
-
-    def _answered(self, verb: str, status: int) -> None:
-        self.last_answer = time.monotonic()
-        count_request(verb, status)
-
-    async def _attempt(
-        self,
-        verb: str,
-        method: str,
-        path: str,
-        params: Mapping[str, str] | None,
-        data: str | None,
-        content_type: str,
-        deadline: float,
-        stage: list[str],
-    ) -> tuple[int, bytes, str | None]:
-        """One try of a request: the credentials, then the exchange by ``deadline``;
-        ``stage[0]`` says which was under way."""
-        headers = await self._headers()
-        if data is not None:
-            headers["Content-Type"] = content_type
-        left = deadline - self._loop.time()
-        if left <= 0:
-            count_request(verb, "error")
-            raise KubeError(ErrorKind.TRANSIENT, "no time left to send it", reason="Timeout")
-        stage[0] = "exchange"
-        return await self._exchange(method, path, params, data, headers, left, deadline)
-
-    def _credentials_may_wait(self) -> bool:
-        """Whether reading the credentials can wait: kubernetes-asyncio awaits what its
-        refresh hook returns, and only an async hook returns something to wait for (the
-        in-cluster token's hook reads a file, the kubeconfig's has none)."""
-        hook = self._config.refresh_api_key_hook
-        if hook is None:
-            return False
-        if hook is not self._hook_checked:
-            self._hook_checked = hook
-            self._hook_may_wait = inspect.iscoroutinefunction(hook) or not (
-                inspect.isfunction(hook) or inspect.ismethod(hook)
-            )
-        return self._hook_may_wait
+    def _refused_after_reload(self) -> None:
+        """Freshly reloaded credentials were refused too: the next reload waits (an
+        authentication webhook down would otherwise cost a reload, an exec plugin run,
+        per refused request)."""
+        self._refused_reloaded = True
+        self._reload_not_before = time.monotonic() + self._reload_backoff.next()
 
     async def _reload_credentials(self, version: int | None = None) -> bool:
         """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
@@ -717,7 +553,7 @@ class KubeClient:
             if version is not None and version != self._credentials_version:
                 return self._reload_ok  # a reload since answers this request too
             if time.monotonic() < self._reload_not_before:
-                return False  # the last reload failed: backing off
+                return False  # the last reload failed, or was refused: backing off
             try:
                 loaded = await self._reload(self._config)
             except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
@@ -730,11 +566,10 @@ class KubeClient:
                     "credentials_reload_failed", error=type(err).__name__, retry_in=round(delay, 3)
                 )
                 return False
-            self._reload_backoff.reset()
             self._credentials_version += 1
             self._reload_ok = True
             self.note_credentials(loaded)
-            self._reload_client_certificate()
+            self.tls_rotated()
             return True
 
     def note_credentials(self, loader: Any) -> None:
@@ -742,46 +577,21 @@ class KubeClient:
         expiry = getattr(loader, "exec_plugin_expiry", None)
         self.credentials_expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
 
-    def _cert_files_stamp(self) -> tuple[object, ...] | None:
-        cert, key = self._config.cert_file, self._config.key_file
-        if not cert:
-            return None
-        try:
-            return tuple(
-                (os.stat(p).st_mtime_ns, os.stat(p).st_size) if p else None for p in (cert, key)
-            )
-        except OSError:
-            return None
-
-    def _reload_client_certificate(self) -> None:
-        """A client certificate rotated on disk (or re-issued by an exec plugin) goes into
-        the TLS context every connection shares: new connections present it."""
-        stamp, cert = self._cert_files_stamp(), self._config.cert_file
-        if stamp == self._cert_stamp or not cert or not isinstance(self._tls, ssl.SSLContext):
-            return
-        self._cert_stamp = stamp
-        try:
-            self._tls.load_cert_chain(cert, keyfile=self._config.key_file)
-        except (OSError, ssl.SSLError) as err:
-            metrics.ERRORS.labels("credentials").inc()
-            log.warning("client_certificate_reload_failed", error=type(err).__name__)
-            return
-        log.info("client_certificate_reloaded")
-
     def next_refresh_in(self, now: float) -> float | None:
         """Seconds until the credentials should be renewed: at 80 % of an exec token's
-        remaining lifetime (at least 1 s), every minute for client certificate files
-        (a rotation on disk), None when nothing expires."""
-        if self._reload is None:
-            return None
-        if self.credentials_expiry is not None:
+        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
+        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
+        nothing expires."""
+        if self._reload is not None and self.credentials_expiry is not None:
             return max(1.0, 0.8 * (self.credentials_expiry - now))
-        if self._config.cert_file:
+        cfg = self._config
+        if isinstance(self._tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
             return 60.0
         return None
 
     async def keep_credentials_fresh(self) -> None:
-        """Long-lived: renew credentials before they expire, not only after a 401."""
+        """Long-lived: renew credentials before they expire, not only after a 401, and
+        pick up TLS files rotated on disk."""
         try:
             while True:
                 delay = self.next_refresh_in(time.time())
@@ -789,8 +599,12 @@ class KubeClient:
                     await asyncio.Event().wait()  # nothing expires: until cancelled
                     continue
                 await asyncio.sleep(delay)
-                if self._cert_files_stamp() != self._cert_stamp or self.credentials_expiry:
+                if self._reload is not None and (
+                    self.credentials_expiry or self._tls_files() != self._tls_stamp
+                ):
                     await self._reload_credentials()
+                else:
+                    self.tls_rotated()
         except asyncio.CancelledError:
             log.info("credential_refresher_stopped", why="cancelled")
             raise

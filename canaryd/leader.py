@@ -14,7 +14,7 @@ shutdown the leader releases the lease (holder cleared, duration 1 s), and a
 follower takes it at its next look.
 
 Kubernetes has no fencing token, so one writer at a time comes from time.
-``write_time_limit()`` is what the scheduler asks right before each write: a write is
+``write_permit()`` is what the writer awaits right before each write: a write is
 sent only while at least ``write_timeout`` of the renew deadline is left after the
 last successful renew (measured from when that renew was sent), and that is its
 client timeout. So every write is answered or abandoned (its connection closed, its
@@ -81,6 +81,8 @@ class LeaderElector:
         """When the other holder's lease runs out, as this replica last saw it."""
         self._renewed_at = float("-inf")
         """When the last successful acquire or renew started (our clock)."""
+        self._renewed = asyncio.Event()
+        """Set (and replaced) at every successful renewal and when leading ends."""
         self._seen_a_record = False
         """Whether any Lease record was seen yet: the first holder seen is no transition."""
         self._written: Mapping[str, Any] | None = None
@@ -114,6 +116,23 @@ class LeaderElector:
         if self._clock() + timeout > self._renewed_at + self.settings.renew_deadline:
             return None
         return timeout
+
+    async def write_permit(self) -> float | None:
+        """The client timeout of a write sent now, waiting for it if need be: a write
+        the fence holds back (a slow or failed renewal left too little of the renew
+        deadline) waits for the next successful renewal. None once this replica no
+        longer leads: the write is not sent."""
+        while self.leading:
+            limit = self.write_time_limit()
+            if limit is not None:
+                return limit
+            await self._renewed.wait()
+        return None
+
+    def _renewal_changed(self) -> None:
+        """Wake the writes waiting for the fence (a renewal, or the end of leading)."""
+        self._renewed.set()
+        self._renewed = asyncio.Event()
 
     # ------------------------------------------------------------------ the loop
 
@@ -174,6 +193,7 @@ class LeaderElector:
 
     def _stop_leading(self, why: str) -> None:
         self.leading = False
+        self._renewal_changed()
         metrics.LEADER.set(0)
         log.warning("stopped_leading", lease=str(self), identity=self.identity, why=why)
         self.on_stopped_leading(self.leader if self.leader != self.identity else None)
@@ -309,6 +329,7 @@ class LeaderElector:
         self._observe(written, self._clock())
         self._renewed_at = started
         self._written = written
+        self._renewal_changed()
         return True
 
     async def _write(
@@ -330,6 +351,7 @@ class LeaderElector:
         self._observe(written, self._clock())
         self._renewed_at = started  # the deadline runs from the write's start: early, safe
         self._written = written
+        self._renewal_changed()
         return True
 
     async def _release(self) -> None:

@@ -14,10 +14,9 @@ import resource  # Unix: canaryd runs on Linux (and macOS for development)
 from dataclasses import dataclass
 
 RESERVED = 512
-"""Descriptors canaryd needs besides its watches: the bump and request pools (up to 256
-bumps in flight when slow writes grow the pool, 32 idle connections on the lean client,
-64 on aiohttp), health-port clients, the event loop, logs and the interpreter's own
-files."""
+"""Descriptors canaryd needs besides its watches: the request pool (at most 256
+connections: bumps in flight when writes are slow), health-port clients, the event
+loop, logs and the interpreter's own files."""
 
 
 @dataclass(frozen=True)

@@ -202,11 +202,15 @@ BUMPS = LoopCounter(
     "no_generation.",
     ["result"],
 )
-BUMP_WORKERS = Gauge(
-    "canaryd_bump_workers",
-    "Bump workers: at least 16, more when slow writes need them (bumps per second "
-    "times seconds per bump, twice over; at most 256). Quick bumps are sent without "
-    "one, at most 16 at a time.",
+UNSCHEDULED = Gauge(
+    "canaryd_canaries_unscheduled",
+    "Tracked canaries that are neither due nor in flight exactly once while this replica "
+    "bumps: 0, always (a canary out of the schedule would never be checked again).",
+    registry=REGISTRY,
+)
+BUMPS_IN_FLIGHT = Gauge(
+    "canaryd_bumps_in_flight",
+    "Bumps being written now (waiting for an answer, a retry or the leader's fence; at most 256).",
     registry=REGISTRY,
 )
 BUMP_STAGES = ("answered", "observed", "reconciled")

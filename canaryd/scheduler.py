@@ -2,15 +2,15 @@
 
 One task walks a deadline heap (not a task per canary). At a canary's deadline it
 judges the previous bump there and then, synchronously — judging never queues
-behind writes — and sends the next bump: in the common case at once, on an idle
-pooled connection, its answer handled in a callback (no task per bump;
-``_bump_now``, at most ``max_concurrent_bumps`` at a time); otherwise, and for
-whatever that first try is answered with but success, through a pool of bump
-workers: at least ``max_concurrent_bumps``, more when slow writes (an admission
-webhook in the path) need them, so that no fixed share of canaries is skipped every
-cycle. A canary's first bump is placed at a stable offset within the cycle (a hash
-of its identity), so N canaries spread over the cycle instead of firing N writes at
-once.
+behind writes — and starts the next bump: a task of its own (canaryd.writer does the
+write), at most ``max_bumps_in_flight`` of them writing at once. A canary's first bump
+is placed at a stable offset within the cycle (a hash of its identity), so N canaries
+spread over the cycle instead of firing N writes at once.
+
+The invariant (``unscheduled``): while this replica bumps, every tracked canary is
+either due (one live heap entry) or in flight (a bump task, or a judge waiting for the
+operator's metrics), exactly once. Nothing takes a canary out of the schedule but the
+watch (it drops the canary) and stepping down (``activate`` schedules them all again).
 
 Every write to the registry after an ``await`` first checks that the record is still
 the one tracked (``Registry.owns``): an answer that arrives after the canary was
@@ -23,53 +23,29 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 import math
 import random
 import time
 import zlib
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import UTC, datetime
-from functools import partial
-from typing import Any
 
 import structlog
 
 from canaryd import judge, logs, metrics
-from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
-from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, kind_of, object_path
+from canaryd.kube import KubeClient, kind_of
 from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
 from canaryd.sync import ScopeSync
+from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
 WRITTEN = metrics.BUMPS.labels("written")
-MAX_BUMP_WORKERS = 256
-"""The most bumps in flight at once, however slow writes are (each holds a socket)."""
-LATENCY_WEIGHT = 0.2
-"""Weight of the latest write in the moving average of write latency."""
 HEALTHY_VERDICTS = metrics.VERDICTS.labels("healthy")
 UNHEALTHY_VERDICTS = metrics.VERDICTS.labels("unhealthy")
-
-
-def bump_body(resource_version: str, nonce: int) -> str:
-    """The merge patch of a bump: the precondition and spec.restartNonce, nothing else.
-
-    Serialised by hand (it is the hot path); the opaque resourceVersion is quoted by the
-    stdlib encoder's string function (what ``json.dumps`` of a string calls, without
-    its four Python calls around it).
-    """
-    return (
-        f'{{"metadata":{{"resourceVersion":{_json_string(resource_version)}}},'
-        f'"spec":{{"restartNonce":{int(nonce)}}}}}'
-    )
-
-
-_json_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 
 
 def wall_time(timestamp: float) -> str:
@@ -96,18 +72,15 @@ class Scheduler:
         self._due_seq: dict[CanaryKey, int] = {}
         """Each canary's one live heap entry (an earlier one of it is void)."""
         self._wake = asyncio.Event()
-        self._ready: deque[tuple[float, Canary, KubeError | None]] = deque()
-        """Bumps for the workers, in order: each with the time it fell due, and the error
-        that answered its first try when that was sent without a worker (``_bump_now``)."""
-        self._idle: deque[asyncio.Future[None]] = deque()
-        """One future per idle bump worker: a queued bump wakes exactly one of them."""
+        self._in_flight: dict[CanaryKey, Canary] = {}
+        """Canaries whose bump task runs (waiting for a slot, the fence, or an answer):
+        the record it writes for (a new object of the same name is another)."""
+        self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
+        self.writer = Writer(settings, registry, kube, clock=clock)
         self._deferred: set[Canary] = set()
         """Canaries whose verdict waits for their watch to resume."""
         self._rng = random.Random()
         self._group: asyncio.TaskGroup | None = None
-        self._workers = 0
-        self.write_latency = 0.0
-        """Moving average of an answered bump's PATCH, 2xx or not (seconds)."""
         self.failures = Episodes(
             "bump_failures",
             subject="canary",
@@ -157,17 +130,6 @@ class Scheduler:
                 clock=clock,
             )
             metrics.operator_metrics_exported()
-        self.write_time_limit: Callable[[], float | None] = lambda: settings.write_timeout
-        """Asked right before every write: its client timeout, or None when no write may
-        be sent now (the leader elector's ``write_time_limit``)."""
-        self._stopping = False
-        """Set by ``finish_writes``: canaryd is stopping, no write is sent any more."""
-        self._writes_in_flight = 0
-        """Bumps sent and not answered yet, by the workers and by ``_bump_now``."""
-        self._sent_now = 0
-        """Those sent by ``_bump_now`` (without a worker)."""
-        self._no_writes_in_flight = asyncio.Event()
-        self._no_writes_in_flight.set()
         registry.observer = self
 
     # ------------------------------------------------------- leader election
@@ -184,42 +146,46 @@ class Scheduler:
         ``leader`` is another holder of the lease, or None when none is known. A leader
         that stepped down without seeing another holder (a lease hiccup) keeps its
         verdicts and its /healthz: nobody else has checked since, so what it found
-        still stands, and if it retakes the lease it goes on with them. Once another
-        holder is seen, that holder's verdicts are the ones that count: every canary
-        here is ``pending`` with a standby reason, and this replica starts fresh."""
+        still stands (ageing as any verdict no bump re-tests, ``age_verdicts``), and if
+        it retakes the lease it goes on with them. Once another holder is seen, that
+        holder's verdicts are the ones that count: every canary here is ``pending``
+        with a standby reason, and this replica starts fresh."""
         keep = leader is None and (self._verdicts_kept or self.standby_reason is None)
         self._verdicts_kept = keep
         self.standby_reason = (
             f"standby: {leader} holds the lease" if leader else "standby: waiting for the lease"
         )
         self._heap.clear()
-        self._ready.clear()
+        self._due_seq.clear()
         self._deferred.clear()
         self._awaiting.clear()
         for canary in self.registry.canaries():
             self.failures.recovered(canary.key)
             self.registry.standing_by(canary, None if keep else self.standby_reason)
-        if keep:
-            self._age_kept_verdicts()
-        else:
-            self._stop_aging()
+        self.age_verdicts()
 
-    def _age_kept_verdicts(self) -> None:
-        """A kept verdict ages like any other: no bump is written while this replica
-        stands by, so an unhealthy verdict turns unknown two cycles after it was
-        reached (registry.no_verdict), however long the lease stays away."""
+    def age_verdicts(self) -> None:
+        """An ``unhealthy`` verdict that no bump has re-tested for two cycles turns
+        ``unknown`` (registry.no_verdict), whether or not a bump was attempted meanwhile
+        (the leader's fence held it, this replica stands by, writes fail): a verdict
+        nobody can re-test must not restart the operator forever. Runs every half cycle
+        while any canary is unhealthy."""
         self._stop_aging()
-        if not self._verdicts_kept or self.standby_reason is None:
-            return
+        now = self._clock()
+        ttl = self._verdict_ttl()
         unhealthy = False
         for canary in self.registry.canaries():
-            if canary.state is CanaryState.UNHEALTHY:
-                self._no_bump(canary, f"no bump written: {self.standby_reason}")
-                unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
+            verdict = canary.verdict
+            if canary.state is not CanaryState.UNHEALTHY or verdict is None:
+                continue
+            if canary.bumped_generation is None and now - verdict.at >= ttl:
+                why = self.standby_reason or "none could be sent"
+                self.registry.no_verdict(canary, f"no bump written: {why}", now, ttl)
+            unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
         if unhealthy:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to age
                 self._aging = asyncio.get_running_loop().call_later(
-                    self.settings.timeout / 2, self._age_kept_verdicts
+                    self.settings.timeout / 2, self.age_verdicts
                 )
 
     def _stop_aging(self) -> None:
@@ -231,24 +197,39 @@ class Scheduler:
         """This replica leads: every canary gets its first bump within a cycle, and
         starts fresh unless this replica kept its own verdicts (see ``standby``)."""
         kept, self._verdicts_kept = self._verdicts_kept, False
-        self._stop_aging()
         self.standby_reason = None
         for canary in self.registry.canaries():
             if not kept or canary.state is CanaryState.PENDING:
                 self.registry.set_state(
                     canary, CanaryState.PENDING, "waiting for the first bump to be judged"
                 )
-            self.schedule_first(canary)
+            if not self._flying(canary):  # one in flight schedules itself
+                self.schedule_first(canary)
 
     async def finish_writes(self) -> None:
         """Stopping: send no more writes and wait for the ones in flight to be answered
         or abandoned. Each ends within its own time limit (the write timeout), so the
         lease can be released after this without a write of this replica still on its
         way."""
-        self._stopping = True
-        if self._writes_in_flight:
-            log.info("finishing_writes", in_flight=self._writes_in_flight)
-        await self._no_writes_in_flight.wait()
+        if self.writer.in_flight:
+            log.info("finishing_writes", in_flight=self.writer.in_flight)
+        await self.writer.finished()
+
+    def unscheduled(self) -> list[CanaryKey]:
+        """The canaries that break the invariant: while this replica bumps, each one
+        tracked is due exactly once or in flight exactly once. Empty when all is well
+        (and for a follower, which schedules nothing)."""
+        if self.standby_reason is not None:
+            return []
+        awaiting: dict[CanaryKey, int] = {}
+        for _, canary in self._awaiting:
+            awaiting[canary.key] = awaiting.get(canary.key, 0) + 1
+        return [
+            canary.key
+            for canary in self.registry.canaries()
+            if (canary.key in self._due_seq) + self._flying(canary) + awaiting.get(canary.key, 0)
+            != 1
+        ]
 
     # ------------------------------------------------------------ the heap
 
@@ -273,13 +254,10 @@ class Scheduler:
             self._wake.set()
 
     def lag(self) -> float:
-        """How far behind its deadlines the scheduler is: the most overdue heap entry or
-        waiting bump (0 when nothing is overdue)."""
+        """How far behind its deadlines the scheduler is: the most overdue heap entry
+        (0 when nothing is overdue)."""
         now = self._clock()
-        lag = max(0.0, now - self._heap[0][0]) if self._heap else 0.0
-        if self._ready:
-            lag = max(lag, now - self._ready[0][0])
-        return lag
+        return max(0.0, now - self._heap[0][0]) if self._heap else 0.0
 
     async def _next_due(self) -> tuple[float, Canary]:
         while True:
@@ -294,6 +272,7 @@ class Scheduler:
             delay = due - self._clock()
             if delay <= 0:
                 heapq.heappop(self._heap)
+                del self._due_seq[canary.key]
                 return due, canary
             self._wake.clear()
             timer = asyncio.get_running_loop().call_later(
@@ -308,8 +287,6 @@ class Scheduler:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
-                for _ in range(self.settings.max_concurrent_bumps):
-                    self._add_worker()
                 if self.operator is not None:
                     group.create_task(self._read_operator(), name="operator metrics")
                 while True:
@@ -320,34 +297,16 @@ class Scheduler:
                         # A bug must not stop the scheduler: say so, count it, go on.
                         metrics.ERRORS.labels("scheduler").inc()
                         log.exception("judge_failed_unexpectedly", canary=str(canary.key))
-                        if self.registry.owns(canary):
+                        if self.registry.owns(canary) and not self._flying(canary):
                             self._push(self._clock() + self.settings.timeout, canary)
         except asyncio.CancelledError:
             log.info("scheduler_stopped", why="cancelled")
             raise
         finally:
-            self._group, self._workers = None, 0
-            self._idle.clear()
+            self._group = None
+            self._stop_aging()
             if self.operator is not None:
                 await self.operator.close()
-
-    def _add_worker(self) -> None:
-        assert self._group is not None
-        self._workers += 1
-        metrics.BUMP_WORKERS.set(self._workers)
-        self._group.create_task(self._bump_worker(), name=f"bump worker {self._workers}")
-
-    def _note_latency(self, took: float) -> None:
-        """The moving average of answered writes: how long a bump holds a worker. Writes
-        that time out are left out: more workers would only add to an overload."""
-        self.write_latency += LATENCY_WEIGHT * (took - self.write_latency)
-
-    def workers_wanted(self) -> int:
-        """Little's law: bumps per second times seconds per bump, twice over, within
-        [max_concurrent_bumps, MAX_BUMP_WORKERS]."""
-        rate = len(self.registry) / self.settings.timeout
-        wanted = math.ceil(2 * rate * self.write_latency)
-        return max(self.settings.max_concurrent_bumps, min(MAX_BUMP_WORKERS, wanted))
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
@@ -360,58 +319,65 @@ class Scheduler:
             return
         if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
             return  # the verdict waits for the watch; it was rescheduled
-        self._queue_bump(due, canary)
+        self._start_bump(due, canary)
 
-    def _queue_bump(self, due: float, canary: Canary) -> None:
-        """Send the canary's next bump now, or hand it to the workers."""
-        if not self._ready and self._bump_now(due, canary):
+    def _start_bump(self, due: float, canary: Canary) -> None:
+        """The canary's next bump, in a task of its own: in flight until it has its
+        next deadline."""
+        if self._group is None or self._flying(canary):
             return
-        self._for_workers(due, canary, None)
+        self._in_flight[canary.key] = canary
+        self._group.create_task(self._bump(due, canary), name=f"bump {canary.key}")
 
-    def _for_workers(self, due: float, canary: Canary, failed: KubeError | None) -> None:
-        self._ready.append((due, canary, failed))
-        while self._idle:
-            waiter = self._idle.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
-        if (
-            self._group is not None
-            and len(self._idle) < len(self._ready)
-            and self._workers < self.workers_wanted()
-        ):
-            self._add_worker()
+    def _flying(self, canary: Canary) -> bool:
+        return self._in_flight.get(canary.key) is canary
 
-    async def _bump_worker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            while not self._ready:
-                # Wait to be woken by _queue_bump: one queued bump wakes one worker
-                # (an Event would wake every idle worker for each bump).
-                waiter: asyncio.Future[None] = loop.create_future()
-                self._idle.append(waiter)
+    async def _bump(self, due: float, canary: Canary) -> None:
+        next_due: float | None = None
+        try:
+            async with self._slots:
+                metrics.BUMPS_IN_FLIGHT.inc()
                 try:
-                    await waiter
+                    outcome = await self.writer.bump(canary, due)
                 finally:
-                    if waiter.cancelled():  # this worker stopped: it is idle no more
-                        with contextlib.suppress(ValueError):  # skipped by a wake already
-                            self._idle.remove(waiter)
-            due, canary, failed = self._ready.popleft()
-            next_due: float | None
-            try:
-                next_due = await self.bump_nonce(canary, due, failed=failed)
-            except Exception:
-                # A bug must not stop the scheduler: say so, count it, try next cycle.
-                metrics.ERRORS.labels("scheduler").inc()
-                log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-                self._no_bump(canary, "internal error; see logs")
-                next_due = self._after_failure(due)
-            finally:
-                # The worker keeps no failure: with its traceback it would hold the frames
-                # it went through (and the answer) while this worker waits.
-                failed = None
-            if next_due is not None and self.registry.owns(canary):
-                self._push(next_due, canary)
+                    metrics.BUMPS_IN_FLIGHT.dec()
+            next_due = self._bumped(canary, due, outcome)
+        except Exception:
+            # A bug must not lose the canary: say so, count it, try next cycle.
+            metrics.ERRORS.labels("scheduler").inc()
+            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
+            self._no_bump(canary, "internal error; see logs")
+            next_due = self._after_failure(due)
+        finally:
+            if self._flying(canary):
+                del self._in_flight[canary.key]
+            if (
+                self.registry.owns(canary)
+                and self.standby_reason is None
+                and not self.writer.stopping
+            ):
+                # Due again: at its next deadline, or (nothing came of it while this
+                # replica still bumps) a cycle on, never out of the schedule.
+                self._push(next_due if next_due is not None else self._after_failure(due), canary)
+
+    def _bumped(self, canary: Canary, due: float, outcome: Outcome) -> float | None:
+        """What came of a bump, into the registry; returns when the canary is next due."""
+        if not self.registry.owns(canary) or self.standby_reason is not None:
+            return None
+        if isinstance(outcome, NotWritten):
+            self._write_failed(canary, outcome.cause, outcome.reason)
+            return self._after_failure(due)
+        if not isinstance(outcome, Written):
+            return None
+        WRITTEN.inc()
+        deadline = outcome.answered + self.settings.timeout
+        self.registry.bumped(
+            canary, outcome.generation, outcome.sent, outcome.answered, deadline, time.time()
+        )
+        self.failures.recovered(canary.key)
+        if logs.debug_enabled():
+            log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
+        return deadline
 
     # ------------------------------------------------------------- judging
 
@@ -461,6 +427,8 @@ class Scheduler:
                     "canary_unhealthy", canary=str(canary.key), reason=reason
                 )
                 self.registry.judged(canary, CanaryState.UNHEALTHY, reason, now)
+                if self._aging is None:
+                    self.age_verdicts()
             case NoVerdict():
                 reason, missing = judgement.reason, judgement.missing_series
                 metrics.VERDICTS.labels(judgement.counted).inc()
@@ -499,8 +467,13 @@ class Scheduler:
                     self._deferred.add(canary)
                 self._push(until, canary)
                 return False
-            case Wait() | Suspect():
+            case Suspect():
+                # The fresh stream's verdict comes from its own deadline: judged again
+                # then (never out of the schedule).
+                self._push(now + self.settings.judge_slack, canary)
                 return False
+            case Wait():
+                return False  # operator-metrics: judged again at the next read
         return True
 
     def scope_resumed(self, scope: ScopeKey) -> None:
@@ -589,7 +562,7 @@ class Scheduler:
                 # A bug must not lose the canary: say so, count it, try it next cycle.
                 metrics.ERRORS.labels("scheduler").inc()
                 log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
-                if self.registry.owns(canary):
+                if self.registry.owns(canary) and not self._flying(canary):
                     self._push(now + self.settings.timeout, canary)
 
     def _judge_and_bump(
@@ -633,7 +606,7 @@ class Scheduler:
                 return
         self.registry.baseline(canary, self._baseline(canary))
         # The bump's own retry window runs from now: the verdict may have waited.
-        self._queue_bump(now, canary)
+        self._start_bump(now, canary)
 
     def _phase(self, canary: Canary) -> float:
         """The canary's stable place in the cycle, as a fraction (its first bump's)."""
@@ -668,7 +641,7 @@ class Scheduler:
             except Exception:
                 metrics.ERRORS.labels("scheduler").inc()
                 log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
-                if self.registry.owns(canary):
+                if self.registry.owns(canary) and not self._flying(canary):
                     self._push(now + self.settings.timeout, canary)
 
     def failures_of_operator(self, failed: ScrapeFailed) -> None:
@@ -695,7 +668,8 @@ class Scheduler:
         for index, canary in enumerate(canaries):
             self.registry.fresh_check(canary, reason)
             self._realign.add(canary.key)
-            self._push(started + index * step, canary)
+            if not self._flying(canary):  # one in flight schedules itself
+                self._push(started + index * step, canary)
 
     def canary_forgotten(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
@@ -757,293 +731,7 @@ class Scheduler:
         judge's slack late (the scheduler's tick, a busy loop): measured from the judge,
         two cycles less the slack, or the verdict would age a cycle later whenever
         the judge ran later than the write."""
-        ttl = 2 * self.settings.timeout - self.settings.judge_slack
-        self.registry.no_verdict(canary, reason, self._clock(), ttl)
+        self.registry.no_verdict(canary, reason, self._clock(), self._verdict_ttl())
 
-    def _bump_now(self, due: float, canary: Canary) -> bool:
-        """The common case of ``bump_nonce`` without a worker: the PATCH sent now on an idle
-        connection, its answer handled in a callback a loop turn after it came
-        (``_bump_answered``). False, and nothing sent, for anything else: the workers do
-        it (``bump_nonce``), and whatever the first try is answered with but success goes
-        to them too."""
-        now = self._clock()
-        if (
-            # The common case is a quick write: slow ones (an admission webhook in the
-            # path) queue for the workers, whose pool grows with the write latency and
-            # stays bounded (MAX_BUMP_WORKERS), as the connections with it.
-            self._sent_now >= self.settings.max_concurrent_bumps
-            or now > due + self.settings.timeout / 2
-            or self._stopping
-            or self.standby_reason is not None
-            or not self.registry.owns(canary)
-        ):
-            return False
-        time_limit = self.write_time_limit()
-        if time_limit is None:
-            return False
-        repairing, nonce, before = self._next_write(canary)
-        sent = self._clock()
-        if not self.kube.start(
-            "patch",
-            "PATCH",
-            object_path(*canary.key),
-            partial(self._bump_answered, canary, due, nonce, repairing, before, sent),
-            data=bump_body(canary.resource_version, nonce),
-            content_type=MERGE_PATCH,
-            time_limit=time_limit,
-        ):
-            return False
-        self._sent_now += 1
-        self._write_sent()
-        return True
-
-    @staticmethod
-    def _next_write(canary: Canary) -> tuple[str | None, int, int]:
-        """What the next bump repairs (if anything), the nonce it writes, and the
-        generation before it: the watch may deliver the write's own event before its
-        answer arrives."""
-        repairing = canary.nonce_problem
-        nonce = 1 if repairing else canary.nonce + 1
-        return repairing, nonce, max(canary.generation, canary.last_bumped_generation or 0)
-
-    def _write_sent(self) -> None:
-        self._writes_in_flight += 1
-        self._no_writes_in_flight.clear()
-
-    def _write_ended(self) -> None:
-        self._writes_in_flight -= 1
-        if not self._writes_in_flight:
-            self._no_writes_in_flight.set()
-
-    def _bump_answered(
-        self,
-        canary: Canary,
-        due: float,
-        nonce: int,
-        repairing: str | None,
-        before: int,
-        sent: float,
-        outcome: dict[str, Any] | KubeError | None,
-    ) -> None:
-        """``_bump_now``'s answer: written, or the workers take it from there."""
-        self._sent_now -= 1
-        self._write_ended()
-        try:
-            if outcome is None:  # nothing concluded: the workers send it again
-                self._for_workers(due, canary, None)
-                return
-            if isinstance(outcome, KubeError):
-                if outcome.status is not None:  # answered; a timeout is overload, not latency
-                    self._note_latency(self._clock() - sent)
-                if self.registry.owns(canary):
-                    self._for_workers(due, canary, outcome)
-                return
-            self._note_latency(self._clock() - sent)
-            if not self.registry.owns(canary) or self.standby_reason is not None:
-                return
-            next_due = self._written(canary, outcome, nonce, repairing, due, before, sent)
-        except Exception:
-            # A bug must not lose the canary: say so, count it, try next cycle.
-            metrics.ERRORS.labels("scheduler").inc()
-            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            if not self.registry.owns(canary):
-                return
-            self._no_bump(canary, "internal error; see logs")
-            next_due = self._after_failure(due)
-        if self.registry.owns(canary):
-            self._push(next_due, canary)
-
-    async def bump_nonce(
-        self, canary: Canary, due: float | None = None, *, failed: KubeError | None = None
-    ) -> float | None:
-        """Write restartNonce + 1 with a resourceVersion precondition.
-
-        Returns when the next cycle is due, or None when the record is no longer the
-        one tracked (dropped, or replaced by a new object of the same name). ``failed``:
-        the first try was sent without a worker (``_bump_now``) and answered this; it is
-        handled as a try of this call's would be.
-        """
-        timeout = self.settings.timeout
-        now = self._clock()
-        due = now if due is None else due
-        give_up_at = due + timeout / 2
-        if not self.registry.owns(canary):
-            return None
-        if failed is None and now > give_up_at:
-            # It waited for a worker past its retry window: writes are backed up (slow
-            # answers). Skipping keeps the scheduler's lag bounded.
-            self._write_failed(
-                canary, "skipped", "no bump this cycle: bumps are backed up behind slow writes"
-            )
-            return self._after_failure(due)
-        backoff: Backoff | None = None  # made on the first transient failure only
-        path = object_path(*canary.key)
-        conflicts, reread = 0, False
-        while True:
-            try:
-                if failed is not None:
-                    err, failed = failed, None
-                    raise err
-                if reread:
-                    fresh = await self.kube.request("get", "GET", path)
-                    gone = self.registry.reread(canary, fresh)
-                    if gone is not None:
-                        metrics.BUMPS.labels(
-                            "replaced" if gone == "replaced" else "not_canary"
-                        ).inc()
-                        return None
-                    reread = False
-                time_limit = None if self._stopping else self.write_time_limit()
-                if self.standby_reason is not None or time_limit is None:
-                    return None  # not the leader (or not for long enough), or stopping
-                repairing, nonce, before = self._next_write(canary)
-                sent = self._clock()
-                self._write_sent()
-                try:
-                    written = await self.kube.request(
-                        "patch",
-                        "PATCH",
-                        path,
-                        data=bump_body(canary.resource_version, nonce),
-                        content_type=MERGE_PATCH,
-                        time_limit=time_limit,
-                    )
-                except KubeError as err:
-                    if err.status is not None:  # answered; a timeout is overload, not latency
-                        self._note_latency(self._clock() - sent)
-                    raise
-                finally:
-                    self._write_ended()
-                self._note_latency(self._clock() - sent)
-            except KubeError as err:
-                if not self.registry.owns(canary):
-                    return None  # a late answer about a record no longer tracked
-                if err.kind is ErrorKind.CONFLICT:
-                    metrics.CONFLICTS.inc()
-                    conflicts += 1
-                    if conflicts > self.settings.max_conflict_retries:
-                        self._write_failed(
-                            canary,
-                            "conflict_exhausted",
-                            f"{conflicts} conflicts in a row; no bump this cycle",
-                        )
-                        return self._after_failure(due)
-                    reread = True
-                    # Jittered, so two writers that collided do not collide again.
-                    await asyncio.sleep(self._rng.uniform(0, min(0.05, timeout / 20)))
-                    continue
-                if err.kind is ErrorKind.GONE:
-                    return await self._answered_gone(canary, path, err, due)
-                if err.kind is ErrorKind.FORBIDDEN:
-                    self._write_failed(
-                        canary, "forbidden", f"canaryd may not write it (retried next cycle): {err}"
-                    )
-                    return self._after_failure(due)
-                if err.kind is ErrorKind.INVALID:
-                    self._write_failed(canary, "invalid", f"bump rejected: {err}")
-                    return self._after_failure(due)
-                if backoff is None:
-                    backoff = Backoff(
-                        self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng
-                    )
-                delay = backoff.next()
-                if err.retry_after is not None:
-                    # Honoured, but never a tight loop (Retry-After: 0).
-                    delay = max(err.retry_after, self.settings.backoff_initial)
-                if self._clock() + delay > give_up_at:
-                    self._write_failed(canary, "failed", f"bump failed: {err}")
-                    return self._after_failure(due)
-                if logs.debug_enabled():
-                    log.debug(
-                        "bump_retry",
-                        canary=str(canary.key),
-                        error=str(err),
-                        retry_in=round(delay, 3),
-                    )
-                await asyncio.sleep(delay)
-                if not self.registry.owns(canary):
-                    return None
-                continue
-            if not self.registry.owns(canary) or self.standby_reason is not None:
-                return None
-            return self._written(canary, written, nonce, repairing, due, before, sent)
-
-    async def _answered_gone(
-        self, canary: Canary, path: str, err: KubeError, due: float
-    ) -> float | None:
-        """A 404 on a bump may be transient (a CRD being re-registered, an API server
-        replica briefly not serving it): re-read to tell. Still there, same uid: no
-        bump this cycle, retried next. Gone too: paused for a cycle, and only the watch
-        drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
-        never confirmation enough, since no DELETED may ever follow a transient one."""
-        try:
-            fresh = await self.kube.request("get", "GET", path)
-        except KubeError as reread_err:
-            if not self.registry.owns(canary):
-                return None
-            if reread_err.kind is ErrorKind.GONE:
-                self._write_failed(
-                    canary,
-                    "gone",
-                    f"bump and re-read answered {err}: paused until the watch confirms "
-                    "(bumped again next cycle while the watch still shows it)",
-                )
-                return self._after_failure(due)
-            self._write_failed(
-                canary, "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
-            )
-            return self._after_failure(due)
-        gone = self.registry.reread(canary, fresh)
-        if gone is not None:
-            metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
-            return None
-        self._write_failed(
-            canary,
-            "gone_but_present",
-            f"bump answered {err}, but the object is still there; retried next cycle",
-        )
-        return self._after_failure(due)
-
-    def _written(
-        self,
-        canary: Canary,
-        written: Mapping[str, Any],
-        nonce: int,
-        repaired: str | None,
-        due: float,
-        before: int,
-        sent: float,
-    ) -> float:
-        now = self._clock()
-        metadata = written.get("metadata") or {}
-        generation = (
-            metadata.get("generation")
-            if (type(metadata) is dict or isinstance(metadata, Mapping))
-            else None
-        )
-        self.registry.refresh(canary, written)
-        if repaired:
-            log.warning(
-                "canary_nonce_repaired", canary=str(canary.key), problem=repaired, nonce=nonce
-            )
-        if not isinstance(generation, int) or isinstance(generation, bool):
-            self._write_failed(
-                canary, "no_generation", "the API server answered the bump without a generation"
-            )
-            return self._after_failure(due)
-        if generation <= before:
-            # The server took the nonce as no change: there is no new generation for
-            # the operator to reconcile, so there is nothing to judge.
-            self._write_failed(
-                canary,
-                "no_change",
-                f"the bump was answered with generation {generation}, not above {before}",
-            )
-            return self._after_failure(due)
-        WRITTEN.inc()
-        deadline = now + self.settings.timeout
-        self.registry.bumped(canary, generation, sent, now, deadline, time.time())
-        self.failures.recovered(canary.key)
-        if logs.debug_enabled():
-            log.debug("bumped", canary=str(canary.key), nonce=nonce, generation=generation)
-        return deadline
+    def _verdict_ttl(self) -> float:
+        return 2 * self.settings.timeout - self.settings.judge_slack

@@ -92,6 +92,10 @@ def _rv(obj: Mapping[str, Any]) -> str:
     return str(value) if value else ""
 
 
+LISTS_AT_ONCE = 16
+"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``)."""
+
+
 class ListWatch:
     """The list → watch → bookmark → 410-relist loop of one scope.
 
@@ -114,8 +118,13 @@ class ListWatch:
         sync: ScopeSync | None = None,
         on_resumed: Callable[[], None] = lambda: None,
         failures: Episodes | None = None,
+        list_slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.kube, self.settings, self.scope = kube, settings, scope
+        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)
+        """Lists in flight at once, shared by every scope: 600 namespaces starting
+        together list a few dozen at a time, not 1,200 at once (the health server, the
+        bumps and the watches already open keep their turns of the loop)."""
         self.failures = failures or watch_failures(settings)
         """Where failures are told: an outage is an episode, not a line per retry."""
         self.params = {"labelSelector": selector} if selector else {}
@@ -172,7 +181,8 @@ class ListWatch:
         """List until it succeeds; returns the list's resourceVersion."""
         while True:
             try:
-                items, rv = await self._list_pages()
+                async with self.list_slots:
+                    items, rv = await self._list_pages()
             except KubeError as err:
                 self._down()
                 await asyncio.sleep(self._failed(err, "list"))
@@ -373,6 +383,7 @@ class Watcher:
         self.kinds: list[Kind] = []
         self.discovered = asyncio.Event()
         self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
+        self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._seen_namespaces: set[str] = set()
         self._namespaces_known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
@@ -690,6 +701,7 @@ class Watcher:
                 on_event=self._namespace_event,
                 on_denied=self._namespaces_denied,
                 failures=self.failures,
+                list_slots=self._list_slots,
             )
         else:
             kind = scope.kind
@@ -707,6 +719,7 @@ class Watcher:
                 sync=sync,
                 on_resumed=lambda: self.registry.observer.scope_resumed(key),
                 failures=self.failures,
+                list_slots=self._list_slots,
             )
         task = self._group.create_task(lw.run(), name=f"watch {scope}")
         self._watches[scope] = (lw, task)

@@ -20,7 +20,9 @@ whose API server replica crashed: canaryd must notice and replace them itself). 
 the first half, at seeded points, watch delivery is withheld for 2.5 to 4 cycles
 (bookmarks still come, as from a stuck watch cache): each stuck period must be
 detected within 2.5 cycles and healed within 2.5 cycles of its release. canaryd's own
-live memory is traced over the second half.
+live memory is traced over the second half, at three points: a leak is growth at every
+step, not one reading above another. At every /healthz poll, each tracked canary must be
+due or in flight exactly once (``Scheduler.unscheduled``).
 
 Every daemon setting but the cycle is its shipped default.
 """
@@ -53,7 +55,7 @@ log = structlog.get_logger("soak")
 @dataclass
 class SoakConfig:
     cycles: int = 100
-    cycle: float = 0.2
+    cycle: float = 0.5
     canaries: int = 50
     namespaces: int = 5
     seed: int = 41050
@@ -79,6 +81,9 @@ class SoakReport:
     polls: int = 0
     false_unhealthy_polls: int = 0
     false_unhealthy_verdicts: int = 0
+    unscheduled_polls: int = 0
+    """Polls at which a tracked canary was neither due nor in flight exactly once."""
+    unscheduled: list[str] = field(default_factory=list)
     false_verdicts: list[str] = field(default_factory=list)
     """When (seconds into the run) and which canary, for each false unhealthy verdict."""
     stuck_periods: list[dict[str, float]] = field(default_factory=list)
@@ -87,6 +92,7 @@ class SoakReport:
     labels_expected: int = 0
     labels_missing: int = 0
     traced_kib_mid: float = 0.0
+    traced_kib_late: float = 0.0
     traced_kib_end: float = 0.0
     traced_growth: list[str] = field(default_factory=list)
     """The lines whose live allocations grew most from mid-run to the end (to read when
@@ -104,6 +110,8 @@ class SoakReport:
             f"/healthz polls: {self.polls}; failed outside a stuck period: "
             f"{self.false_unhealthy_polls}",
             f"unhealthy verdicts outside a stuck period: {self.false_unhealthy_verdicts}",
+            f"polls with a canary not scheduled exactly once: {self.unscheduled_polls}",
+            *(f"  not scheduled: {v}" for v in self.unscheduled[:5]),
             *(f"  false verdict: {v}" for v in self.false_verdicts),
             f"stuck periods: {len(self.stuck_periods)}; detected in "
             f"{_span(detect)} s; healed in {_span(heal)} s after release",
@@ -116,7 +124,8 @@ class SoakReport:
             f"writer's labels and annotations kept: {self.labels_expected - self.labels_missing}"
             f" of {self.labels_expected}",
             f"canaryd's live memory traced from mid-run: {self.traced_kib_mid:.0f} KiB five "
-            f"cycles in, {self.traced_kib_end:.0f} KiB at the end",
+            f"cycles in, {self.traced_kib_late:.0f} KiB half-way, "
+            f"{self.traced_kib_end:.0f} KiB at the end",
             *(f"  grew: {line}" for line in self.traced_growth),
             f"process RSS: {self.rss_mib_start:.0f} MiB at start, {self.rss_mib_end:.0f} MiB "
             "at the end (fake API server and test included)",
@@ -222,6 +231,12 @@ class Soak:
         while not stop.is_set():
             status, _ = await run.get("/healthz")
             self.health.append((self.clock(), status))
+            assert run.daemon.scheduler is not None
+            unscheduled = run.daemon.scheduler.unscheduled()
+            if unscheduled:
+                self.report.unscheduled_polls += 1
+                at = self.clock() - self.started
+                self.report.unscheduled.extend(f"{at:.3f} s {key}" for key in unscheduled)
             try:
                 async with asyncio.timeout(self.config.cycle / 4):
                     await stop.wait()
@@ -273,6 +288,8 @@ class Soak:
                 return held_until is None and not any(cycle <= at <= cycle + 6 for at in stuck_at)
 
             mid: tracemalloc.Snapshot | None = None
+            late: tracemalloc.Snapshot | None = None
+            three_quarters = (half + 9 + cfg.cycles) // 2
             for cycle in range(cfg.cycles):
                 if cycle == half:
                     tracemalloc.start()
@@ -282,6 +299,9 @@ class Soak:
                     # connections, answers) is not what canaryd keeps.
                     mid = _least(mid, _canaryd_snapshot())
                     self.report.traced_kib_mid = _kib(mid)
+                elif three_quarters <= cycle < three_quarters + 4:
+                    late = _least(late, _canaryd_snapshot())
+                    self.report.traced_kib_late = _kib(late)
                 if held_until is None and cycle in stuck_at:
                     length = self.rng.uniform(2.5, 4.0)
                     self.kube.hold_watch_events()

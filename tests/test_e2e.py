@@ -879,6 +879,82 @@ async def test_connections_reset_mid_stream_cost_no_verdict(api, proxy, proxied,
         )
 
 
+async def test_a_bump_whose_answer_is_lost_is_applied_once_on_a_real_api_server(
+    api, proxy, proxied, namespace
+):
+    """The connection of a bump is reset after kube-apiserver got the whole request,
+    before any byte of its answer: the write may have been applied. canaryd resends it
+    identical (same resourceVersion precondition), so kube-apiserver applies it at most
+    once; a 409 and a re-read tell canaryd it landed. Every nonce canaryd's writes
+    raised is one it counts as written: none applied twice, none judged unhealthy."""
+    await create_canary(api, namespace)
+    written = 'canaryd_bumps_total{result="written"}'
+    async with canaryd(proxied, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
+        health_log = HealthLog(url)
+
+        async def counted_and_nonce() -> tuple[float, int]:
+            """The written count and the nonce, read with no bump answered between."""
+            while True:
+                before = await metric(url, written)
+                nonce = int((await get_canary(api, namespace))["spec"].get("restartNonce", 0))
+                if await metric(url, written) == before:
+                    return before, nonce
+
+        count0, nonce0 = await counted_and_nonce()
+        proxy.cut_next_answer()
+        await eventually(lambda: _async(proxy.cuts() == 1), "a bump's answer cut", 4 * CYCLE)
+
+        async def two_more() -> bool:
+            return await metric(url, written) >= count0 + 3
+
+        await eventually(two_more, "bumps after the cut", within=6 * CYCLE)
+        count, nonce = await counted_and_nonce()
+        assert nonce - nonce0 == count - count0, (
+            f"the nonce rose {nonce - nonce0} for {count - count0} bumps written: "
+            "a bump was applied twice"
+        )
+        await until_healthy(url, namespace)
+        assert await health_log.stop() == {200}
+        assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
+
+
+@pytest.mark.timeout(240)
+async def test_slow_lease_renewals_keep_every_canary_checked_on_a_real_lease(
+    api, cluster, proxy, proxied, namespace
+):
+    """Every answer 1.5 s late (the Lease renewals too, well inside the renew deadline)
+    at a 12 s cycle: a write the leader's fence holds back waits for the next renewal.
+    Every canary is bumped every cycle and none is out of the schedule."""
+    plane = cluster.needs_plane()
+    import yaml
+
+    for name in ("lease-role.yaml", "lease-rolebinding.yaml"):
+        doc = yaml.safe_load((ROOT / "config" / "standalone-ha" / name).read_text())
+        plane.apply(doc, "canaryd")
+    cycle, names = 12.0, [f"canary-{n:02}" for n in range(12)]
+    for name in names:
+        await create_canary(api, namespace, name)
+    args = ("--namespace", namespace, "--leader-elect", "--lease-namespace", "canaryd")
+    async with canaryd(proxied, *args, "--identity", "slow", cycle=cycle) as url:
+        await eventually(lambda: _healthy(url, namespace), "healthy", within=2 * cycle + 5)
+        proxy.latency(1.5)
+        nonces = {n: (await get_canary(api, namespace, n))["spec"]["restartNonce"] for n in names}
+
+        async def every_one_bumped_twice() -> bool:
+            for name in names:
+                obj = await get_canary(api, namespace, name)
+                if obj["spec"].get("restartNonce", 0) < nonces[name] + 2:
+                    return False
+            return True
+
+        await eventually(every_one_bumped_twice, "every canary bumped twice", 3 * cycle + 6)
+        assert await metric(url, "canaryd_canaries_unscheduled") == 0
+        assert await metric(url, "canaryd_leader") == 1
+        proxy.heal()
+        assert (await health(url))[0] == 200
+
+
 @pytest.mark.timeout(240)
 async def test_a_brownout_of_5s_on_every_answer_for_30s_restarts_nothing(
     api, proxy, proxied, namespace

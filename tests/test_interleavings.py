@@ -1,13 +1,14 @@
 """Random interleavings of watch events, write answers (2xx, 404, 403, 409, 5xx, late or
 not), deletions and recreations, label changes and watch drops, driven against the real
-Registry and Scheduler (its bump workers run; the clock and the heap are stepped by the
+Registry and Scheduler (its bump tasks run; the clock and the heap are stepped by the
 test). After every step:
 
 - no unhealthy verdict without a written bump that the watch had not delivered by its
   deadline (and with the watch in sync);
 - no tracked canary missing while the object exists and is labelled, once the watch
   has delivered everything;
-- never a write for a record that is not the one tracked.
+- never a write for a record that is not the one tracked;
+- every tracked canary due or in flight exactly once (``Scheduler.unscheduled``).
 """
 
 from __future__ import annotations
@@ -17,19 +18,19 @@ import heapq
 import json
 import math
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from canaryd import scheduler as scheduler_module
+from canaryd import writer as writer_module
 from canaryd.config import Settings
 from canaryd.kube import ErrorKind, KubeError, classify_status
 from canaryd.registry import CanaryKey, CanaryState, Registry
 from canaryd.scheduler import Scheduler
 from canaryd.watcher import Watcher
+from canaryd.writer import Writer
 
 LABEL = "flink.apache.org/canary"
 CYCLE = 1.0
@@ -90,32 +91,11 @@ class Cluster:
 class StubKube:
     """Answers nothing by itself: every request waits until the test answers it."""
 
-    def __init__(self, cluster: Cluster, registry: Registry, *, send_now: bool = False) -> None:
+    def __init__(self, cluster: Cluster, registry: Registry) -> None:
         self.cluster, self.registry = cluster, registry
         self.pending: list[Pending] = []
         self.violations: list[str] = []
         self.last_answer = math.inf  # the API server answers (only the watch drops here)
-        self.send_now = send_now
-        """Whether ``start`` sends (as the lean client with an idle connection does)."""
-
-    def start(
-        self,
-        verb: str,
-        method: str,
-        path: str,
-        on_done: Callable[[dict[str, Any] | KubeError | None], None],
-        **kwargs: Any,
-    ) -> bool:
-        if not self.send_now:
-            return False
-        future = self._pend(method, path, kwargs)
-
-        def done(_: Any) -> None:
-            if not future.cancelled():
-                on_done(future.exception() or future.result())  # type: ignore[arg-type]
-
-        future.add_done_callback(done)
-        return True
 
     async def request(self, verb: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return await self._pend(method, path, kwargs)
@@ -143,12 +123,12 @@ def error(code: int) -> KubeError:
 
 
 class Run:
-    def __init__(self, *, send_now: bool = False) -> None:
+    def __init__(self) -> None:
         self.now = 100.0
         self.cluster = Cluster()
-        self.settings = Settings(timeout=CYCLE, max_concurrent_bumps=2)
+        self.settings = Settings(timeout=CYCLE, max_bumps_in_flight=2)
         self.registry = Registry(LABEL)
-        self.kube = StubKube(self.cluster, self.registry, send_now=send_now)
+        self.kube = StubKube(self.cluster, self.registry)
         self.scheduler = Scheduler(
             self.settings,
             self.registry,
@@ -202,6 +182,7 @@ class Run:
         while heap and heap[0][0] <= self.now:
             due, seq, canary = heapq.heappop(heap)
             if seq == self.scheduler._due_seq.get(canary.key) and self.registry.owns(canary):
+                del self.scheduler._due_seq[canary.key]  # as Scheduler._next_due takes it
                 self.scheduler._on_due(due, canary)
 
     def answer(self, index: int, code: int) -> None:
@@ -288,10 +269,9 @@ STEP = st.one_of(
 )
 
 
-async def play(steps: list[tuple[Any, ...]], *, send_now: bool = False) -> list[str]:
-    """The steps played; the rules they broke. ``send_now``: bumps are sent without a
-    worker where they can be (Scheduler._bump_now), as with the lean client."""
-    run = Run(send_now=send_now)
+async def play(steps: list[tuple[Any, ...]]) -> list[str]:
+    """The steps played; the rules they broke."""
+    run = Run()
     # Backoff and conflict-jitter sleeps are instant: time is the test's clock.
     fast = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if k[0] != "_"})
 
@@ -300,8 +280,10 @@ async def play(steps: list[tuple[Any, ...]], *, send_now: bool = False) -> list[
         return result
 
     fast.sleep = instant
-    scheduler_module.asyncio = fast  # type: ignore[assignment]
-    workers = [asyncio.create_task(run.scheduler._bump_worker()) for _ in range(2)]
+    writer_module.asyncio = fast  # type: ignore[assignment]
+    group = asyncio.TaskGroup()
+    await group.__aenter__()
+    run.scheduler._group = group
     try:
         for name in NAMES:
             run.cluster.create(name)
@@ -325,39 +307,39 @@ async def play(steps: list[tuple[Any, ...]], *, send_now: bool = False) -> list[
                 case ("watch_resumed",):
                     run.registry.scope_delivered(SCOPE, run.now)
             for _ in range(5):
-                await asyncio.sleep(0)  # let the workers take their answers
+                await asyncio.sleep(0)  # let the bump tasks take their answers
             run.check_tracked()
+            run.violations.extend(
+                f"{key} not scheduled once" for key in run.scheduler.unscheduled()
+            )
             if run.violations:
                 break
         return run.violations
     finally:
-        scheduler_module.asyncio = asyncio  # type: ignore[assignment]
-        for worker in workers:
-            worker.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        writer_module.asyncio = asyncio  # type: ignore[assignment]
         for request in run.kube.pending:
             request.future.cancel()
+        await group.__aexit__(None, None, None)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(STEP, min_size=1, max_size=120), st.booleans())
-def test_random_interleavings_keep_the_verdict_and_ownership_rules(steps, send_now):
-    violations = asyncio.run(play(steps, send_now=send_now))
+@given(st.lists(STEP, min_size=1, max_size=120))
+def test_random_interleavings_keep_the_verdict_and_ownership_rules(steps):
+    violations = asyncio.run(play(steps))
     assert not violations, violations
 
 
 def test_the_model_catches_a_scheduler_that_drops_on_404(monkeypatch):
     """The property test can fail: with the old rule (drop on any 404) it does."""
 
-    async def drop(self, canary, path, err, due):  # type: ignore[no-untyped-def]
+    async def drop(self, canary, path, err):  # type: ignore[no-untyped-def]
         self.registry.forget(canary.key, "gone", str(err))
         return None
 
-    monkeypatch.setattr(Scheduler, "_answered_gone", drop)
+    monkeypatch.setattr(Writer, "_answered_gone", drop)
     steps: list[tuple[Any, ...]] = [("deliver",), ("deliver",)]
     steps += [("tick",)] * 4 + [("answer", 0, 404)] + [("tick",)] * 2
     assert any("not tracked" in v for v in asyncio.run(play(steps)))
-    assert any("not tracked" in v for v in asyncio.run(play(steps, send_now=True)))
 
 
 def test_error_kinds_are_what_the_model_assumes():

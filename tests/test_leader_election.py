@@ -51,6 +51,15 @@ class Replica:
     proc: asyncio.subprocess.Process
     url: str
 
+    async def unscheduled(self, http: aiohttp.ClientSession) -> float:
+        """canaryd_canaries_unscheduled: tracked canaries not due or in flight exactly
+        once (the scheduler's invariant; 0 on a follower, which schedules nothing)."""
+        async with http.get(f"{self.url}/metrics") as response:
+            for line in (await response.text()).splitlines():
+                if line.startswith("canaryd_canaries_unscheduled "):
+                    return float(line.split()[-1])
+        raise AssertionError(f"{self.identity}: no canaryd_canaries_unscheduled in /metrics")
+
     async def health(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
         try:
             async with http.get(
@@ -202,6 +211,8 @@ async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube
             assert {c["state"] for c in answer["canaries"]} == {"pending"}
             assert all("standby" in c["reason"] for c in answer["canaries"])
             assert {c["name"] for c in answer["canaries"]} == {"one", "two"}  # warm
+        for replica in group.replicas.values():
+            assert await replica.unscheduled(group.http) == 0, replica.identity
 
 
 async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube, tmp_path):
@@ -226,6 +237,7 @@ async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube
         judged = await group.until(judged_healthy, "the new leader's verdicts", 2 * CYCLE + SLACK)
         print(f"first verdicts {judged - led:.2f}s after it led")
         assert {who for _, who in group.writers(led)} == {user(new.identity)}
+        assert await new.unscheduled(group.http) == 0
 
 
 @pytest.mark.parametrize("cut_off", ["leases", None], ids=["from-the-lease", "from-everything"])
@@ -272,6 +284,7 @@ async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, 
         assert last_old < first_new
         assert first_new - last_old >= LEASE_DURATION - RENEW_DEADLINE - SLACK
         assert_one_writer_at_a_time(writes)
+        assert await new.unscheduled(group.http) == 0
 
 
 async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_takes_over(
@@ -643,6 +656,7 @@ async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_
         kube.release_watch_events()
         await run.until_state(CanaryState.HEALTHY)
         assert len(kube.requests_for("patch")) > writes
+        assert not run.daemon.scheduler.unscheduled()
 
 
 async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubeconfig):
@@ -674,3 +688,67 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
     assert canary.state is CanaryState.PENDING and "replica-b" in canary.reason
     scheduler.activate()
     assert canary.state is CanaryState.PENDING and "first bump" in canary.reason
+
+
+async def test_slow_lease_renewals_never_take_a_canary_out_of_the_schedule(kube, kubeconfig):
+    """Lease renewals answered 1.5 s late, well inside the renew deadline, at a 12 s
+    cycle (a 6 s write timeout: a write may be sent up to 4 s after a renewal started,
+    and renewals start 3.5 s apart and land 1.5 s later): bumps that fall due while the
+    fence holds them back wait for the next renewal. Every canary is bumped every cycle,
+    and each is due or in flight exactly once."""
+    cycle, names = 12.0, [f"c{n:02}" for n in range(30)]
+    for name in names:
+        create_canary(kube, name)
+    kube.inject(Fault(verb="update", resource=LEASES.plural, code=0, latency=1.5, times=-1))
+    async with running_daemon(
+        kube,
+        kubeconfig,
+        leader_elect=True,
+        identity="solo",
+        lease_namespace="default",
+        timeout=cycle,
+        kinds=("flinkdeployments",),
+    ) as run:
+        scheduler = run.daemon.scheduler
+        await run.until(
+            lambda: all(len(run.bumps(name)) >= 3 for name in names),
+            "every canary bumped in each of three cycles",
+            within=3 * cycle + 6,
+        )
+        assert run.daemon.elector.leading
+        assert not scheduler.unscheduled(), scheduler.unscheduled()
+        assert await run.get("/healthz") == (200, "OK")
+
+
+async def test_a_fenced_write_waits_for_the_next_renewal_and_ends_with_the_leadership(
+    kube, kubeconfig
+):
+    """write_permit: within the fence, the write timeout at once; past it, the next
+    successful renewal; once leading ends, None (the write is not sent)."""
+    from canaryd.leader import LeaderElector
+
+    now = [100.0]
+    settings = Settings(timeout=12.0, leader_elect=True, lease_namespace="default")
+    elector = LeaderElector(
+        settings,
+        kube=None,  # type: ignore[arg-type]
+        identity="solo",
+        on_started_leading=lambda: None,
+        on_stopped_leading=lambda leader: None,
+        clock=lambda: now[0],
+    )
+    elector.leading, elector._renewed_at = True, now[0]
+    assert await elector.write_permit() == settings.write_timeout
+    now[0] += settings.renew_deadline - settings.write_timeout + 0.1  # past the fence
+    waiting = asyncio.create_task(elector.write_permit())
+    await asyncio.sleep(0)
+    assert not waiting.done(), "a fenced write was sent (or dropped) instead of waiting"
+    elector._renewed_at = now[0]
+    elector._renewal_changed()
+    assert await asyncio.wait_for(waiting, 1) == settings.write_timeout
+    now[0] += settings.renew_deadline  # past the fence again, then leading ends
+    waiting = asyncio.create_task(elector.write_permit())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    elector._stop_leading("test")
+    assert await asyncio.wait_for(waiting, 1) is None

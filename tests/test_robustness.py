@@ -11,20 +11,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.config import ConfigException
 
 from canaryd import kube as kube_module
 from canaryd import metrics
-from canaryd import scheduler as scheduler_module
+from canaryd import writer as writer_module
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
-from canaryd.http1 import Http1Client
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
 from canaryd.testing.apiserver import Fault
-from tests.conftest import TOKEN
 from tests.harness import (
     CYCLE,
     LABEL,
@@ -73,10 +72,10 @@ async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, mo
     configuration.host = kube.url
     kube_client = KubeClient(configuration, request_timeout=1.0)
 
-    async def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug below the client")
 
-    monkeypatch.setattr(Http1Client, "request", broken)
+    monkeypatch.setattr(aiohttp.ClientSession, "request", broken)
     try:
         with pytest.raises(KubeError) as caught:
             await kube_client.request("get", "GET", "/version")
@@ -84,179 +83,6 @@ async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, mo
         assert "RuntimeError" in str(caught.value)
     finally:
         await kube_client.close()
-
-
-async def test_start_tells_what_request_would_return_or_raise(kube):
-    """``KubeClient.start`` (the bump without a task) sends on an idle pooled connection
-    and tells, in a callback after the answer came, what ``request`` would return or
-    raise, or None where only ``request`` can go on: a 401 when the credentials can be
-    reloaded (``request`` reloads them before it sends again, once for every bump
-    refused with them). Without an idle connection, or with credentials that may wait,
-    nothing is sent."""
-    create_canary(kube)
-    configuration = k8s_client.Configuration()
-    configuration.host = kube.url
-    configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
-    reloads: list[object] = []
-
-    async def reload(config: Any) -> None:
-        reloads.append(config)
-
-    plain = KubeClient(configuration, request_timeout=1.0)
-    reloading = KubeClient(configuration, request_timeout=1.0, reload=reload)
-    path = kube_module.object_path("flinkdeployments", "default", "canary")
-    loop = asyncio.get_running_loop()
-
-    async def started(client: KubeClient, data: str) -> Any:
-        told: asyncio.Future[Any] = loop.create_future()
-        assert client.start(
-            "patch", "PATCH", path, told.set_result, data=data, content_type=kube_module.MERGE_PATCH
-        )
-        assert not told.done(), "told in a callback, never at once"
-        return await asyncio.wait_for(told, 5)
-
-    try:
-        assert not plain.start("patch", "PATCH", path, print, data="{}"), "no idle one"
-        fresh = await plain.request("get", "GET", path)  # one now idle
-        rv = fresh["metadata"]["resourceVersion"]
-        written = await started(plain, scheduler_module.bump_body(rv, 7))
-        assert written["spec"]["restartNonce"] == 7
-        assert written["metadata"]["generation"] == fresh["metadata"]["generation"] + 1
-        stale = await started(plain, scheduler_module.bump_body(rv, 8))
-        assert isinstance(stale, KubeError) and stale.kind is ErrorKind.CONFLICT
-        kube.inject(Fault(verb="patch", code=503, retry_after=3))
-        unavailable = await started(plain, scheduler_module.bump_body(rv, 8))
-        assert isinstance(unavailable, KubeError) and unavailable.retry_after == 3
-        kube.inject(Fault(verb="patch", code=401))
-        refused = await started(plain, scheduler_module.bump_body(rv, 8))
-        assert isinstance(refused, KubeError) and refused.status == 401, "nothing to reload"
-
-        rv = (await reloading.request("get", "GET", path))["metadata"]["resourceVersion"]
-        kube.inject(Fault(verb="patch", code=401))
-        assert await started(reloading, scheduler_module.bump_body(rv, 9)) is None
-        assert not reloads, "reloaded by request(), not in the callback"
-        patches = len(kube.requests_for("patch"))
-        again = await reloading.request(
-            "patch",
-            "PATCH",
-            path,
-            data=scheduler_module.bump_body(rv, 9),
-            content_type=kube_module.MERGE_PATCH,
-        )
-        assert again["spec"]["restartNonce"] == 9
-        assert len(reloads) == 1, "the credentials reloaded before the PATCH was sent again"
-        assert len(kube.requests_for("patch")) == patches + 1, "sent again once, not twice"
-
-        async def waiting_hook(_: Any) -> None:
-            pass
-
-        configuration.refresh_api_key_hook = waiting_hook
-        assert not plain.start("patch", "PATCH", path, print, data="{}")
-    finally:
-        await plain.close()
-        await reloading.close()
-
-
-async def test_a_bug_concluding_a_sent_answer_is_a_kube_error_told_once(kube, monkeypatch):
-    """Whatever goes wrong while ``start``'s answer is concluded, its caller is told,
-    once, as a KubeError: untold, a bump would stay in flight for good (stopping would
-    wait for it forever) and its canary would never be due again."""
-    create_canary(kube)
-    configuration = k8s_client.Configuration()
-    configuration.host = kube.url
-    configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
-    kube_client = KubeClient(configuration, request_timeout=1.0)
-    path = kube_module.object_path("flinkdeployments", "default", "canary")
-
-    def broken(*args: Any) -> Any:
-        raise RuntimeError("a bug below the scheduler")
-
-    told: list[Any] = []
-    try:
-        rv = (await kube_client.request("get", "GET", path))["metadata"]["resourceVersion"]
-        monkeypatch.setattr(kube_module, "_result", broken)
-        errors = counter(metrics.ERRORS, "request")
-        done = asyncio.Event()
-        assert kube_client.start(
-            "patch",
-            "PATCH",
-            path,
-            lambda outcome: (told.append(outcome), done.set()),
-            data=scheduler_module.bump_body(rv, 3),
-            content_type=kube_module.MERGE_PATCH,
-        )
-        await asyncio.wait_for(done.wait(), 5)
-        for _ in range(3):
-            await asyncio.sleep(0)  # a second telling would come within these turns
-        (outcome,) = told
-        assert isinstance(outcome, KubeError) and "RuntimeError" in str(outcome)
-        assert counter(metrics.ERRORS, "request") == errors + 1
-    finally:
-        await kube_client.close()
-
-
-async def test_steady_state_bumps_are_sent_without_a_worker(kube, kubeconfig, monkeypatch):
-    """The hot path: once a pooled connection is idle, each bump is sent from the
-    scheduler and concluded in the answer's callback (no worker task, no coroutine
-    chain); failures still go to the workers (the fault tests cover those)."""
-    sent_now: list[bool] = []
-    original = Scheduler._bump_now
-
-    def spy(self: Scheduler, due: float, canary: Canary) -> bool:
-        sent_now.append(original(self, due, canary))
-        return sent_now[-1]
-
-    monkeypatch.setattr(Scheduler, "_bump_now", spy)
-    create_canary(kube)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until_state(CanaryState.HEALTHY)
-        await run.until_bumps(len(run.bumps()) + 3)
-    assert sent_now.count(True) >= 3, sent_now
-
-
-async def test_a_malformed_content_length_is_a_kube_error():
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n{}")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    configuration = k8s_client.Configuration()
-    configuration.host = f"http://127.0.0.1:{port}"
-    kube_client = KubeClient(configuration, request_timeout=1.0)
-    try:
-        with pytest.raises(KubeError, match="Content-Length"):
-            await kube_client.request("get", "GET", "/version")
-    finally:
-        await kube_client.close()
-        server.close()
-        await server.wait_closed()
-
-
-async def test_a_close_delimited_body_is_read_to_the_end():
-    body = json.dumps({"kind": "Status", "items": ["x" * 5000] * 20}).encode()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
-        for start in range(0, len(body), 7000):  # in pieces, as a slow network delivers
-            writer.write(body[start : start + 7000])
-            await writer.drain()
-            await asyncio.sleep(0)
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    client = Http1Client(f"http://127.0.0.1:{port}")
-    try:
-        response = await client.request("GET", "/")
-        assert response.body == body
-    finally:
-        await client.close()
-        server.close()
-        await server.wait_closed()
 
 
 def test_object_names_are_percent_encoded_in_paths():
@@ -399,7 +225,12 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: 100.0)  # type: ignore[arg-type]
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
-    next_due = scheduler._written(canary, answer, 2, None, 100.0, 2, 100.0)
+    attempt = scheduler.writer._next_attempt(canary)
+    outcome = scheduler.writer._written(canary, answer, attempt)
+    assert outcome == writer_module.NotWritten(
+        "no_change", "the bump was answered with generation 2, not above 2"
+    )
+    next_due = scheduler._bumped(canary, 100.0, outcome)
     assert canary.bumped_generation is None  # nothing to judge
     assert canary.state is CanaryState.UNKNOWN
     assert "not above 2" in canary.reason
@@ -426,13 +257,9 @@ def test_an_older_copy_never_moves_generation_backwards():
 
 
 class _Unsent:
-    """No API server: nothing is sent without a worker (the workers' bump_nonce is the
-    test's, or never reached)."""
+    """No API server: these tests send nothing."""
 
     last_answer = math.inf
-
-    def start(self, *args: Any, **kwargs: Any) -> bool:
-        return False
 
 
 UNSENT = _Unsent()
@@ -528,45 +355,6 @@ async def _until(condition: Any, what: str, turns: int = 1000) -> None:
             return
         await asyncio.sleep(0)
     raise AssertionError(f"{what}: not within {turns} loop turns")
-
-
-async def test_a_queued_bump_wakes_one_idle_worker_and_stopping_leaves_none_waiting():
-    """The bump pool: one queued bump wakes exactly one of the idle workers (a wake-all
-    costs every idle worker a turn of the loop per bump), every queued bump is taken,
-    and cancelling the pool leaves no worker registered as idle."""
-    registry = Registry(LABEL)
-    scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT)  # type: ignore[arg-type]
-    workers = scheduler.settings.max_concurrent_bumps
-    release = asyncio.Event()
-    bumped: list[Canary] = []
-
-    async def bump_nonce(canary: Canary, due: float | None = None, **_: Any) -> float | None:
-        bumped.append(canary)
-        await release.wait()
-        return None
-
-    scheduler.bump_nonce = bump_nonce  # type: ignore[method-assign]
-    run = asyncio.create_task(scheduler.run())
-    try:
-        await _until(lambda: len(scheduler._idle) == workers, "every worker idle")
-        canaries = [
-            Canary(CanaryKey("flinkdeployments", "ns", f"c{i}"), f"uid{i}", "5", 2, 1)
-            for i in range(3)
-        ]
-        scheduler._queue_bump(0.0, canaries[0])
-        assert len(scheduler._idle) == workers - 1, "one queued bump wakes one worker"
-        for canary in canaries[1:]:
-            scheduler._queue_bump(0.0, canary)
-        assert len(scheduler._idle) == workers - 3
-        await _until(lambda: len(bumped) == 3, "the three bumps taken")
-        assert bumped == canaries and not scheduler._ready
-        release.set()
-        await _until(lambda: len(scheduler._idle) == workers, "the workers idle again")
-    finally:
-        run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await run
-    assert not scheduler._idle, "a stopped pool has no idle waiter left"
 
 
 async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch):
@@ -684,52 +472,10 @@ async def test_watch_lines_are_split_however_the_stream_is_cut():
 def test_the_bump_body_quotes_any_resource_version(rv):
     """resourceVersion is opaque: whatever it holds, the merge patch is JSON that carries
     it unchanged, with the nonce and nothing else."""
-    assert json.loads(scheduler_module.bump_body(rv, 2**63 - 2)) == {
+    assert json.loads(writer_module.bump_body(rv, 2**63 - 2)) == {
         "metadata": {"resourceVersion": rv},
         "spec": {"restartNonce": 2**63 - 2},
     }
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        b'{"a":1}',
-        b'{"a":{"b":[1,2.5,"x",null,true]}}\r\n',
-        b' {"a":1}',
-        b'{"a":1} x',
-        b'{"a":1}{"b":2}',
-        b'{"a":1}\x0b',  # whitespace to str.isspace, not to JSON
-        b'{"a":',
-        b"{",
-        b'{"a":NaN}',
-        b'{"a":"\xff"}',
-        b"\xef\xbb\xbf{}",
-        '{"a":1}'.encode("utf-16-le"),  # json.loads detects the encoding
-        '{"a":1}'.encode("utf-32-le"),
-        b'{"a":"\xed\xa0\x80"}',  # a lone surrogate: json.loads lets it through
-        b"[1]",
-        b"",
-        b'{"a":' * 100_000,
-        b'{"n":%d}' % (INT64_MAX * 2**40),
-    ],
-    ids=lambda data: repr(data[:24]),
-)
-def test_the_fast_json_decoder_answers_as_json_loads(data):
-    """decode_json calls the stdlib's scanner directly for an object; whatever it is
-    given, it returns what json.loads returns or raises a ValueError where it does
-    (nesting too deep included, which json.loads raises as a RecursionError)."""
-    try:
-        expected: Any = json.loads(data)
-    except RecursionError:
-        expected = ValueError
-    except ValueError as err:
-        expected = type(err)
-    try:
-        got: Any = kube_module.decode_json(data)
-    except ValueError as err:
-        assert isinstance(expected, type) and isinstance(err, expected), (err, expected)
-    else:
-        assert got == expected or (got != got and expected != expected)
 
 
 async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
@@ -742,8 +488,7 @@ async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
 
 async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not_come():
     """One deadline for the whole request: an async refresh hook that never returns
-    fails it as a credentials problem, a server that never answers as a timeout. A
-    plain (sync) hook, as the in-cluster token's, needs no timeout scope around it."""
+    fails it as a credentials problem, a server that never answers as a timeout."""
     held = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -761,7 +506,6 @@ async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not
             await held.wait()
 
         configuration.refresh_api_key_hook = stuck_hook
-        assert kube_client._credentials_may_wait()
         with pytest.raises(KubeError) as caught:
             await kube_client.request("get", "GET", "/version")
         assert caught.value.reason == "Credentials"
@@ -770,7 +514,6 @@ async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not
             pass
 
         configuration.refresh_api_key_hook = file_hook
-        assert not kube_client._credentials_may_wait()
         with pytest.raises(KubeError) as caught:
             await kube_client.request("get", "GET", "/version")
         assert caught.value.kind is ErrorKind.TRANSIENT

@@ -407,3 +407,83 @@ async def test_memory_stays_flat_under_10000_slow_connections_and_healthz_answer
             async with asyncio.timeout(20):
                 await proc.wait()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ------------------------------------------------------ rotated credentials
+
+
+def _client_kubeconfig(
+    kube: FakeKube, tmp_path: Path, ca: trustme.CA, common_name: str
+) -> tuple[Path, Path, Path]:
+    """A kubeconfig whose user is a client certificate in files (as a cert-manager or
+    kubelet-style rotation leaves them), issued for ``common_name``."""
+    ca_file, cert, key = tmp_path / "ca.pem", tmp_path / "client.crt", tmp_path / "client.key"
+    ca.cert_pem.write_to_path(str(ca_file))
+    _issue(ca, common_name, cert, key)
+    config = kube.kubeconfig(ca_file=str(ca_file))
+    config["users"][0]["user"] = {"client-certificate": str(cert), "client-key": str(key)}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path, cert, key
+
+
+def _issue(ca: trustme.CA, common_name: str, cert: Path, key: Path) -> None:
+    leaf = ca.issue_cert(common_name, common_name=common_name)
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+
+
+async def test_a_rotated_client_certificate_is_used_by_the_next_request(
+    ca, server_context, tmp_path
+):
+    """The certificate files are replaced and the old certificate stops being accepted
+    (expired: kube-apiserver answers 401 on connections made with it, pooled ones
+    too). The next refused request reloads the credentials, and its retry, like every
+    request after it, goes over a connection that presents the new certificate."""
+    server_context.verify_mode = ssl.CERT_REQUIRED
+    ca.configure_trust(server_context)
+    kube = FakeKube()
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        create_canary(kube)
+        path, cert, key = _client_kubeconfig(kube, tmp_path, ca, "canaryd-old")
+        async with running_daemon(kube, path, timeout=1.0) as run:
+            await run.until_bumps(2)
+            _issue(ca, "canaryd-new", cert, key)
+            kube.refused_certificates.add("canaryd-old")
+            refused = len([r for r in kube.requests if r.status == 401])
+            before = len(run.bumps())
+            await run.until_bumps(before + 2, within=5.0)
+            await run.until_state(CanaryState.HEALTHY)
+            # One refusal at most per connection made with the old certificate.
+            assert len([r for r in kube.requests if r.status == 401]) - refused <= 2
+
+
+async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
+    kube, tmp_path, monkeypatch
+):
+    """Valid credentials refused for a while (an authentication webhook down): the
+    reloads back off (1 s, doubling) instead of one kubeconfig read or exec-plugin run
+    per refused request."""
+    from canaryd import kube as kube_module
+
+    reloads: list[float] = []
+    real = kube_module.k8s_config.load_kube_config
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reloads.append(asyncio.get_running_loop().time())
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(kube_module.k8s_config, "load_kube_config", counted)
+    names = [f"c{n}" for n in range(10)]
+    for name in names:
+        create_canary(kube, name)
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    async with running_daemon(kube, config, timeout=0.5, kinds=("flinkdeployments",)) as run:
+        await run.until(lambda: len(run.registry) == len(names), "every canary tracked")
+        start = len(reloads)
+        fault = kube.inject(Fault(verb="patch", code=401, times=-1))
+        await run.until(lambda: fault.hits >= 60, "sixty refused bumps", within=10.0)
+        refused_for = asyncio.get_running_loop().time() - reloads[start] if reloads[start:] else 0
+        # 1 s, 2 s, 4 s... apart: a handful, not one per refused request.
+        assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)

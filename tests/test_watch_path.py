@@ -7,6 +7,7 @@ Every test runs the shipped defaults with a short cycle (tests/harness.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import resource
@@ -226,10 +227,10 @@ def _nofile(soft: int, hard: int) -> Callable[[], None]:
 
 
 async def _start_canaryd(
-    kubeconfig: Path, namespaces: list[str], soft: int, hard: int
+    kubeconfig: Path, namespaces: list[str], soft: int, hard: int, cycle: float = 2.0
 ) -> tuple[asyncio.subprocess.Process, int]:
     port = free_port()
-    argv = canaryd_argv(kubeconfig, port, 2.0, "--namespace", ",".join(namespaces))
+    argv = canaryd_argv(kubeconfig, port, cycle, "--namespace", ",".join(namespaces))
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stderr=asyncio.subprocess.PIPE,
@@ -257,6 +258,26 @@ async def _until_readyz(
     return status, body
 
 
+async def _poll_health(
+    port: int, answers: list[tuple[float, int, str]], stop: asyncio.Event
+) -> None:
+    """(seconds taken, status, body) of /healthz?verbose, asked back to back from the
+    first answer on (a probe's pace at most: 0.1 s between asks)."""
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            asked = loop.time()
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/healthz?verbose") as response:
+                    answers.append((loop.time() - asked, response.status, await response.text()))
+            except aiohttp.ClientConnectionError:
+                if answers:
+                    answers.append((loop.time() - asked, 0, "connection failed"))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await stop.wait()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("hard", [None, 1024], ids=["hard-unchanged", "hard-1024"])
 async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfig, hard):
@@ -272,8 +293,11 @@ async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfi
     for namespace in namespaces:
         kube.create_namespace(namespace)
     create_canary(kube, "canary", namespaces[-1])
-    proc, port = await _start_canaryd(kubeconfig, namespaces, 1024, hard)
+    proc, port = await _start_canaryd(kubeconfig, namespaces, 1024, hard, cycle=1.0)
     seen: list[str] = []
+    answers: list[tuple[float, int, str]] = []
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll_health(port, answers, stop))
     try:
         if hard > 1024:
             await kube.wait_for(
@@ -281,11 +305,27 @@ async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfi
             )
             status, body = await _until_readyz(port, lambda status, body: status == 200)
             assert status == 200, body
+            # Starting 1,201 watches starves neither the health server nor the verdict:
+            # /healthz answered throughout, and the canary (bumped meanwhile) is never
+            # judged unhealthy for canaryd's own slowness.
+            bumps = len(kube.requests_for("patch"))
+            await kube.wait_for(
+                lambda: len(kube.requests_for("patch")) >= bumps + 3, within=30, what="3 bumps"
+            )
+            stop.set()
+            await poller
+            assert answers, "/healthz never answered"
+            assert not [a for a in answers if a[1] != 200 or "unhealthy" in a[2]], answers
+            slowest = max(took for took, _, _ in answers)
+            print(f"/healthz during the start of 1,201 watches: slowest answer {slowest:.2f}s")
+            assert slowest < 5.0, f"/healthz took {slowest:.2f}s while the watches started"
         else:
             await read_until(proc, "open_files_limit_too_low", seen, within=60)
             status, body = await _until_readyz(port, lambda status, body: status == 503)
             assert status == 503 and "open files limit 1024 is below" in body, (status, body)
     finally:
+        stop.set()
+        await poller
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             _, rest = await proc.communicate()

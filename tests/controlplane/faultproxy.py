@@ -64,6 +64,16 @@ class FaultProxy:
         """Every established connection gets a RST."""
         return self._post("/reset")
 
+    def cut_next_answer(self, after_bytes: int = 1000) -> str:
+        """The next answer is lost: the first connection whose client sends
+        ``after_bytes`` or more from now is reset when the answer comes back (the
+        server got the request: a write is applied, the client cannot tell)."""
+        return self._post(f"/cut?bytes={after_bytes}")
+
+    def cuts(self) -> int:
+        with urllib.request.urlopen(f"http://{self.control}/cuts", timeout=10) as response:
+            return int(response.read().decode().strip())
+
     def heal(self) -> str:
         return self._post("/heal")
 

@@ -42,7 +42,10 @@ class Fault:
     ``empty_watch`` answers a watch 200 and ends the stream at once, with no event
     (a proxy or load balancer in front of the API server that does so);
     ``delay_answer`` serves the request, then holds its answer that long (the write's
-    watch event reaches watchers first, as it often does on a real server).
+    watch event reaches watchers first, as it often does on a real server);
+    ``drop_answer`` serves the request (a write: applied), then closes the connection
+    before any byte of the answer (a proxy or load balancer reset between the two): the
+    client cannot tell whether it was applied.
     ``action`` runs first: a concurrent writer that wins the race against this request
     (e.g. ``lambda: kube.update(...)``), so a stale precondition gets a real 409.
     """
@@ -59,6 +62,7 @@ class Fault:
     drop: bool = False
     empty_watch: bool = False
     delay_answer: float = 0.0
+    drop_answer: bool = False
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None

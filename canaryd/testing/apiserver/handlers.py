@@ -76,6 +76,9 @@ class HttpApi(Watches):
         self.user = user
         self.clients: dict[str, str] = {}
         """More bearer tokens and their users (several canaryd processes told apart)."""
+        self.refused_certificates: set[str] = set()
+        """Common names of client certificates answered 401 (expired, as kube-apiserver's
+        x509 authenticator checks on every request, on connections made before too)."""
         self.faults: list[Fault] = []
         self.hooks: list[Callable[[Request], Fault | None]] = []
         """Asked, in order, for a fault when no entry of ``faults`` matches (seeded chaos)."""
@@ -164,11 +167,20 @@ class HttpApi(Watches):
         record.served_at = asyncio.get_running_loop().time()
         if fault is not None and fault.delay_answer:
             await asyncio.sleep(fault.delay_answer)
+        if fault is not None and fault.drop_answer:
+            assert request.transport is not None
+            request.transport.close()
+            raise ApiError(500, "InternalError", "answer dropped after the request was served")
         created = req.verb == "create" or req.created
         return web.json_response(result, status=201 if created else 200)
 
     def _authenticate(self, request: web.Request) -> str:
         """The request's user (the configured one when the fake takes any token)."""
+        peer = request.transport.get_extra_info("peercert") if request.transport else None
+        if peer and self.refused_certificates:
+            names = {v for rdn in peer.get("subject", ()) for k, v in rdn if k == "commonName"}
+            if names & self.refused_certificates:
+                raise ApiError(401, "Unauthorized", "Unauthorized")
         header = request.headers.get("Authorization", "")
         token = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
         if token is not None and token in self.clients:

@@ -15,6 +15,12 @@
 //	                  connections freeze
 //	POST /latency?ms=N  N ms added to everything the server sends (a brownout)
 //	POST /reset       every established connection is reset (RST)
+//	POST /cut?bytes=N the next answer is lost: the first link on which the client sends
+//	                  N bytes or more from now on is reset (RST) when the server's next
+//	                  bytes come back, instead of passing them on. The server got the
+//	                  whole request (a write: applied); the client cannot tell. N above a
+//	                  TLS ClientHello keeps a new connection's handshake out of it
+//	GET  /cuts        how many answers were cut
 //	POST /heal        no fault any more; frozen connections are closed, as a client
 //	                  finally gives a half-open connection up
 //	GET  /links       how many connections are open
@@ -40,6 +46,7 @@ import (
 type link struct {
 	client, server net.Conn
 	frozen         atomic.Bool
+	sent           atomic.Int64 // bytes from the client since /cut was armed
 	once           sync.Once
 }
 
@@ -59,6 +66,8 @@ type proxy struct {
 	upstream string
 	addr     *net.TCPAddr
 	latency  atomic.Int64 // nanoseconds, server to client
+	cut      atomic.Int64 // armed: bytes a client must send before its answer is cut
+	cuts     atomic.Int64
 
 	mu        sync.Mutex
 	links     map[*link]struct{}
@@ -180,6 +189,16 @@ func (p *proxy) pipe(l *link, dst, src net.Conn, downstream bool) {
 		for l.frozen.Load() {
 			time.Sleep(10 * time.Millisecond)
 		}
+		if downstream {
+			if n := p.cut.Load(); n > 0 && l.sent.Load() >= n && p.cut.CompareAndSwap(n, 0) {
+				p.cuts.Add(1)
+				l.close(true)
+				break
+			}
+		}
+		if !downstream && p.cut.Load() > 0 {
+			l.sent.Add(int64(len(c.data))) // counted before the server can answer it
+		}
 		if _, err := dst.Write(c.data); err != nil {
 			break
 		}
@@ -247,10 +266,28 @@ func (p *proxy) control() http.Handler {
 		}
 		reply(w, "reset %d", n)
 	})
+	mux.HandleFunc("POST /cut", func(w http.ResponseWriter, r *http.Request) {
+		n, err := strconv.Atoi(r.URL.Query().Get("bytes"))
+		if err != nil || n <= 0 {
+			http.Error(w, "bytes: a positive number", http.StatusBadRequest)
+			return
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for l := range p.links {
+			l.sent.Store(0)
+		}
+		p.cut.Store(int64(n))
+		reply(w, "cutting the next answer after %d bytes", n)
+	})
+	mux.HandleFunc("GET /cuts", func(w http.ResponseWriter, r *http.Request) {
+		reply(w, "%d", p.cuts.Load())
+	})
 	mux.HandleFunc("POST /heal", func(w http.ResponseWriter, r *http.Request) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		p.latency.Store(0)
+		p.cut.Store(0)
 		closed := 0
 		for l := range p.links {
 			if l.frozen.Load() {

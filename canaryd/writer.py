@@ -1,0 +1,282 @@
+"""The writer: one bump of a canary's ``spec.restartNonce``, applied at most once.
+
+A bump is a merge patch of ``spec.restartNonce`` only, with an optimistic
+precondition on ``metadata.resourceVersion`` (DESIGN.md, the semantics table):
+
+- 409 Conflict: re-read (GET), re-check that it is still a canary this replica owns,
+  and write again on the fresh copy; bounded; never a stale body.
+- 5xx, 429 (Retry-After honoured), a timeout, a reset: retried with backoff within
+  half a cycle. The write may have landed (the connection failed after the request
+  was sent), so the retry is the identical request: the same body, the same
+  precondition, applied at most once (RFC 9110 §9.2.2: a PATCH is not idempotent;
+  the precondition makes this one so). A 409 to it means "applied, or overtaken":
+  the re-read tells which, by the nonce.
+- 404: re-read to tell a transient answer from a canary that is gone; only the
+  watch drops a canary.
+- Under --leader-elect every write waits for ``permit()``: its client timeout, within
+  the leader's fence (canaryd.leader), or None once this replica no longer leads.
+
+``bump`` returns what came of it; the scheduler acts on that. Nothing here schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from canaryd import metrics
+from canaryd.backoff import Backoff
+from canaryd.config import Settings
+from canaryd.kube import MERGE_PATCH, ErrorKind, KubeClient, KubeError, object_path
+from canaryd.registry import Canary, Registry
+
+log = structlog.get_logger("canaryd.writer")
+
+
+def bump_body(resource_version: str, nonce: int) -> str:
+    """The merge patch of a bump: the precondition and spec.restartNonce, nothing else."""
+    return json.dumps(
+        {"metadata": {"resourceVersion": resource_version}, "spec": {"restartNonce": int(nonce)}},
+        separators=(",", ":"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The bump was applied: the generation it produced, to be judged."""
+
+    generation: int
+    sent: float
+    """When its PATCH was (first) sent, on the writer's clock: its stages run from it."""
+    answered: float
+
+
+@dataclass(frozen=True, slots=True)
+class NotWritten:
+    """No bump this cycle: nothing to judge. ``cause`` is a metric label."""
+
+    cause: str
+    reason: str
+
+
+Outcome = Written | NotWritten | None
+"""None: nothing for this record any more (dropped, replaced, no longer a canary, not
+the leader, canaryd stopping)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One write as sent: resent only identical while its outcome is unknown."""
+
+    body: str
+    nonce: int
+    repairing: str | None
+    before: int
+    """The generation before it (the watch may deliver its event before its answer)."""
+    sent: float
+
+
+async def _always_permitted(limit: float) -> float | None:
+    return limit
+
+
+class Writer:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        kube: KubeClient,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings, self.registry, self.kube = settings, registry, kube
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.permit: Callable[[], Awaitable[float | None]] = lambda: _always_permitted(
+            settings.write_timeout
+        )
+        """Awaited right before every write: its client timeout, or None when this
+        replica may write no more (the leader elector's ``write_permit``)."""
+        self.stopping = False
+        self.in_flight = 0
+        """Writes sent and not answered yet."""
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
+
+    async def finished(self) -> None:
+        """Stopping: no write is sent any more; returns once the ones in flight were
+        answered or abandoned (each within its own client timeout)."""
+        self.stopping = True
+        await self._none_in_flight.wait()
+
+    async def _patch(self, path: str, attempt: _Attempt, time_limit: float) -> dict[str, Any]:
+        self.in_flight += 1
+        self._none_in_flight.clear()
+        try:
+            return await self.kube.request(
+                "patch",
+                "PATCH",
+                path,
+                data=attempt.body,
+                content_type=MERGE_PATCH,
+                time_limit=time_limit,
+            )
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._none_in_flight.set()
+
+    def _next_attempt(self, canary: Canary) -> _Attempt:
+        repairing = canary.nonce_problem
+        nonce = 1 if repairing else canary.nonce + 1
+        before = max(canary.generation, canary.last_bumped_generation or 0)
+        body = bump_body(canary.resource_version, nonce)
+        return _Attempt(body, nonce, repairing, before, self._clock())
+
+    async def bump(self, canary: Canary, due: float) -> Outcome:
+        """Write restartNonce + 1 on the tracked copy; at most half a cycle of retries
+        from ``due``."""
+        timeout = self.settings.timeout
+        give_up_at = due + timeout / 2
+        if not self.registry.owns(canary):
+            return None
+        if self._clock() > give_up_at:
+            # It waited for a slot past its retry window: writes are backed up (slow
+            # answers). Skipping keeps the scheduler's lag bounded.
+            return NotWritten(
+                "skipped", "no bump this cycle: bumps are backed up behind slow writes"
+            )
+        path = object_path(*canary.key)
+        backoff: Backoff | None = None
+        conflicts = 0
+        reread = False
+        unsure: _Attempt | None = None
+        """A write whose outcome is unknown: resent identical, or learnt by a re-read."""
+        while True:
+            try:
+                if reread:
+                    fresh = await self.kube.request("get", "GET", path)
+                    gone = self.registry.reread(canary, fresh)
+                    if gone is not None:
+                        metrics.BUMPS.labels(
+                            "replaced" if gone == "replaced" else "not_canary"
+                        ).inc()
+                        return None
+                    reread = False
+                    if unsure is not None:
+                        landed, unsure = unsure, None
+                        if canary.nonce == landed.nonce:
+                            # The write whose answer was lost was applied.
+                            return self._written(canary, fresh, landed)
+                attempt = unsure or self._next_attempt(canary)
+                time_limit = None if self.stopping else await self.permit()
+                if time_limit is None or self.stopping or not self.registry.owns(canary):
+                    return None
+                written = await self._patch(path, attempt, time_limit)
+            except KubeError as err:
+                if not self.registry.owns(canary):
+                    return None  # a late answer about a record no longer tracked
+                if err.kind is ErrorKind.CONFLICT:
+                    metrics.CONFLICTS.inc()
+                    reread = True
+                    if unsure is not None:
+                        continue  # applied, or overtaken: the re-read tells
+                    conflicts += 1
+                    if conflicts > self.settings.max_conflict_retries:
+                        return NotWritten(
+                            "conflict_exhausted",
+                            f"{conflicts} conflicts in a row; no bump this cycle",
+                        )
+                    # Jittered, so two writers that collided do not collide again.
+                    await asyncio.sleep(self._rng.uniform(0, min(0.05, timeout / 20)))
+                    continue
+                if err.kind is ErrorKind.GONE:
+                    return await self._answered_gone(canary, path, err)
+                if err.kind is ErrorKind.FORBIDDEN:
+                    return NotWritten(
+                        "forbidden", f"canaryd may not write it (retried next cycle): {err}"
+                    )
+                if err.kind is ErrorKind.INVALID:
+                    return NotWritten("invalid", f"bump rejected: {err}")
+                if not reread and err.reason != "Credentials":
+                    # It may have reached the server: the retry is this very request (a
+                    # failed re-read keeps what it was to tell).
+                    unsure = attempt
+                if backoff is None:
+                    backoff = Backoff(
+                        self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng
+                    )
+                delay = backoff.next()
+                if err.retry_after is not None:
+                    # Honoured, but never a tight loop (Retry-After: 0).
+                    delay = max(err.retry_after, self.settings.backoff_initial)
+                if self._clock() + delay > give_up_at:
+                    return NotWritten("failed", f"bump failed: {err}")
+                await asyncio.sleep(delay)
+                if not self.registry.owns(canary):
+                    return None
+                continue
+            if not self.registry.owns(canary):
+                return None
+            return self._written(canary, written, attempt)
+
+    async def _answered_gone(self, canary: Canary, path: str, err: KubeError) -> Outcome:
+        """A 404 on a bump may be transient (a CRD being re-registered, an API server
+        replica briefly not serving it): re-read to tell. Still there, same uid: no
+        bump this cycle, retried next. Gone too: paused for a cycle, and only the watch
+        drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
+        never confirmation enough, since no DELETED may ever follow a transient one."""
+        try:
+            fresh = await self.kube.request("get", "GET", path)
+        except KubeError as reread_err:
+            if not self.registry.owns(canary):
+                return None
+            if reread_err.kind is ErrorKind.GONE:
+                return NotWritten(
+                    "gone",
+                    f"bump and re-read answered {err}: paused until the watch confirms "
+                    "(bumped again next cycle while the watch still shows it)",
+                )
+            return NotWritten(
+                "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
+            )
+        gone = self.registry.reread(canary, fresh)
+        if gone is not None:
+            metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
+            return None
+        return NotWritten(
+            "gone_but_present",
+            f"bump answered {err}, but the object is still there; retried next cycle",
+        )
+
+    def _written(self, canary: Canary, written: Mapping[str, Any], attempt: _Attempt) -> Outcome:
+        metadata = written.get("metadata")
+        generation = metadata.get("generation") if isinstance(metadata, Mapping) else None
+        self.registry.refresh(canary, written)
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            return NotWritten(
+                "no_generation", "the API server answered the bump without a generation"
+            )
+        if generation <= attempt.before:
+            # The server took the nonce as no change: there is no new generation for
+            # the operator to reconcile, so there is nothing to judge.
+            return NotWritten(
+                "no_change",
+                f"the bump was answered with generation {generation}, not above {attempt.before}",
+            )
+        if attempt.repairing:
+            log.warning(
+                "canary_nonce_repaired",
+                canary=str(canary.key),
+                problem=attempt.repairing,
+                nonce=attempt.nonce,
+            )
+        return Written(generation, attempt.sent, self._clock())
