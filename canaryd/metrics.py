@@ -5,202 +5,30 @@ Every swallowed exception counts in ``ERRORS`` with the place it happened.
 
 from __future__ import annotations
 
-import bisect
-import math
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client import metrics as prometheus_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 
-class _Number:
-    """One series' number, kept in a plain float (``get`` as prometheus_client's)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def get(self) -> float:
-        return self.value
-
-
-class _LoopCounterChild:
-    __slots__ = ("_value", "created")
-
-    def __init__(self) -> None:
-        self._value = _Number()
-        self.created = time.time()
-
-    def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError("a counter only goes up")
-        self._value.value += amount
-
-
-class _LoopHistogramChild:
-    __slots__ = ("_bounds", "_buckets", "_sum", "created")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._bounds = bounds
-        self._buckets = [0] * len(bounds)  # per bucket, not cumulative
-        self._sum = 0.0
-        self.created = time.time()
-
-    def observe(self, amount: float) -> None:
-        self._sum += amount
-        if amount == amount:  # NaN is in no bucket (as prometheus_client counts it)
-            self._buckets[bisect.bisect_left(self._bounds, amount)] += 1
-
-
-class _LoopMetric(Collector):
-    """The metrics written on the bump's hot path, several times per bump.
-    prometheus_client's take a lock for every write (any thread may write them);
-    canaryd writes and scrapes its metrics on the event loop's thread only, so these keep
-    plain numbers. They are exposed as prometheus_client's are: the same samples,
-    ``_created`` included."""
-
-    def __init__(
-        self,
-        kind: str,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        registry: CollectorRegistry,
-    ) -> None:
-        self._type, self._name, self._doc = kind, name, documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], object] = {}
-        registry.register(self)
-
-    def _child(self, values: tuple[str, ...]) -> object:
-        raise NotImplementedError
-
-    def _labels(self, values: tuple[object, ...]) -> object:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name} has labels {self._labelnames}, given {values}")
-        key = tuple(str(value) for value in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self._child(key)
-        return child
-
-    def describe(self) -> Iterator[Metric]:
-        yield Metric(self._name, self._doc, self._type)
-
-
-class LoopCounter(_LoopMetric):
-    """A Counter (see _LoopMetric); ``name`` without ``_total``."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        super().__init__("counter", name, documentation, labelnames, registry)
-        if not self._labelnames:
-            self._labels(())
-
-    def _child(self, values: tuple[str, ...]) -> _LoopCounterChild:
-        return _LoopCounterChild()
-
-    def labels(self, *values: object) -> _LoopCounterChild:
-        child = self._labels(values)
-        assert isinstance(child, _LoopCounterChild)
-        return child
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-    def collect(self) -> Iterator[Metric]:
-        family = Metric(self._name, self._doc, "counter")
-        for values, child in self._children.items():
-            assert isinstance(child, _LoopCounterChild)
-            labels = dict(zip(self._labelnames, values, strict=True))
-            family.add_sample(self._name + "_total", labels, child._value.value)
-            if _created_series():
-                family.add_sample(self._name + "_created", labels, child.created)
-        yield family
-
-
-class LoopHistogram(_LoopMetric):
-    """A Histogram (see _LoopMetric)."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        buckets: Sequence[float] = (),
-        registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        super().__init__("histogram", name, documentation, labelnames, registry)
-        bounds = sorted(float(bound) for bound in buckets)
-        if bounds[-1] != math.inf:
-            bounds.append(math.inf)
-        self._bounds = tuple(bounds)
-        self._only = self._child(()) if not self._labelnames else None
-        if self._only is not None:
-            self._children[()] = self._only
-
-    def _child(self, values: tuple[str, ...]) -> _LoopHistogramChild:
-        return _LoopHistogramChild(self._bounds)
-
-    def labels(self, *values: object) -> _LoopHistogramChild:
-        child = self._labels(values)
-        assert isinstance(child, _LoopHistogramChild)
-        return child
-
-    def observe(self, amount: float) -> None:
-        """For a histogram without labels (its one child, looked up once)."""
-        if self._only is None:
-            raise ValueError(f"{self._name} has labels {self._labelnames}: use labels()")
-        self._only.observe(amount)
-
-    def collect(self) -> Iterator[Metric]:
-        family = Metric(self._name, self._doc, "histogram")
-        for values, child in self._children.items():
-            assert isinstance(child, _LoopHistogramChild)
-            labels = dict(zip(self._labelnames, values, strict=True))
-            cumulative = 0
-            for bound, count in zip(self._bounds, child._buckets, strict=True):
-                cumulative += count
-                le = floatToGoString(bound)  # type: ignore[no-untyped-call]
-                family.add_sample(self._name + "_bucket", {**labels, "le": le}, cumulative)
-            family.add_sample(self._name + "_count", labels, cumulative)
-            family.add_sample(self._name + "_sum", labels, child._sum)
-            if _created_series():
-                family.add_sample(self._name + "_created", labels, child.created)
-        yield family
-
-
-def _created_series() -> bool:
-    """Whether ``_created`` samples are written: prometheus_client's own switch
-    (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics())."""
-    return bool(getattr(prometheus_metrics, "_use_created", True))
-
-
-API_REQUESTS = LoopCounter(
+API_REQUESTS = Counter(
     "canaryd_api_requests",
     "Kubernetes API requests by verb and HTTP code ('error': no answer).",
     ["verb", "code"],
+    registry=REGISTRY,
 )
-BUMPS = LoopCounter(
+BUMPS = Counter(
     "canaryd_bumps",
     "Nonce bumps by result: written, or why none was: failed (transient), skipped, "
     "conflict_exhausted, forbidden, invalid, gone, gone_unconfirmed, gone_but_present, "
     "not_canary, replaced (a re-read found a new object of the name), no_change, "
     "no_generation.",
     ["result"],
+    registry=REGISTRY,
 )
 UNSCHEDULED = Gauge(
     "canaryd_canaries_unscheduled",
@@ -214,7 +42,7 @@ BUMPS_IN_FLIGHT = Gauge(
     registry=REGISTRY,
 )
 BUMP_STAGES = ("answered", "observed", "reconciled")
-BUMP_DURATION = LoopHistogram(
+BUMP_DURATION = Histogram(
     "canaryd_bump_duration_seconds",
     "How long a bump takes to travel, on the monotonic clock from the moment its PATCH "
     "is sent, by stage: answered (the write's answer), observed (the watch event with "
@@ -222,22 +50,19 @@ BUMP_DURATION = LoopHistogram(
     "(status.observedGeneration reached it).",
     ["kind", "stage"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
 )
-_STAGE_CHILDREN: dict[tuple[str, str], _LoopHistogramChild] = {}
 
 
 def bump_stage(kind: str, stage: str, seconds: float) -> None:
-    """One bump's time to ``stage``; the labelled child is looked up once."""
-    child = _STAGE_CHILDREN.get((kind, stage))
-    if child is None:
-        child = _STAGE_CHILDREN[(kind, stage)] = BUMP_DURATION.labels(kind, stage)
-    child.observe(seconds)
+    """One bump's time to ``stage``."""
+    BUMP_DURATION.labels(kind, stage).observe(seconds)
 
 
 def bump_stages_exported(kind: str) -> None:
     """A kind's stage histograms exist (empty) from the moment it is watched."""
     for stage in BUMP_STAGES:
-        _STAGE_CHILDREN.setdefault((kind, stage), BUMP_DURATION.labels(kind, stage))
+        BUMP_DURATION.labels(kind, stage)
 
 
 CONFLICTS = Counter(
@@ -245,17 +70,19 @@ CONFLICTS = Counter(
     "409 Conflicts on bumps (each one re-reads the object).",
     registry=REGISTRY,
 )
-VERDICTS = LoopCounter(
+VERDICTS = Counter(
     "canaryd_verdicts",
     "Bumps judged at their deadline: healthy or unhealthy; or why not yet: deferred (the "
     "watch not in sync), suspected (canaryd's own watch replaced), rechecked (a late "
     "judge), unreachable (no verdict: the API server away).",
     ["verdict"],
+    registry=REGISTRY,
 )
-VERDICT_LATENESS = LoopHistogram(
+VERDICT_LATENESS = Histogram(
     "canaryd_verdict_lateness_seconds",
     "How late after its deadline a bump was judged.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
 )
 DROPPED = Counter(
     "canaryd_canaries_dropped_total",

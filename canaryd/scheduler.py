@@ -178,7 +178,9 @@ class Scheduler:
             verdict = canary.verdict
             if canary.state is not CanaryState.UNHEALTHY or verdict is None:
                 continue
-            if canary.bumped_generation is None and now - verdict.at >= ttl:
+            # One whose writes fail ages at its next failed write, which names the cause.
+            failing = self.failures.cause(canary.key) is not None
+            if canary.bumped_generation is None and not failing and now - verdict.at >= ttl:
                 why = self.standby_reason or "none could be sent"
                 self.registry.no_verdict(canary, f"no bump written: {why}", now, ttl)
             unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY

@@ -637,10 +637,12 @@ async def test_a_scope_not_listed_yet_after_a_namespace_switch_defers_the_verdic
 
 
 EXEC_PLUGIN = """\
-import datetime, json, pathlib, sys
+import datetime, json, os, pathlib, sys
 here = pathlib.Path(sys.argv[1])
 runs = here / "runs"
-runs.write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else "1")
+# Counted atomically: the test reads the count while the plugin may be running.
+(here / "runs.new").write_text(str(int(runs.read_text() or 0) + 1) if runs.exists() else "1")
+os.replace(here / "runs.new", runs)
 if (here / "fail").exists():
     sys.exit("the identity provider is down")
 lifetime = float((here / "lifetime").read_text())

@@ -937,7 +937,7 @@ async def test_slow_lease_renewals_keep_every_canary_checked_on_a_real_lease(
         await create_canary(api, namespace, name)
     args = ("--namespace", namespace, "--leader-elect", "--lease-namespace", "canaryd")
     async with canaryd(proxied, *args, "--identity", "slow", cycle=cycle) as url:
-        await eventually(lambda: _healthy(url, namespace), "healthy", within=2 * cycle + 5)
+        await eventually(lambda: _healthy(url, namespace), "healthy", within=3 * cycle + 10)
         proxy.latency(1.5)
         nonces = {n: (await get_canary(api, namespace, n))["spec"]["restartNonce"] for n in names}
 

@@ -10,7 +10,6 @@ be had from the package registries here.
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 from pathlib import Path
@@ -283,54 +282,3 @@ async def test_every_labelled_counter_an_alert_reads_is_exported_at_0_from_the_s
             assert series in samples, series
     for verdict in metrics.VERDICT_KINDS:
         assert f'canaryd_verdicts_total{{verdict="{verdict}"}}' in samples, verdict
-
-
-def test_the_hot_path_metrics_are_exposed_as_prometheus_clients_are():
-    """canaryd's lock-free counters and histograms (metrics.LoopCounter, LoopHistogram)
-    write the exposition prometheus_client's Counter and Histogram write for the same
-    observations: names, HELP, TYPE, labels, cumulative buckets, +Inf, _count, _sum."""
-    import prometheus_client
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
-    from canaryd.metrics import LoopCounter, LoopHistogram
-
-    theirs, ours = CollectorRegistry(), CollectorRegistry()
-    counters = (
-        Counter("t_requests_total", "Doc 'quoted'.", ["verb", "code"], registry=theirs),
-        LoopCounter("t_requests", "Doc 'quoted'.", ["verb", "code"], registry=ours),
-    )
-    buckets = (0.005, 0.01, 1, 2, 300, 1e6)
-    histograms = (
-        Histogram("t_seconds", "H.", ["kind"], buckets=buckets, registry=theirs),
-        LoopHistogram("t_seconds", "H.", ["kind"], buckets=buckets, registry=ours),
-    )
-    plain = (
-        Histogram("t_late_seconds", "L.", buckets=(0.001, 1.0), registry=theirs),
-        LoopHistogram("t_late_seconds", "L.", buckets=(0.001, 1.0), registry=ours),
-    )
-    for counter in counters:
-        counter.labels("get", 200).inc()
-        counter.labels("patch", "error").inc(3)
-        with pytest.raises(ValueError):
-            counter.labels("get", 200).inc(-1)
-    for histogram in histograms:
-        for seconds in (0.0, 0.005, 0.0051, 1, 7, 1e9):  # on a bound counts in it
-            histogram.labels("fd").observe(seconds)
-        histogram.labels("fs")  # exported empty
-    for histogram in plain:
-        histogram.observe(0.5)
-        histogram.observe(math.nan)  # in no bucket, in the sum
-
-    def exposed(registry: CollectorRegistry) -> str:
-        text = generate_latest(registry).decode()
-        return re.sub(r"(_created(\{[^}]*\})?) \S+", r"\1 T", text)
-
-    assert exposed(ours) == exposed(theirs)
-    assert 't_seconds_bucket{kind="fd",le="0.01"} 3.0' in exposed(ours)
-    assert 'le="1e+06"' in exposed(ours)
-    prometheus_client.disable_created_metrics()  # PROMETHEUS_DISABLE_CREATED_SERIES
-    try:
-        assert "_created" not in exposed(ours)
-        assert exposed(ours) == exposed(theirs)
-    finally:
-        prometheus_client.enable_created_metrics()

@@ -1,0 +1,327 @@
+"""--reconciled-by operator-metrics: bumps judged on the operator's own reconcile counts.
+
+The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
+never per canary. A canary whose deadline passed waits here for the next read, which
+judges every canary due before it started (canaryd.judge.by_operator); a read
+unanswered for a whole interval judges those that waited a cycle (a frozen JVM holds
+a read that long). A new operator process (counters reset, a new start time) gets a
+fresh check of every canary. What to do with a judgement (the registry's transition,
+the next bump) is the scheduler's: ``Schedule``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import zlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Protocol
+
+import structlog
+
+from canaryd import judge, metrics
+from canaryd.config import Settings
+from canaryd.episodes import Episodes
+from canaryd.judge import Judgement, NoVerdict
+from canaryd.kube import kind_of
+from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
+from canaryd.registry import Canary, CanaryKey, Registry
+
+log = structlog.get_logger("canaryd.opjudge")
+
+
+def wall_time(timestamp: float) -> str:
+    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
+    try:
+        return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (ValueError, OverflowError, OSError):
+        return repr(timestamp)
+
+
+def phase(canary: Canary) -> float:
+    """The canary's stable place in the cycle, as a fraction (its first bump's)."""
+    return zlib.crc32(str(canary.key).encode()) / 2**32
+
+
+class Schedule(Protocol):
+    """What the operator's judge asks of the scheduler."""
+
+    @property
+    def active(self) -> bool: ...
+    def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool: ...
+    def start_bump(self, due: float, canary: Canary) -> None: ...
+    def push(self, due: float, canary: Canary) -> None: ...
+    def flying(self, canary: Canary) -> bool: ...
+
+
+class OperatorJudge:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        schedule: Schedule,
+        api_last_answer: Callable[[], float],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings, self.registry, self.schedule = settings, registry, schedule
+        self._api_last_answer = api_last_answer
+        self._clock = clock
+        self.operator = OperatorMetrics(
+            settings.operator_metrics_url,
+            connect_timeout=settings.scrape_connect_timeout,
+            read_timeout=settings.timeout,
+            clock=clock,
+        )
+        metrics.operator_metrics_exported()
+        self.awaiting: list[tuple[float, Canary]] = []
+        """Canaries past their deadline, waiting for the next read: one read judges
+        every canary due before it."""
+        self._instance_judged = 0
+        """The operator instance (opmetrics.Instance.number) the verdicts are about."""
+        self._missing_series: set[CanaryKey] = set()
+        """Canaries whose counter the operator's metrics lack (warned once each)."""
+        self._realign: set[CanaryKey] = set()
+        """Canaries bumped off their place in the cycle for a fresh check (an operator
+        restart): once that bump is judged, the next one goes back to its place."""
+        self._epoch = clock()
+        """Where the cycle's places are counted from (``_place``)."""
+        self.problem: str | None = None
+        """Why the operator's metrics cannot judge canaries right now (/readyz says it)."""
+        self.failures = Episodes(
+            "operator_metrics_failures",
+            subject="url",
+            subjects="urls",
+            detail_event="operator_metrics_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.opjudge",
+            clock=clock,
+        )
+        """Failed reads of the operator's metrics, logged as an episode."""
+
+    def due(self, due: float, canary: Canary) -> None:
+        """A deadline: judged at the next read of the operator's metrics."""
+        self.awaiting.append((due, canary))
+
+    def waiting(self, key: CanaryKey) -> int:
+        return sum(1 for _, canary in self.awaiting if canary.key == key)
+
+    def forget(self, key: CanaryKey) -> None:
+        self._missing_series.discard(key)
+        self._realign.discard(key)
+
+    async def close(self) -> None:
+        await self.operator.close()
+
+    async def run(self) -> None:
+        """Read the operator's metrics every scrape interval (never per canary): judge
+        every canary whose deadline passed before the read started, note the bumps the
+        operator reconciled since, and see a restarted operator."""
+        try:
+            while True:
+                started = self._clock()
+                scrape: Scrape | None = None
+                failed: ScrapeFailed | None = None
+                read = asyncio.ensure_future(self.operator.scrape())
+                try:
+                    while not read.done():
+                        await asyncio.wait({read}, timeout=self.settings.scrape_interval)
+                        if not read.done():
+                            self._still_unanswered(started)
+                    scrape = read.result()
+                except ScrapeFailed as err:
+                    failed = err
+                finally:
+                    if not read.done():
+                        read.cancel()
+                try:
+                    self._read(started, scrape, failed)
+                except Exception:
+                    # A bug must not stop the reads: say so, count it, go on.
+                    metrics.ERRORS.labels("scheduler").inc()
+                    log.exception("operator_judge_failed_unexpectedly")
+                pause = started + self.settings.scrape_interval - self._clock()
+                await asyncio.sleep(max(0.0, pause))
+        except asyncio.CancelledError:
+            log.info("operator_metrics_reader_stopped", why="cancelled")
+            raise
+
+    def _read(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
+        operator = self.operator
+        if failed is not None:
+            metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
+            self.read_failed(failed)
+        else:
+            assert scrape is not None
+            metrics.OPERATOR_SCRAPES.labels("ok").inc()
+            self.problem = None
+            self.failures.recovered(operator.url)
+            if not scrape.has_operator_series:
+                self.problem = (
+                    f"{operator.url} answered without the operator's metrics (is Flink's "
+                    "Prometheus reporter configured on this port?)"
+                )
+            if operator.instance.number != self._instance_judged:
+                if self.schedule.active:
+                    self._operator_restarted(started)
+                else:  # a follower judges nothing; it starts fresh when it leads
+                    self._instance_judged = operator.instance.number
+            self._note_reconciles(scrape)
+        if not self.schedule.active:
+            return
+        self._judge_due(started, scrape, failed, lambda canary: True)
+
+    def _judge_due(
+        self,
+        started: float,
+        scrape: Scrape | None,
+        failed: ScrapeFailed | None,
+        judged_now: Callable[[Canary], bool],
+    ) -> None:
+        """Judge every canary that fell due before ``started`` (and ``judged_now``)."""
+        now = self._clock()
+        due_now: list[tuple[float, Canary]] = []
+        later: list[tuple[float, Canary]] = []
+        for entry in self.awaiting:
+            (due_now if entry[0] <= started and judged_now(entry[1]) else later).append(entry)
+        self.awaiting = later
+        for due, canary in due_now:
+            try:
+                self._judge_and_bump(due, canary, scrape, failed, now)
+            except Exception:
+                # A bug must not lose the canary: say so, count it, try it next cycle.
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
+                if self.registry.owns(canary) and not self.schedule.flying(canary):
+                    self.schedule.push(now + self.settings.timeout, canary)
+
+    def _judge_and_bump(
+        self,
+        due: float,
+        canary: Canary,
+        scrape: Scrape | None,
+        failed: ScrapeFailed | None,
+        now: float,
+    ) -> None:
+        if not self.registry.owns(canary):
+            return
+        judged = canary.bumped_generation is not None
+        last = self.operator.last
+        judgement = judge.by_operator(
+            canary,
+            self._resource(canary),
+            scrape,
+            failed,
+            now,
+            self.settings,
+            instance=self._instance_judged,
+            last_answer_at=last.answered_at if last is not None else None,
+            api_away=judge.api_server_away(
+                canary, self.registry.covering(canary.key), self._api_last_answer(), now
+            ),
+        )
+        self._warn_missing_series(canary, judgement)
+        if not self.schedule.apply(canary, judgement, now):
+            self.awaiting.append((due, canary))
+            return
+        if judged and canary.key in self._realign:
+            # Its fresh check is judged: the next bump goes back to its place in the
+            # cycle, so that bumps stay spread (DESIGN: never N writes at once).
+            self._realign.discard(canary.key)
+            place = self._place(canary, now)
+            if place - now > self.settings.scrape_interval:
+                self.schedule.push(place, canary)
+                return
+        self.registry.baseline(canary, self._baseline(canary))
+        # The bump's own retry window runs from now: the verdict may have waited.
+        self.schedule.start_bump(now, canary)
+
+    def _warn_missing_series(self, canary: Canary, judgement: Judgement) -> None:
+        missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
+        if missing is None:
+            self._missing_series.discard(canary.key)  # warned again if it goes missing again
+        elif canary.key not in self._missing_series:
+            self._missing_series.add(canary.key)
+            log.warning(
+                "operator_series_missing",
+                canary=str(canary.key),
+                series=missing,
+                url=self.settings.operator_metrics_url,
+                hint="the operator does not watch its namespace, or has not "
+                "reconciled it since it started",
+            )
+
+    def _place(self, canary: Canary, now: float) -> float:
+        """The first time from ``now`` at the canary's place in the cycle."""
+        timeout = self.settings.timeout
+        offset = self._epoch + phase(canary) * timeout
+        return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
+
+    def _still_unanswered(self, started: float) -> None:
+        """A read has not been answered for a read interval: the verdicts that have
+        waited a whole cycle for an answer need not wait for this one to time out (a
+        frozen JVM holds a read for the whole cycle)."""
+        now = self._clock()
+        silent = ScrapeFailed(
+            "unanswered",
+            f"{self.operator.url} has not answered a read sent {now - started:.1f}s ago",
+        )
+        if self.schedule.active:
+            # One with nothing to judge waits for the read: its baseline.
+            self._judge_due(started, None, silent, lambda c: c.bumped_generation is not None)
+
+    def read_failed(self, failed: ScrapeFailed) -> None:
+        """A read failed: an episode in the log, the cause in /readyz."""
+        self.problem = str(failed)
+        self.failures.failed(self.operator.url, failed.cause, str(failed))
+
+    def _operator_restarted(self, started: float) -> None:
+        """A new operator process answers: verdicts were about the one that is gone. Every
+        canary is checked afresh: ``pending``, and a bump from now on, the first at once
+        and the rest over half a cycle in their order in the cycle (twice the steady
+        rate, not N writes at once); each goes back to its place once that is judged."""
+        instance = self.operator.instance
+        self._instance_judged = instance.number
+        at = wall_time(instance.since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
+        reason = f"operator restarted at {at}: re-checking"
+        self.awaiting = []
+        canaries = sorted(self.registry.tracked(), key=phase)
+        step = self.settings.timeout / 2 / max(1, len(canaries))
+        for index, canary in enumerate(canaries):
+            self.registry.fresh_check(canary, reason)
+            self._realign.add(canary.key)
+            if not self.schedule.flying(canary):  # one in flight schedules itself
+                self.schedule.push(started + index * step, canary)
+
+    def _resource(self, canary: Canary) -> ResourceKey:
+        return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
+
+    def _baseline(self, canary: Canary) -> tuple[int, float | None] | None:
+        """The operator instance and the canary's count of finished reconciles in the
+        last answer read (before the bump about to be sent), if one was ever read."""
+        last = self.operator.last
+        if last is None:
+            return None
+        return self.operator.instance.number, last.count(self._resource(canary))
+
+    def _note_reconciles(self, scrape: Scrape) -> None:
+        """The ``reconciled`` stage of bumps the operator reconciled since the last read
+        (its time is an upper bound: the read's answer)."""
+        number = self._instance_judged
+        for canary in self.registry.tracked():
+            sent = canary.bump_sent_at
+            baseline = canary.reconcile_baseline
+            if (
+                sent is None
+                or canary.bumped_generation is None
+                or baseline is None
+                or baseline[0] != number
+                or "reconciled" in canary.stages
+            ):
+                continue
+            if judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]:
+                self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
