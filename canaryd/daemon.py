@@ -298,7 +298,8 @@ class Daemon:
 
     def _not_covered(self) -> list[str]:
         uncovered = self.watcher.not_covered() if self.watcher is not None else []
-        problem = self.scheduler.operator_problem if self.scheduler is not None else None
+        operator = self.scheduler.operator if self.scheduler is not None else None
+        problem = operator.problem if operator is not None else None
         if problem is not None:
             uncovered.append(f"operator metrics: {problem}")
         return uncovered

@@ -21,9 +21,9 @@ import pytest
 
 from canaryd import metrics
 from canaryd.config import ConfigError, load_settings
+from canaryd.opjudge import wall_time
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed, parse
 from canaryd.registry import CanaryState
-from canaryd.scheduler import wall_time
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube
 from canaryd.testing.operator import FakeOperator
 from canaryd.testing.process import free_port
@@ -196,7 +196,7 @@ async def test_a_bump_the_operator_reconciled_is_healthy(kube, kubeconfig):
         assert "the operator reconciled generation" in canary.reason
         # The reconciled stage is measured from the operator's counter too.
         assert "reconciled" in canary.stages
-        assert run.daemon.scheduler.operator_problem is None
+        assert run.daemon.scheduler.operator.problem is None
 
 
 async def test_a_wedged_operator_is_unhealthy_where_the_watch_sees_nothing_wrong(kube, kubeconfig):
@@ -579,16 +579,16 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
         operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
     ) as run:
         async with operator_for(kube, port):
-            reader = run.daemon.scheduler.operator
+            reader = run.daemon.scheduler.operator.operator
             await run.until(lambda: reader.last is not None, "a first answer read")
-        restarted = run.daemon.scheduler.operator.instance.number
+        restarted = run.daemon.scheduler.operator.operator.instance.number
         async with operator_for(kube, port):
             await run.until(
-                lambda: run.daemon.scheduler.operator.instance.number > restarted,
+                lambda: run.daemon.scheduler.operator.operator.instance.number > restarted,
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
-            assert not run.daemon.scheduler._awaiting
+            assert not run.daemon.scheduler.operator.awaiting
             assert not run.bumps()
 
 
@@ -600,7 +600,7 @@ async def test_a_dropped_canary_leaves_nothing_behind(kube, kubeconfig):
         running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
     ):
         canary = await run.until_state(CanaryState.UNKNOWN, namespace="elsewhere", within=3)
-        assert canary.key in run.daemon.scheduler._missing_series
+        assert canary.key in run.daemon.scheduler.operator._missing_series
         kube.delete(FLINK_DEPLOYMENTS, "elsewhere", "canary")
         await run.until_gone(namespace="elsewhere")
-        assert canary.key not in run.daemon.scheduler._missing_series
+        assert canary.key not in run.daemon.scheduler.operator._missing_series

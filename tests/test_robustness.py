@@ -380,7 +380,7 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
         canary = registry.get(CanaryKey("flinkdeployments", "ns", f"c{i}"))
         assert canary is not None
         canaries.append(canary)
-        scheduler._push(now[0] + 0.001 * (i + 1), canary)
+        scheduler.push(now[0] + 0.001 * (i + 1), canary)
     loop = asyncio.get_running_loop()
     delays: list[float] = []
     real_call_later = loop.call_later

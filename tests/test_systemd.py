@@ -138,7 +138,7 @@ def test_scheduler_lag_is_what_makes_the_daemon_stuck():
         clock=lambda: now[0],
     )
     assert scheduler.lag() == 0.0
-    scheduler._push(95.0, Canary(CanaryKey("flinkdeployments", "ns", "c"), "u", "1", 1, 0))
+    scheduler.push(95.0, Canary(CanaryKey("flinkdeployments", "ns", "c"), "u", "1", 1, 0))
     assert scheduler.lag() == 5.0
     now[0] = 120.0
     assert scheduler.lag() == 25.0
