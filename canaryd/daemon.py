@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import structlog
 import yaml
 
-from canaryd import logs, metrics
+from canaryd import __version__, logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import (
     ConfigError,
@@ -187,6 +188,8 @@ class Daemon:
             operator_config = self._say_operator_config()
             log.info(
                 "canaryd_started",
+                version=__version__,
+                python=platform.python_version(),
                 api_server=kube.host,
                 kinds=list(settings.kinds),
                 namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
