@@ -28,6 +28,8 @@ from canaryd.config import (
     default_identity,
     has_prometheus_reporter,
     namespaces_from_operator_config,
+    nested_keys_why,
+    nested_operator_keys,
     operator_config_files,
     read_operator_config,
 )
@@ -236,6 +238,14 @@ class Daemon:
                 ignored=[str(path) for path in ignored],
                 why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
                 "and config.yaml only without it",
+            )
+        _, nested = nested_operator_keys(read)
+        if nested:
+            log.warning(
+                "operator_config_nested_keys",
+                file=str(read),
+                flat_keys=nested,
+                why=nested_keys_why(read),
             )
         return str(read)
 

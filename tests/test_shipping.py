@@ -10,7 +10,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from canaryd import __version__
+from canaryd.__main__ import main
+from canaryd.config import ConfigError, load_settings
 from tests.harness import json_lines, json_logs, running_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +87,116 @@ async def test_the_start_up_line_names_the_version(kube, kubeconfig, capsys):
     (started,) = events(records, "canaryd_started")
     assert started["version"] == __version__, started
     assert started["python"] == platform.python_version(), started
+
+
+# ---------------------------------------------------------- quiet mismatches
+
+
+NESTED = """\
+kubernetes:
+  operator:
+    watched:
+      namespaces: team-a,team-b
+    dynamic.namespaces.enabled: true
+kubernetes.operator.health.probe.port: 9000
+"""
+
+
+@pytest.mark.parametrize("name", ["flink-conf.yaml", "config.yaml"])
+async def test_nested_operator_keys_get_a_warning_naming_the_flat_key(
+    kube, kubeconfig, tmp_path, capsys, name
+):
+    """Flink 2 nests keys; the operator's flink-conf.yaml parser reads flat lines only.
+    canaryd still reads both spellings, and says which keys the operator reads flat."""
+    conf = tmp_path / name
+    conf.write_text(NESTED)
+    settings = load_settings(["--operator-config", str(conf)], {})
+    assert settings.namespaces == frozenset({"team-a", "team-b"})  # read as today
+    assert settings.dynamic_namespaces and settings.port == 9000
+    with json_logs("info"):
+        async with running_daemon(
+            kube, kubeconfig, operator_config=conf, namespaces=settings.namespaces
+        ) as run:
+            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
+        records = json_lines(capsys.readouterr().err)
+    (warning,) = events(records, "operator_config_nested_keys")
+    assert warning["level"] == "warning" and warning["file"] == str(conf), warning
+    assert warning["flat_keys"] == [
+        "kubernetes.operator.dynamic.namespaces.enabled",
+        "kubernetes.operator.watched.namespaces",
+    ], warning
+    assert ("flat parser" in warning["why"]) is (name == "flink-conf.yaml"), warning
+
+
+async def test_flat_operator_keys_get_no_nested_key_warning(kube, kubeconfig, tmp_path, capsys):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.watched.namespaces: team-a\nrest: {port: 8081}\n")
+    with json_logs("info"):
+        async with running_daemon(
+            kube, kubeconfig, operator_config=conf, namespaces=frozenset({"team-a"})
+        ) as run:
+            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
+        records = json_lines(capsys.readouterr().err)
+    assert events(records, "canaryd_started")
+    assert events(records, "operator_config_nested_keys") == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        ([], {"CANARYD_TIMEOUT": "300"}),
+        (["--timeout", "999"], {}),
+        (["--timeout", "500.5"], {}),
+    ],
+)
+def test_a_sub_second_cycle_from_a_bare_number_is_refused_with_a_unit_hint(
+    argv, env, capsys, monkeypatch
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    text = (argv[1:] or list(env.values()))[0]
+    assert lines[0] == (
+        f"canaryd: timeout '{text}' is {float(text):g} ms: a bare number is milliseconds; "
+        f"give a unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
+    )
+
+
+def test_a_bare_number_in_the_operator_config_gets_the_same_hint(tmp_path):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.health.canary.resource.timeout: 300\n")
+    with pytest.raises(ConfigError, match=r"'300' is 300 ms.*give a unit, e.g. '300s'"):
+        load_settings(["--operator-config", str(conf)], {})
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("300ms", 0.3), ("300 ms", 0.3), ("1000", 1.0), ("60000", 60.0)]
+)
+def test_a_unit_or_a_bare_number_of_a_second_or_more_stays_allowed(text, seconds):
+    assert load_settings(["--timeout", text], {}).timeout == pytest.approx(seconds)
+    assert load_settings([], {"CANARYD_TIMEOUT": text}).timeout == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("text", "level"),
+    [
+        ("warn", "warning"),
+        ("WARN", "warning"),
+        ("Warn", "warning"),
+        ("WARNING", "warning"),
+        ("DEBUG", "debug"),
+        (" Error ", "error"),
+    ],
+)
+def test_log_levels_take_warn_in_any_case(text, level):
+    assert load_settings(["--log-level", text], {}).log_level == level
+    assert load_settings([], {"CANARYD_LOG_LEVEL": text}).log_level == level
+
+
+def test_an_unknown_log_level_is_still_refused():
+    with pytest.raises(ConfigError, match=r"invalid log level 'loud'"):
+        load_settings(["--log-level", "loud"], {})
