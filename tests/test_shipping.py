@@ -4,8 +4,12 @@ mismatches between what canaryd is told and what it does."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import platform
 import re
+import signal
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ import pytest
 from canaryd import __version__
 from canaryd.__main__ import main
 from canaryd.config import ConfigError, load_settings
+from tests.controlplane.launcher import built_bin_dir
 from tests.harness import json_lines, json_logs, running_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,3 +205,93 @@ def test_log_levels_take_warn_in_any_case(text, level):
 def test_an_unknown_log_level_is_still_refused():
     with pytest.raises(ConfigError, match=r"invalid log level 'loud'"):
         load_settings(["--log-level", "loud"], {})
+
+
+# ------------------------------------------------- the control-plane launcher
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc: field 4 of stat is the ppid)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _until_children(pid: int, within: float) -> list[int]:
+    """The processes the launcher started, once there is one: re-read from /proc every
+    10 ms (nothing tells of a fork), bounded."""
+    try:
+        async with asyncio.timeout(within):
+            while not (found := _children(pid)):  # noqa: ASYNC110 - see above
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"the launcher started no process within {within}s") from None
+    return found
+
+
+@pytest.mark.skipif(
+    not all((built_bin_dir() / b).is_file() for b in ("etcd", "kube-apiserver")),
+    reason="no control plane built (make controlplane)",
+)
+@pytest.mark.parametrize("when", ["up", "starting"])
+@pytest.mark.timeout(240)
+async def test_the_control_plane_launcher_stops_on_ctrl_c(tmp_path, when):
+    """Started as a shell script's background job starts it (SIGINT ignored, inherited),
+    then Ctrl-C (SIGINT to its process group), once it is up or while it starts: it stops
+    every process it started and exits 0, without a traceback. Before the fix it
+    ignored the signal and ran on."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.controlplane.launcher",
+        "--kubeconfig",
+        str(tmp_path / "admin.kubeconfig"),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    try:
+        if when == "up":
+            async with asyncio.timeout(150):
+                while not output or "Ctrl-C stops it" not in output[-1]:
+                    line = await process.stdout.readline()
+                    assert line, f"the launcher ended before it was up: {''.join(output)[-3000:]}"
+                    output.append(line.decode(errors="replace"))
+            started = _children(process.pid)
+            assert len(started) == 3, started  # etcd, kube-apiserver, kube-controller-manager
+        else:
+            started = await _until_children(process.pid, 60)  # etcd: the start goes on
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+        try:
+            async with asyncio.timeout(60):
+                rest, _ = await process.communicate()
+        except TimeoutError:
+            raise AssertionError("the launcher still runs 60 s after SIGINT") from None
+        output.append(rest.decode(errors="replace"))
+        text = "".join(output)
+        assert process.returncode == 0, text[-3000:]
+        assert "SIGINT: stopping the control plane" in output[-1], text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert [pid for pid in started if _alive(pid)] == []
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            await process.wait()
