@@ -5,6 +5,7 @@ mismatches between what canaryd is told and what it does."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import platform
 import re
@@ -14,13 +15,17 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from canaryd import __version__
 from canaryd.__main__ import main
+from canaryd.check import ACCESS_REVIEWS, check
 from canaryd.config import ConfigError, load_settings
+from canaryd.testing.apiserver import FakeKube
+from tests.conftest import TOKEN
 from tests.controlplane.launcher import built_bin_dir
-from tests.harness import json_lines, json_logs, running_daemon
+from tests.harness import create_canary, json_lines, json_logs, running_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,3 +300,216 @@ async def test_the_control_plane_launcher_stops_on_ctrl_c(tmp_path, when):
         if process.returncode is None:
             os.killpg(process.pid, signal.SIGTERM)
             await process.wait()
+
+
+# ------------------------------------------------------- the pre-flight check
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``python -m canaryd ARGS``: its exit status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        async with asyncio.timeout(40):
+            out, err = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"canaryd {' '.join(args)} still runs after 40 s") from None
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def reviews(kube: FakeKube) -> list[dict[str, Any]]:
+    """The resourceAttributes of every SelfSubjectAccessReview the fake was sent."""
+    return [
+        r.body["spec"]["resourceAttributes"]
+        for r in kube.requests
+        if r.resource == "selfsubjectaccessreviews"
+    ]
+
+
+async def test_check_exits_2_naming_patch_when_patch_is_denied(kube, kubeconfig):
+    kube.deny("patch", "flinkdeployments", "team-a")
+    code, out, err = await run_cli(
+        "check", "--kubeconfig", str(kubeconfig), "--namespace", "team-a,team-b"
+    )
+    assert code == 2, (out, err)
+    lines = out.splitlines()
+    assert "MISSING patch flinkdeployments in team-a" in lines, out
+    assert "ok   patch flinkdeployments in team-b" in lines, out
+    assert "ok   list flinkdeployments in team-a" in lines, out
+    assert "ok   watch flinksessionjobs in team-a" in lines, out
+    assert "ok   list namespaces (cluster-scoped)" in lines, out
+    assert lines[-1] == (
+        f"canaryd check: 1 of 14 permissions missing on {kube.url}: "
+        "patch flinkdeployments in team-a"
+    ), out
+    assert err == "", err
+    # Asked, never done: no canary was listed, watched or patched.
+    assert {r.resource for r in kube.requests} == {"selfsubjectaccessreviews"}
+
+
+async def test_check_exits_0_when_all_is_allowed(kube, kubeconfig):
+    code, out, err = await run_cli("check", "--kubeconfig", str(kubeconfig))
+    assert code == 0, (out, err)
+    lines = out.splitlines()
+    assert lines[:-1] == [
+        "ok   list flinkdeployments in all namespaces",
+        "ok   watch flinkdeployments in all namespaces",
+        "ok   patch flinkdeployments in all namespaces",
+        "ok   list flinksessionjobs in all namespaces",
+        "ok   watch flinksessionjobs in all namespaces",
+        "ok   patch flinksessionjobs in all namespaces",
+        "ok   list namespaces (cluster-scoped)",
+        "ok   watch namespaces (cluster-scoped)",
+    ], out
+    assert lines[-1] == f"canaryd check: all 8 permissions granted on {kube.url}"
+    # Cluster-wide: reviews without a namespace, as kube-apiserver reads them.
+    assert all("namespace" not in attributes for attributes in reviews(kube))
+
+
+async def test_check_asks_for_the_lease_and_custom_kinds_as_configured(kube, kubeconfig):
+    kube.deny("create", "leases")
+    out = io.StringIO()
+    settings = load_settings(
+        [
+            "--kubeconfig",
+            str(kubeconfig),
+            "--namespace",
+            "team-a",
+            "--kind",
+            "widgets.example.com/v1",
+            "--leader-elect",
+            "--lease-namespace",
+            "ops",
+            "--lease-name",
+            "canary-lease",
+        ],
+        {},
+    )
+    assert await check(settings, out) == 2
+    lines = out.getvalue().splitlines()
+    assert lines[:-1] == [
+        "ok   list widgets.example.com in team-a",
+        "ok   watch widgets.example.com in team-a",
+        "ok   patch widgets.example.com in team-a",
+        "ok   list namespaces (cluster-scoped)",
+        "ok   watch namespaces (cluster-scoped)",
+        "ok   get leases/canary-lease in ops",
+        "MISSING create leases in ops",
+        "ok   update leases/canary-lease in ops",
+    ], lines
+    asked = reviews(kube)
+    assert {
+        "verb": "patch",
+        "group": "example.com",
+        "resource": "widgets",
+        "namespace": "team-a",
+    } in asked
+    assert {
+        "verb": "update",
+        "group": "coordination.k8s.io",
+        "resource": "leases",
+        "namespace": "ops",
+        "name": "canary-lease",
+    } in asked
+
+
+async def test_check_says_nested_operator_keys_and_follows_the_operator_configs_namespaces(
+    kube, kubeconfig, tmp_path
+):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(NESTED)
+    settings = load_settings(
+        [
+            "--kubeconfig",
+            str(kubeconfig),
+            "--operator-config",
+            str(conf),
+            "--kind",
+            "flinkdeployments",
+        ],
+        {},
+    )
+    out = io.StringIO()
+    assert await check(settings, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(
+        f"warn kubernetes.operator.dynamic.namespaces.enabled is nested in {conf}: "
+    ), lines
+    assert lines[1].startswith(f"warn kubernetes.operator.watched.namespaces is nested in {conf}")
+    assert "ok   patch flinkdeployments in team-b" in lines, lines
+
+
+@pytest.mark.parametrize(
+    ("problem", "says"),
+    [
+        ("refused", "cannot reach the API server at {url} (refused)"),
+        ("token", "the API server at {url} refused the credentials (401)"),
+    ],
+)
+async def test_check_that_cannot_ask_is_one_line_and_exit_2(
+    kube, kubeconfig, tmp_path, problem, says
+):
+    url = kube.url
+    if problem == "refused":
+        await kube.refuse_connections()
+    else:
+        kube.token = "another-token"
+    code, out, err = await run_cli("check", "--kubeconfig", str(kubeconfig), "--timeout", "2s")
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"canaryd: {says.format(url=url)}"), err
+    assert "Traceback" not in err and TOKEN not in err + out
+
+
+async def test_check_with_bad_configuration_is_one_line_and_exit_2():
+    code, out, err = await run_cli("check", "--timeout", "300")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "canaryd: timeout '300' is 300 ms: a bare number is milliseconds; give a unit, "
+        "e.g. '300s' (or '300ms' for a cycle below a second)"
+    )
+
+
+async def test_the_fakes_access_reviews_answer_as_its_requests_are_answered(kube, kubeconfig):
+    """A review says allowed exactly when the request it describes is not 403."""
+    kube.deny("patch", "flinkdeployments", "team-a")
+    kube.deny("watch", "namespaces")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+
+        async def allowed(attributes: dict[str, str]) -> bool:
+            body = {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attributes},
+            }
+            async with http.post(kube.url + ACCESS_REVIEWS, json=body) as answer:
+                assert answer.status == 201
+                review = await answer.json()
+            assert review["kind"] == "SelfSubjectAccessReview" and review["spec"] == body["spec"]
+            return bool(review["status"]["allowed"])
+
+        flink = {"group": "flink.apache.org", "resource": "flinkdeployments"}
+        assert not await allowed({**flink, "verb": "patch", "namespace": "team-a"})
+        assert await allowed({**flink, "verb": "patch", "namespace": "team-b"})
+        assert await allowed({**flink, "verb": "list", "namespace": "team-a"})
+        assert await allowed({**flink, "verb": "patch"})  # cluster-wide: not team-a's rule
+        assert not await allowed({"verb": "watch", "group": "", "resource": "namespaces"})
+        assert await allowed({"verb": "list", "group": "", "resource": "namespaces"})
+        kube.create_namespace("team-a")
+        create_canary(kube, namespace="team-a")
+        path = "/apis/flink.apache.org/v1beta1/namespaces/team-a/flinkdeployments/canary"
+        patch = {"Content-Type": "application/merge-patch+json"}
+        async with http.patch(kube.url + path, data="{}", headers=patch) as answer:
+            assert answer.status == 403  # what the review said
+        async with http.post(kube.url + ACCESS_REVIEWS, json={"spec": {}}) as answer:
+            assert answer.status == 422 and (await answer.json())["reason"] == "Invalid"

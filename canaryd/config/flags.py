@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="canaryd",
         description="Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default.",
+        epilog="Precedence: flag > environment > operator config file > default. "
+        "`canaryd check [FLAGS]` checks the configuration and asks the API server whether "
+        "canaryd may do what it needs (exit 0 when all is granted, 2 naming what is not).",
     )
     add = parser.add_argument
     add(
