@@ -20,7 +20,7 @@ import pytest
 
 from canaryd import __version__
 from canaryd.__main__ import main
-from canaryd.check import ACCESS_REVIEWS, check
+from canaryd.check import ACCESS_REVIEWS, KIND_VERBS, check
 from canaryd.config import ConfigError, load_settings
 from canaryd.testing.apiserver import FakeKube
 from tests.conftest import TOKEN
@@ -513,3 +513,15 @@ async def test_the_fakes_access_reviews_answer_as_its_requests_are_answered(kube
             assert answer.status == 403  # what the review said
         async with http.post(kube.url + ACCESS_REVIEWS, json={"spec": {}}) as answer:
             assert answer.status == 422 and (await answer.json())["reason"] == "Invalid"
+
+
+def test_the_readme_documents_check_and_version():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Before you deploy: `canaryd check`, and `--version`", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    assert "canaryd check --kubeconfig" in section and "canaryd --version" in section
+    for verb in KIND_VERBS:
+        assert f"`{verb}`" in section, verb
+    assert "exits 0 when all are granted, 2" in section
+    assert "    ok   list flinkdeployments in team-a" in section
+    assert "    MISSING patch flinkdeployments in team-a" in section
