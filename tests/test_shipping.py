@@ -10,8 +10,10 @@ import os
 import platform
 import re
 import signal
+import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,22 @@ def test_the_licence_is_the_apache_2_text_pyproject_names():
     # All nine sections, in order: the full text, not a summary.
     sections = [int(n) for n in re.findall(r"^\s*(\d)\. [A-Z]", text, re.M)]
     assert sections == list(range(1, 10)), sections
+
+
+def test_the_wheel_carries_the_licence(tmp_path):
+    """What pip installs (and the image): the licence file in the wheel's metadata."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), ROOT],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("canaryd-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        name = f"canaryd-{__version__}.dist-info/licenses/LICENSE"
+        assert archive.read(name) == (ROOT / "LICENSE").read_bytes()
+        metadata = archive.read(f"canaryd-{__version__}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
 
 
 def test_the_changelog_keeps_a_changelog_with_an_unreleased_section():
