@@ -160,19 +160,23 @@ async def check(settings: Settings, out: TextIO) -> int:
             print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
     wanted = wanted_permissions(settings)
     kube = await _client(settings)
+    gate = asyncio.Semaphore(CONCURRENT_REVIEWS)
+
+    async def one(permission: Permission) -> bool:
+        async with gate:
+            return await review(kube, permission)
+
+    failed: BaseException | None = None
     try:
-        gate = asyncio.Semaphore(CONCURRENT_REVIEWS)
-
-        async def one(permission: Permission) -> bool:
-            async with gate:
-                return await review(kube, permission)
-
-        try:
-            granted = await asyncio.gather(*(one(p) for p in wanted))
-        except KubeError as err:
-            raise ConfigError(_unanswered(kube.host, err)) from err
+        async with asyncio.TaskGroup() as group:  # the first failure cancels the others
+            tasks = [group.create_task(one(p)) for p in wanted]
+    except* KubeError as errors:
+        failed = errors.exceptions[0]
     finally:
         await kube.close()
+    if isinstance(failed, KubeError):
+        raise ConfigError(_unanswered(kube.host, failed)) from failed
+    granted = [task.result() for task in tasks]
     missing = [p for p, ok in zip(wanted, granted, strict=True) if not ok]
     for permission, ok in zip(wanted, granted, strict=True):
         print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
@@ -191,9 +195,9 @@ def _unanswered(host: str, err: KubeError) -> str:
     """One line for an API server that did not answer an access review."""
     cause = failure_cause(err)
     if cause == "unauthorized":
-        return f"the API server at {host} refused the credentials (401): {err}"
+        return f"the API server at {host} refused the credentials (401): {logs.scrub(str(err))}"
     if err.status is not None:
-        return f"the API server at {host} answered an access review with {err}"
+        return f"the API server at {host} answered an access review with {logs.scrub(str(err))}"
     return f"cannot reach the API server at {host} ({cause}): {logs.scrub(str(err))}"
 
 
