@@ -1,4 +1,6 @@
-"""``canaryd`` and ``python -m canaryd``: exit 0 on SIGTERM/SIGINT, 2 on bad configuration."""
+"""``canaryd`` and ``python -m canaryd``: exit 0 on SIGTERM/SIGINT, 2 on bad configuration.
+
+``canaryd check [FLAGS]``: the pre-flight check (canaryd.check) instead of the daemon."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from canaryd import logs
+from canaryd import check, logs
 from canaryd.config import ConfigError, load_settings
 from canaryd.daemon import Daemon
 
@@ -28,6 +30,9 @@ def run(main: Coroutine[Any, Any, None]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["check"]:
+        check.main(args[1:])
+        return
     try:
         settings = load_settings(args, os.environ)
     except ConfigError as err:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import structlog
 import yaml
 
-from canaryd import logs, metrics
+from canaryd import __version__, logs, metrics
 from canaryd.backoff import Backoff
 from canaryd.config import (
     ConfigError,
@@ -27,6 +28,8 @@ from canaryd.config import (
     default_identity,
     has_prometheus_reporter,
     namespaces_from_operator_config,
+    nested_keys_why,
+    nested_operator_keys,
     operator_config_files,
     read_operator_config,
 )
@@ -188,6 +191,8 @@ class Daemon:
             operator_config = self._say_operator_config()
             log.info(
                 "canaryd_started",
+                version=__version__,
+                python=platform.python_version(),
                 api_server=kube.host,
                 kinds=list(settings.kinds),
                 namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
@@ -234,6 +239,14 @@ class Daemon:
                 ignored=[str(path) for path in ignored],
                 why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
                 "and config.yaml only without it",
+            )
+        _, nested = nested_operator_keys(read)
+        if nested:
+            log.warning(
+                "operator_config_nested_keys",
+                file=str(read),
+                flat_keys=nested,
+                why=nested_keys_why(read),
             )
         return str(read)
 

@@ -300,3 +300,27 @@ class StateCollector(Collector):
         for state, count in self._scopes().items():
             scopes.add_metric([state], count)
         yield scopes
+
+
+def _build_and_process() -> Gauge:
+    """What runs (issue 33): ``canaryd_build_info{version,python}`` 1, and the process
+    collector's ``process_*`` series (CPU, resident memory, open files, start time), in
+    canaryd's own registry. Imported here to keep this addition in one place."""
+    import platform
+
+    from prometheus_client import ProcessCollector
+
+    from canaryd import __version__
+
+    info = Gauge(
+        "canaryd_build_info",
+        "1, labelled with canaryd's version and the Python it runs on.",
+        ["version", "python"],
+        registry=REGISTRY,
+    )
+    info.labels(__version__, platform.python_version()).set(1)
+    ProcessCollector(registry=REGISTRY)
+    return info
+
+
+BUILD_INFO = _build_and_process()

@@ -1047,3 +1047,119 @@ async def test_the_bump_stages_are_measured_on_a_real_api_server(api, cluster, n
     print(f"real API server, last bump: {stages}; observed: mean {mean:.4f}s of {count:.0f}")
     assert 0 <= stages["answered"] < CYCLE and 0 <= stages["observed"] < CYCLE, stages
     assert count >= 1 and mean < 1.0  # the SLO's threshold, on an idle machine
+
+
+# --------------------------------------------------------- canaryd check
+
+
+async def canaryd_check(kubeconfig: Path, *args: str) -> tuple[int, list[str]]:
+    """``canaryd check``: its exit status and its lines (stdout, then stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd",
+        "check",
+        "--kubeconfig",
+        str(kubeconfig),
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, (out.decode() + err.decode()).splitlines()
+
+
+async def test_canaryd_check_names_patch_when_a_role_lacks_it_on_a_real_api_server(
+    cluster, namespace, tmp_path
+):
+    """kube-apiserver's own SelfSubjectAccessReview: a ServiceAccount whose Role is
+    config/rbac/namespaced's without patch gets exit 2 and `MISSING patch
+    flinkdeployments`; the shipped roles (namespaced, cluster-wide, and the Lease Role
+    of config/standalone-ha under --leader-elect) get exit 0."""
+    plane = cluster.needs_plane()
+    import yaml
+
+    from tests.controlplane.launcher import CANARYD_NAMESPACE
+
+    role = yaml.safe_load((ROOT / "config" / "rbac" / "namespaced" / "role.yaml").read_text())
+    for rule in role["rules"]:
+        rule["verbs"] = [verb for verb in rule["verbs"] if verb != "patch"]
+    role["metadata"]["name"] = "no-patch"
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "no-patch"}}
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "no-patch"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "no-patch"},
+        "subjects": [{"kind": "ServiceAccount", "name": "no-patch", "namespace": namespace}],
+    }
+    for obj in (account, role, binding):
+        plane.apply(obj, namespace)
+    kubeconfig = tmp_path / "no-patch.kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "e2e",
+                        "cluster": {
+                            "server": plane.url,
+                            "certificate-authority": str(plane.ca_file),
+                        },
+                    }
+                ],
+                "users": [
+                    {
+                        "name": "no-patch",
+                        "user": {"token": plane.service_account_token(namespace, "no-patch")},
+                    }
+                ],
+                "contexts": [
+                    {"name": "no-patch", "context": {"cluster": "e2e", "user": "no-patch"}}
+                ],
+                "current-context": "no-patch",
+            }
+        )
+    )
+
+    async def check_until_bound(*args: str) -> tuple[int, list[str]]:
+        """A new RoleBinding takes a moment to reach the authorizer's cache: the list it
+        grants is asked again until granted (bounded)."""
+
+        async def listed() -> Any:
+            code, lines = await canaryd_check(*args)
+            return (code, lines) if f"ok   list flinkdeployments in {namespace}" in lines else None
+
+        result: tuple[int, list[str]] = await eventually(listed, "the Role to be in effect", 30)
+        return result
+
+    code, lines = await check_until_bound(kubeconfig, "--namespace", namespace)
+    assert code == 2, lines
+    assert f"MISSING patch flinkdeployments in {namespace}" in lines, lines
+    assert f"MISSING patch flinksessionjobs in {namespace}" in lines, lines
+    assert f"ok   watch flinkdeployments in {namespace}" in lines, lines
+    assert "MISSING list namespaces (cluster-scoped)" in lines, lines  # not in this Role
+    assert lines[-1].startswith(f"canaryd check: 4 of 8 permissions missing on {plane.url}: ")
+
+    assert cluster.namespaced is not None
+    code, lines = await canaryd_check(cluster.namespaced, "--namespace", OWN)
+    assert code == 0, lines
+    assert lines[-1] == f"canaryd check: all 8 permissions granted on {plane.url}", lines
+    code, lines = await canaryd_check(cluster.namespaced, "--namespace", namespace)
+    assert code == 2 and f"MISSING list flinkdeployments in {namespace}" in lines, lines
+
+    for name in ("lease-role.yaml", "lease-rolebinding.yaml"):
+        doc = yaml.safe_load((ROOT / "config" / "standalone-ha" / name).read_text())
+        plane.apply(doc, CANARYD_NAMESPACE)
+    args = ("--leader-elect", "--lease-namespace", CANARYD_NAMESPACE)
+    code, lines = await canaryd_check(cluster.canaryd, *args)
+    assert code == 0, lines
+    assert f"ok   update leases/canaryd in {CANARYD_NAMESPACE}" in lines, lines
+    assert "ok   patch flinkdeployments in all namespaces" in lines, lines
+    code, lines = await canaryd_check(cluster.canaryd, *args, "--lease-name", "another")
+    assert code == 2 and f"MISSING update leases/another in {CANARYD_NAMESPACE}" in lines, lines

@@ -37,6 +37,8 @@ CUSTOM_KIND = re.compile(
 )
 RECONCILED_BY = ("watch", "observed-generation", "operator-metrics")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVEL_ALIASES = {"warn": "warning"}
+"""Other names of levels, as Python's logging and most tools take them (any case)."""
 MIN_TIMEOUT = 0.1
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
 cannot keep pace and verdicts flap. Below a second is for tests."""
@@ -123,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="canaryd",
         description="Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default.",
+        epilog="Precedence: flag > environment > operator config file > default. "
+        "`canaryd check [FLAGS]` checks the configuration and asks the API server whether "
+        "canaryd may do what it needs (exit 0 when all is granted, 2 naming what is not).",
     )
     add = parser.add_argument
     add(
@@ -183,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         metavar="DURATION",
         help="canary cycle: bump every DURATION, judge each bump one DURATION later; "
-        "e.g. '30 s', '1 min', 'PT1M', a bare number is milliseconds "
-        f"[env CANARYD_TIMEOUT] [{KEY_TIMEOUT}] (default: 1 min; at least 100 ms)",
+        "e.g. '30 s', '1 min', 'PT1M', a bare number is milliseconds (below a second "
+        f"refused: give a unit) [env CANARYD_TIMEOUT] [{KEY_TIMEOUT}] (default: 1 min; "
+        "at least 100 ms)",
     )
     add(
         "--host", metavar="ADDR", help="health server address [env CANARYD_HOST] (default: 0.0.0.0)"
@@ -209,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--log-level",
         metavar="LEVEL",
-        help=f"least severe level logged: {', '.join(LOG_LEVELS)} "
+        help=f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case "
         "[env CANARYD_LOG_LEVEL] (default: info)",
     )
     add(
@@ -370,15 +375,18 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     timeout = resolve(args.timeout, "CANARYD_TIMEOUT", KEY_TIMEOUT)
     if timeout is not None:
         seconds = _positive_duration(timeout, "timeout")
-        if seconds < MIN_TIMEOUT:
-            bare = (
-                " (a bare number is milliseconds: write e.g. '5 s')"
-                if str(timeout).strip().replace(".", "", 1).isdigit()
-                else ""
-            )
+        text = str(timeout).strip()
+        if seconds < 1.0 and text.replace(".", "", 1).isdigit():
+            # Flink's syntax reads a bare number as milliseconds: CANARYD_TIMEOUT=300 is a
+            # 300 ms cycle against a real cluster, rarely what was meant.
             raise ConfigError(
-                f"timeout {str(timeout).strip()!r} is {seconds * 1000:g} ms, below the "
-                f"{MIN_TIMEOUT * 1000:g} ms cycle canaryd can keep{bare}"
+                f"timeout {text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; "
+                f"give a unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
+            )
+        if seconds < MIN_TIMEOUT:
+            raise ConfigError(
+                f"timeout {text!r} is {seconds * 1000:g} ms, below the "
+                f"{MIN_TIMEOUT * 1000:g} ms cycle canaryd can keep"
             )
         changes["timeout"] = seconds
 
@@ -406,11 +414,13 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
     log_level = pick(args.log_level, "CANARYD_LOG_LEVEL")
     if log_level is not None:
-        if log_level.lower() not in LOG_LEVELS:
+        level = log_level.strip().lower()
+        level = LOG_LEVEL_ALIASES.get(level, level)
+        if level not in LOG_LEVELS:
             raise ConfigError(
                 f"invalid log level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}"
             )
-        changes["log_level"] = log_level.lower()
+        changes["log_level"] = level
 
     changes.update(_leader_election(args, pick, environ))
 

@@ -85,8 +85,8 @@ _FlinkYamlLoader.add_implicit_resolver(
 )
 
 
-def read_operator_config(path: Path) -> dict[str, Any]:
-    """Read flink-conf.yaml (flat keys) or config.yaml (nested keys) into flat keys."""
+def _load_operator_yaml(path: Path) -> tuple[Path, Mapping[str, Any]]:
+    """The file the operator reads and its YAML mapping (empty when the file is)."""
     path = operator_config_file(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -104,9 +104,15 @@ def read_operator_config(path: Path) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"operator config {path} is not valid YAML{where}") from err
     if data is None:
-        return {}
+        return path, {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"operator config {path} must be a mapping of keys to values")
+    return path, data
+
+
+def read_operator_config(path: Path) -> dict[str, Any]:
+    """Read flink-conf.yaml (flat keys) or config.yaml (nested keys) into flat keys."""
+    path, data = _load_operator_yaml(path)
     flat = flatten(data)
     for key in (KEY_NAMESPACES, KEY_DYNAMIC, KEY_TIMEOUT, KEY_PORT, KEY_CHECK_INTERVAL):
         if any(name.startswith(f"{key}.") for name in flat):
@@ -115,6 +121,39 @@ def read_operator_config(path: Path) -> dict[str, Any]:
                 "comma-separated string or a list), not a mapping"
             )
     return flat
+
+
+OPERATOR_PREFIX = "kubernetes.operator."
+
+
+def nested_operator_keys(path: Path) -> tuple[Path, list[str]]:
+    """The file the operator reads, and the operator's keys (``kubernetes.operator.*``)
+    it writes nested, as Flink 2's config.yaml does (``kubernetes: {operator: {watched:
+    {namespaces: ...}}}``), each as the flat key the operator reads. canaryd reads
+    both spellings; the operator's flink-conf.yaml parser reads flat ``key: value``
+    lines only, so there the two would disagree (on the watched namespaces, say)."""
+    path, data = _load_operator_yaml(path)
+    nested = [
+        name
+        for key, value in data.items()
+        if isinstance(value, Mapping)
+        for name in flatten(value, f"{key}.")
+        if name.startswith(OPERATOR_PREFIX)
+    ]
+    return path, sorted(nested)
+
+
+def nested_keys_why(read: Path) -> str:
+    """Why nested keys in the file the operator reads are worth a warning."""
+    if read.name == "flink-conf.yaml":
+        return (
+            "the operator reads flink-conf.yaml with Flink's flat parser, one 'key: value' "
+            "line at a time: it does not see nested keys, canaryd does; write these flat"
+        )
+    return (
+        "Flink 1.19+ and 2 read nested keys in config.yaml, the operator's flink-conf.yaml "
+        "parser does not: write these flat so that every reader of the file sees them"
+    )
 
 
 def parse_namespaces(value: Any) -> frozenset[str] | None:

@@ -24,7 +24,6 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -429,6 +428,10 @@ def retarget(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
     return obj
 
 
+class _Stop(Exception):
+    """A signal asked the control plane to stop."""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m tests.controlplane.launcher",
@@ -436,9 +439,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kubeconfig", required=True, help="write the admin kubeconfig here")
     args = parser.parse_args(argv)
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return  # a second Ctrl-C while stopping: the stop goes on, nothing is left behind
+        stopping = True
+        raise _Stop(signal.Signals(signum).name)
+
+    # Installed, never inherited: a shell starts a background job (`... &` in a script)
+    # with SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so
+    # Ctrl-C or `kill -INT` did nothing at all (the processes run in sessions of their
+    # own: no signal reaches them but ours). From before the start: an interrupt while
+    # starting stops what was started, without a traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     plane = ControlPlane()
-    plane.start()
     try:
+        plane.start()
         target = Path(args.kubeconfig)
         shutil.copy(plane.kubeconfig("admin"), target)
         for user in ("canaryd", "canaryd-namespaced"):
@@ -449,10 +468,10 @@ def main(argv: list[str] | None = None) -> None:
             f"(namespace {NAMESPACED}); Ctrl-C stops it",
             flush=True,
         )
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
+        while True:
+            signal.pause()
+    except _Stop as why:
+        print(f"{why}: stopping the control plane", flush=True)
     finally:
         plane.stop()
 

@@ -57,7 +57,8 @@ NOT_MODELLED = (
     "bookmark timing: kube-apiserver's watch cache sends about one a minute; the fake "
     "every bookmark_interval (canaryd's idle watchdog outlasts both)",
     "authorization per request only: an open watch outlives a removed RoleBinding, "
-    "as on kube-apiserver (checked by tests/test_e2e.py), but nothing else of RBAC",
+    "as on kube-apiserver (checked by tests/test_e2e.py), and SelfSubjectAccessReviews "
+    "answered as those denials decide, but nothing else of RBAC",
 )
 """What the fake leaves out, each irrelevant to canaryd; tests/test_conformance.py
 compares the rest with a real kube-apiserver in ``make e2e``."""

@@ -1,4 +1,5 @@
-"""Injected failures: Status codes, dropped connections, latency, empty watches, 403s.
+"""Injected failures: Status codes, dropped connections, latency, empty watches, 403s
+(and SelfSubjectAccessReviews answered as those 403s decide).
 
 Tests and the soak inject them (``FakeKube.inject``, ``FakeKube.deny``, ``FakeKube.hooks``);
 the HTTP layer (handlers.py) asks here what each request meets before it is served.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -99,14 +101,52 @@ class RbacDeny:
     namespace: str | None = None
 
     def matches(self, req: Request) -> bool:
+        return self.denies(req.verb, req.rtype.plural if req.rtype else None, req.namespace)
+
+    def denies(self, verb: str, resource: str | None, namespace: str | None) -> bool:
+        """Does this rule deny ``verb`` on ``resource`` in ``namespace`` (None: at the
+        cluster scope)? The same answer for a request and for an access review of it."""
         return (
-            (self.verb is None or self.verb == req.verb)
-            and (
-                self.resource is None
-                or (req.rtype is not None and req.rtype.plural == self.resource)
-            )
-            and (self.namespace is None or self.namespace == req.namespace)
+            (self.verb is None or self.verb == verb)
+            and (self.resource is None or (resource is not None and resource == self.resource))
+            and (self.namespace is None or self.namespace == namespace)
         )
+
+
+SELF_SUBJECT_ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+
+
+def access_review(denies: Iterable[RbacDeny], body: Any) -> dict[str, Any]:
+    """kube-apiserver's answer to a SelfSubjectAccessReview (authorization.k8s.io/v1,
+    pkg/registry/authorization/selfsubjectaccessreview/rest.go): the spec echoed, and
+    ``status.allowed`` as the authorizer would decide the request it describes; here,
+    false when an ``RbacDeny`` denies it (the RBAC authorizer gives no reason for a
+    denial: it has no opinion, and the union of authorizers denies)."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    attributes = spec.get("resourceAttributes") if isinstance(spec, dict) else None
+    if not isinstance(attributes, dict):
+        # validation.ValidateSelfSubjectAccessReview: exactly one of the two attribute sets.
+        raise ApiError(
+            422,
+            "Invalid",
+            'SelfSubjectAccessReview.authorization.k8s.io "" is invalid: '
+            "spec.resourceAttributes: Invalid value: null: exactly one of "
+            "nonResourceAttributes or resourceAttributes must be specified",
+        )
+    verb = str(attributes.get("verb") or "")
+    resource = str(attributes.get("resource") or "") or None
+    namespace = str(attributes.get("namespace") or "") or None
+    denied = any(rule.denies(verb, resource, namespace) for rule in denies)
+    status: dict[str, Any] = {"allowed": not denied}
+    if not denied:
+        status["reason"] = "allowed: no RbacDeny of the fake API server matches"
+    return {
+        "kind": "SelfSubjectAccessReview",
+        "apiVersion": "authorization.k8s.io/v1",
+        "metadata": {"creationTimestamp": None},
+        "spec": spec,
+        "status": status,
+    }
 
 
 def choose(

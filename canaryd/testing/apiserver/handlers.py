@@ -18,8 +18,10 @@ from aiohttp import web
 from canaryd.testing.apiserver.discovery import discovery
 from canaryd.testing.apiserver.faults import (
     REASONS,
+    SELF_SUBJECT_ACCESS_REVIEWS,
     Fault,
     RbacDeny,
+    access_review,
     choose,
     choose_for_discovery,
     forbidden,
@@ -149,6 +151,8 @@ class HttpApi(Watches):
             if fault is not None and fault.code:
                 raise ApiError(fault.code, REASONS.get(fault.code, "Unknown"), fault.message)
             return web.json_response(document)
+        if request.path.rstrip("/") == SELF_SUBJECT_ACCESS_REVIEWS:
+            return self._access_review(request, record, raw)
         req = self._parse(request)
         record.verb, record.namespace, record.name = req.verb, req.namespace, req.name
         record.subresource = req.subresource
@@ -173,6 +177,23 @@ class HttpApi(Watches):
             raise ApiError(500, "InternalError", "answer dropped after the request was served")
         created = req.verb == "create" or req.created
         return web.json_response(result, status=201 if created else 200)
+
+    def _access_review(
+        self, request: web.Request, record: RequestRecord, raw: bytes
+    ) -> web.StreamResponse:
+        """POST a SelfSubjectAccessReview: may this client do what it describes? Any
+        authenticated user may ask (the system:basic-user ClusterRole grants it)."""
+        record.verb, record.resource = "create", "selfsubjectaccessreviews"
+        record.user = self._authenticate(request)
+        if request.method != "POST":
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                "the server does not allow this method on the requested resource",
+            )
+        review = access_review(self.rbac_denies, self._json_body(raw))
+        record.served_at = asyncio.get_running_loop().time()
+        return web.json_response(review, status=201)
 
     def _authenticate(self, request: web.Request) -> str:
         """The request's user (the configured one when the fake takes any token)."""
