@@ -937,7 +937,13 @@ async def test_slow_lease_renewals_keep_every_canary_checked_on_a_real_lease(
         await create_canary(api, namespace, name)
     args = ("--namespace", namespace, "--leader-elect", "--lease-namespace", "canaryd")
     async with canaryd(proxied, *args, "--identity", "slow", cycle=cycle) as url:
-        await eventually(lambda: _healthy(url, namespace), "healthy", within=3 * cycle + 10)
+
+        async def all_healthy() -> bool:
+            status, body = await health(url)
+            seen = states(body, namespace)
+            return status == 200 and all(seen.get(n) == "healthy" for n in names)
+
+        await eventually(all_healthy, "every canary healthy", within=3 * cycle + 10)
         proxy.latency(1.5)
         nonces = {n: (await get_canary(api, namespace, n))["spec"]["restartNonce"] for n in names}
 
