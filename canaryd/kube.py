@@ -34,6 +34,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import structlog
+import yarl
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
@@ -317,9 +318,15 @@ def _result(status: int, payload: bytes, retry_after: str | None, reloaded: bool
     return decoded
 
 
+@functools.lru_cache(maxsize=256)
+def _request_counter(verb: str, code: int | str) -> Any:
+    return metrics.API_REQUESTS.labels(verb, str(code))
+
+
 def count_request(verb: str, code: int | str) -> None:
-    """canaryd_api_requests_total{verb,code}."""
-    metrics.API_REQUESTS.labels(verb, str(code)).inc()
+    """canaryd_api_requests_total{verb,code} (its children looked up once: a few per
+    bump)."""
+    _request_counter(verb, code).inc()
 
 
 def tls_files_stamp(*paths: str | None) -> tuple[object, ...]:
@@ -373,6 +380,11 @@ class KubeClient:
         self.last_answer = -math.inf
         """time.monotonic() of the last HTTP answer of any status, a watch's included:
         whether the API server was reachable at all since some moment."""
+        self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
+        """The whole call is bounded by its deadline (asyncio.timeout_at); this is the
+        connection's own bound (the wait for the pool included)."""
+        self._url = functools.lru_cache(maxsize=2**14)(self._parse_url)
+        """Each object's URL parsed once (the bump's path is the same every cycle)."""
         self._tls_stamp = self._tls_files()
         self._tls: ssl.SSLContext | bool = self._ssl_context()
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
@@ -380,7 +392,10 @@ class KubeClient:
         # connect covers the wait for the pool). As many as bumps may be in flight
         # (Settings.max_bumps_in_flight), each holding one.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256), trust_env=trust_env, headers=headers
+            connector=aiohttp.TCPConnector(limit=256),
+            trust_env=trust_env,
+            headers=headers,
+            cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
         # Watches, each holding its connection for minutes: a pool of their own with no
         # limit, so that every scope always gets one however many namespaces are watched
@@ -391,6 +406,9 @@ class KubeClient:
             read_bufsize=2**21,  # how much of a stream is read ahead (lines are split after)
             headers=headers,
         )
+
+    def _parse_url(self, path: str) -> yarl.URL:
+        return yarl.URL(self.host + path)
 
     def _tls_files(self) -> tuple[object, ...]:
         cfg = self._config
@@ -498,11 +516,11 @@ class KubeClient:
                     stage = "exchange"
                     async with self._session.request(
                         method,
-                        self.host + path,
+                        self._url(path),
                         params=params,
                         data=data,
                         headers=headers,
-                        timeout=aiohttp.ClientTimeout(connect=self._connect_timeout),
+                        timeout=self._timeout,
                         **self._request_kwargs(),
                     ) as reply:
                         status, payload = reply.status, await reply.read()
@@ -526,6 +544,15 @@ class KubeClient:
             self.last_answer = time.monotonic()
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
+                if asyncio.get_running_loop().time() >= deadline:
+                    # A slow reload (an exec plugin) used the call's time: sent now, a
+                    # leader's write could land past its fence.
+                    count_request(verb, "error")
+                    raise KubeError(
+                        ErrorKind.TRANSIENT,
+                        "no time left to send it again after reloading the credentials",
+                        reason="Timeout",
+                    )
                 continue
             if status == 401 and attempt == 2:
                 self._refused_after_reload()

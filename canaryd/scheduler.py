@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import structlog
 
-from canaryd import judge, metrics
+from canaryd import judge, logs, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
@@ -42,6 +42,9 @@ from canaryd.sync import ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
+# Looked up once: one or two per bump.
+WRITTEN = metrics.BUMPS.labels("written")
+HEALTHY = metrics.VERDICTS.labels("healthy")
 
 
 class Scheduler:
@@ -267,13 +270,14 @@ class Scheduler:
             return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
-        metrics.BUMPS.labels("written").inc()
+        WRITTEN.inc()
         deadline = outcome.answered + self.settings.timeout
         self.registry.bumped(
             canary, outcome.generation, outcome.sent, outcome.answered, deadline, time.time()
         )
         self.failures.recovered(canary.key)
-        log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
+        if logs.debug_enabled():  # an event built for nothing costs as much as the rest
+            log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
         return deadline
 
     def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
@@ -305,7 +309,7 @@ class Scheduler:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
             case Healthy():
-                metrics.VERDICTS.labels("healthy").inc()
+                HEALTHY.inc()
                 self._deferred.discard(canary)
                 self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, now)
             case Unhealthy():

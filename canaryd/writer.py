@@ -176,10 +176,12 @@ class Writer:
                         if canary.nonce == landed.nonce:
                             # The write whose answer was lost was applied.
                             return self._written(canary, fresh, landed)
-                attempt = unsure or self._next_attempt(canary)
                 time_limit = None if self.stopping else await self.permit()
                 if time_limit is None or self.stopping or not self.registry.owns(canary):
                     return None
+                # Made once the fence let it through: its stages run from its sending,
+                # not from a wait for the lease (and it carries the freshest copy).
+                attempt = unsure or self._next_attempt(canary)
                 written = await self._patch(path, attempt, time_limit)
             except KubeError as err:
                 if not self.registry.owns(canary):
