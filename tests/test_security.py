@@ -487,3 +487,30 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
         refused_for = asyncio.get_running_loop().time() - reloads[start] if reloads[start:] else 0
         # 1 s, 2 s, 4 s... apart: a handful, not one per refused request.
         assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)
+
+
+async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadline(
+    kube, tmp_path, monkeypatch
+):
+    """One deadline covers the whole call: a 401 whose reload (an exec plugin) takes
+    longer than the call's time limit ends the call; the retry is not sent late (a
+    leader's write past its fence)."""
+    from canaryd.kube import ErrorKind, KubeClient, KubeError, load_configuration
+
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configuration, reload, _ = await load_configuration(str(config), None)
+
+    async def slow_reload(target: Any) -> Any:
+        await asyncio.sleep(0.5)
+        return await reload(target)
+
+    client = KubeClient(configuration, request_timeout=0.3, reload=slow_reload)
+    kube.inject(Fault(verb="get", code=401, times=1))
+    try:
+        with pytest.raises(KubeError) as caught:
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+        assert caught.value.kind is ErrorKind.TRANSIENT
+        assert "reloading the credentials" in str(caught.value)
+        assert len(kube.requests_for("get")) == 1, "the retry was sent past the deadline"
+    finally:
+        await client.close()

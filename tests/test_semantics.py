@@ -909,3 +909,26 @@ async def test_a_stuck_server_with_many_canaries_is_not_taken_for_a_half_open_wa
             assert "not observed within" in canary.reason, canary.reason
         assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") == replaced
         kube.release_watch_events()
+
+
+async def test_a_bumps_stages_run_from_its_sending_not_from_a_wait_at_the_lease_fence(
+    kube, kubeconfig
+):
+    """Under --leader-elect a write may wait for the next renewal; the bump's stages
+    (canaryd_bump_duration_seconds, the SLO's input) are measured from its PATCH."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        writer = run.daemon.scheduler.writer
+        held = CYCLE / 2
+
+        async def fenced() -> float | None:
+            await asyncio.sleep(held)  # the renewal comes this much later
+            return run.daemon.settings.write_timeout
+
+        writer.permit = fenced
+        before = len(run.bumps())
+        await run.until_bumps(before + 2)
+        canary = run.tracked()
+        await run.until(lambda: "answered" in canary.stages, "the next bump's answer")
+        assert canary.stages["answered"] < held, canary.stages
