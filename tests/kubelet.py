@@ -106,10 +106,9 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
         path = directory / entry
         objects += kustomize(path) if path.is_dir() else docs(path)
     for entry in spec.get("components", []):
-        component = directory / entry
-        objects += kustomize_resources(component)
-        objects = patched(objects, component)
+        objects = with_component(objects, directory / entry)
     objects = patched(objects, directory)
+    objects = replaced(objects, directory)
     namespace = spec.get("namespace")
     for obj in objects:
         if namespace and obj["kind"] not in CLUSTER_SCOPED:
@@ -131,6 +130,55 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResou
 def kustomize_resources(directory: Path) -> list[dict[str, Any]]:
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     return [d for entry in spec.get("resources", []) for d in docs(directory / entry)]
+
+
+def with_component(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
+    """A component: its resources and its own components added, then its patches and
+    replacements applied to everything so far."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = objects + kustomize_resources(directory)
+    for entry in spec.get("components", []):
+        objects = with_component(objects, directory / entry)
+    return replaced(patched(objects, directory), directory)
+
+
+def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
+    """kustomize's replacements as config/ uses them: a source field by kind and name
+    into target fields (a ``[name=X]`` step picks a list item by name), whole or as
+    one ``delimiter``-separated part (``index``)."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+    def select(obj: dict[str, Any], selector: Mapping[str, Any]) -> bool:
+        return obj["kind"] == selector["kind"] and obj["metadata"]["name"] == selector["name"]
+
+    def steps(path: str) -> list[str]:
+        return re.findall(r"\[[^\]]*\]|[^.\[\]]+", path)
+
+    def walk(obj: Any, path: list[str]) -> Any:
+        for step in path:
+            if step.startswith("[name="):
+                obj = next(item for item in obj if item.get("name") == step[6:-1])
+            else:
+                obj = obj[step]
+        return obj
+
+    for replacement in spec.get("replacements", []):
+        source = replacement["source"]
+        (origin,) = [o for o in objects if select(o, source)]
+        value = walk(origin, steps(source["fieldPath"]))
+        for target in replacement["targets"]:
+            for obj in (o for o in objects if select(o, target["select"])):
+                for field_path in target["fieldPaths"]:
+                    *parent_path, last = steps(field_path)
+                    parent = walk(obj, parent_path)
+                    options = target.get("options", {})
+                    if "delimiter" in options:
+                        parts = str(parent[last]).split(options["delimiter"])
+                        parts[options["index"]] = value
+                        parent[last] = options["delimiter"].join(parts)
+                    else:
+                        parent[last] = value
+    return objects
 
 
 def patched(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@ admin user (a static token in system:masters) and canaryd's own users, which are
 ServiceAccounts of the project's config/rbac manifests, applied as shipped (cluster-wide)
 and as their namespaced variant, with tokens from the TokenRequest API: the tests prove
 that those manifests grant enough. The controller manager runs the namespace controller
-and the garbage collector, so a deleted namespace really empties and goes. There is no
+and the garbage collector, so a deleted namespace really empties and goes, and the
+status controller of ValidatingAdmissionPolicies (their CEL type-checked). There is no
 kubelet: nothing may create pods.
 
     python -m tests.controlplane.launcher --kubeconfig /tmp/admin.kubeconfig
@@ -242,7 +243,11 @@ class ControlPlane:
     def _controller_manager_args(self) -> list[str]:
         return [
             f"--kubeconfig={self.kubeconfig('admin')}",
-            "--controllers=namespace-controller,garbage-collector-controller",
+            # The namespace controller and the garbage collector, so a deleted namespace
+            # really empties and goes; the policy status controller, which type-checks
+            # a ValidatingAdmissionPolicy's CEL (config/admission) against the schemas.
+            "--controllers=namespace-controller,garbage-collector-controller,"
+            "validatingadmissionpolicy-status-controller",
             "--leader-elect=false",
             "--secure-port=0",
         ]
@@ -391,6 +396,16 @@ _PLURALS = {
     "CustomResourceDefinition": (
         "/apis/apiextensions.k8s.io/v1",
         "customresourcedefinitions",
+        False,
+    ),
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicies",
+        False,
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
         False,
     ),
 }
