@@ -248,10 +248,10 @@ def check_sidecar(deployment: dict[str, Any], chart_containers: set[str]) -> Non
             assert _contains(canaryd[field], value), (field, canaryd[field], value)
     (port,) = [p["containerPort"] for p in canaryd["ports"] if p["name"] == "canaryd"]
     operator = found["flink-kubernetes-operator"]
-    # The operator's liveness is canaryd's verdict; its startup probe is the chart's.
-    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port} | {
-        k: v for k, v in operator["livenessProbe"]["httpGet"].items() if k == "scheme"
-    }
+    # The operator's liveness is canaryd's verdict (an exec probe of bash's /dev/tcp:
+    # no answer passes), not the chart's httpGet; its startup probe is the chart's.
+    assert "httpGet" not in operator["livenessProbe"]
+    assert f"/dev/tcp/127.0.0.1/{port}" in operator["livenessProbe"]["exec"]["command"][2]
     assert operator["startupProbe"]["httpGet"]["port"] == "health-port"
     # canaryd reads the operator's config from the volume the operator mounts.
     mounts = {m["name"]: m["mountPath"] for m in operator["volumeMounts"]}
