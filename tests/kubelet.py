@@ -321,9 +321,48 @@ class PodSpec:
     containers: tuple[ContainerSpec, ...]
     volumes: Mapping[str, Mapping[str, Any]]
     grace: float
+    service_env: Mapping[str, str] = field(default_factory=dict)
+    """The Services' environment variables the kubelet sets in every container
+    (``enableServiceLinks``, on unless the pod turns it off)."""
 
     def container(self, name: str) -> ContainerSpec:
         return next(c for c in self.containers if c.name == name)
+
+
+SERVICE_IP = "10.0.0.10"
+"""The cluster IP a Service gets here (nothing is sent to it)."""
+
+
+def service_links(objects: Sequence[Mapping[str, Any]], namespace: str | None) -> dict[str, str]:
+    """The kubelet's environment variables for the Services of a namespace
+    (pkg/kubelet/envvars: NAME_SERVICE_HOST, NAME_SERVICE_PORT, and the Docker links
+    NAME_PORT=tcp://IP:PORT, NAME_PORT_PORT_TCP, ...), NAME the Service's name in upper
+    case with - as _."""
+    env: dict[str, str] = {}
+    for service in objects:
+        if service["kind"] != "Service" or service["metadata"].get("namespace") != namespace:
+            continue
+        if service["spec"].get("clusterIP") == "None":
+            continue
+        name = service["metadata"]["name"].upper().replace("-", "_")
+        ports = service["spec"].get("ports") or []
+        if not ports:
+            continue
+        env[f"{name}_SERVICE_HOST"] = SERVICE_IP
+        env[f"{name}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                port_name = port["name"].upper().replace("-", "_")
+                env[f"{name}_SERVICE_PORT_{port_name}"] = str(port["port"])
+        env[f"{name}_PORT"] = f"tcp://{SERVICE_IP}:{ports[0]['port']}"
+        for port in ports:
+            protocol = port.get("protocol", "TCP")
+            prefix = f"{name}_PORT_{port['port']}_{protocol}"
+            env[prefix] = f"{protocol.lower()}://{SERVICE_IP}:{port['port']}"
+            env[f"{prefix}_PROTO"] = protocol.lower()
+            env[f"{prefix}_PORT"] = str(port["port"])
+            env[f"{prefix}_ADDR"] = SERVICE_IP
+    return env
 
 
 def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
@@ -334,6 +373,7 @@ def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
             continue
         template = obj["spec"]["template"]
         spec = template["spec"]
+        links = spec.get("enableServiceLinks", True)
         containers = tuple(
             ContainerSpec(
                 name=c["name"],
@@ -362,6 +402,9 @@ def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
                     containers=containers,
                     volumes={v["name"]: v for v in spec.get("volumes", [])},
                     grace=float(spec.get("terminationGracePeriodSeconds", GRACE)),
+                    service_env=(
+                        service_links(objects, obj["metadata"].get("namespace")) if links else {}
+                    ),
                 )
             )
     return found
@@ -439,10 +482,11 @@ class PodHost:
         return value
 
     def env(self, container: ContainerSpec) -> dict[str, str]:
-        """The container's environment from the manifest (values, and the downward API's
-        metadata.name / metadata.namespace)."""
+        """The container's environment: the Services' variables (service links), then
+        the manifest's (values, and the downward API's metadata.name /
+        metadata.namespace), which win."""
         fields = {"metadata.name": self.spec.name, "metadata.namespace": self.spec.namespace}
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(self.spec.service_env)
         for entry in container.env:
             if "value" in entry:
                 env[entry["name"]] = str(entry["value"])
@@ -481,7 +525,9 @@ def canaryd_launch(scale: Scale) -> Launch:
             "CANARYD_HOST": "127.0.0.1",
             "PYTHONUNBUFFERED": "1",
         }
-        if container.flag("--port") is None:  # canaryd's default port, the image's 8085
+        # canaryd's default port, the image's 8085, unless the environment sets one (a
+        # Service link named CANARYD_PORT does: canaryd reads it as its port).
+        if container.flag("--port") is None and "CANARYD_PORT" not in host.env(container):
             env["CANARYD_PORT"] = str(host.port(next(iter(container.ports.values()))))
         return Command([sys.executable, "-m", "canaryd", *args], env)
 
