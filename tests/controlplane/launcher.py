@@ -95,6 +95,8 @@ class ControlPlane:
     port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    ca: Any = None
+    """The cluster's CA (trustme.CA), once started."""
 
     @property
     def url(self) -> str:
@@ -172,10 +174,15 @@ class ControlPlane:
 
     # ------------------------------------------------------------- pieces
 
+    def serving_names(self) -> tuple[str, ...]:
+        """The names and addresses kube-apiserver's serving certificate is valid for."""
+        return ("127.0.0.1", "localhost")
+
     def _certificates(self) -> None:
         ca = trustme.CA(organization_name="canaryd e2e")
+        self.ca = ca
         ca.cert_pem.write_to_path(str(self.ca_file))
-        serving = ca.issue_cert("127.0.0.1", "localhost", common_name="kube-apiserver")
+        serving = ca.issue_cert(*self.serving_names(), common_name="kube-apiserver")
         serving.private_key_pem.write_to_path(str(self.workdir / "apiserver.key"))
         serving.cert_chain_pems[0].write_to_path(str(self.workdir / "apiserver.crt"))
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
