@@ -5,7 +5,9 @@ kubectl, the subset of kustomize that config/ uses: resources, components, patch
 as strategic merges, namespace, images): per container its args, env, ports, volume
 mounts, and its liveness, readiness and startup probes with ``periodSeconds``,
 ``timeoutSeconds``, ``failureThreshold``, ``successThreshold`` and
-``initialDelaySeconds`` (Kubernetes' defaults where unset).
+``initialDelaySeconds`` (Kubernetes' defaults where unset). Probes are ``httpGet``, or
+``exec`` of a bash script that talks to a port of the pod through ``/dev/tcp`` (the
+sidecar's operator liveness, config/sidecar).
 
 What it does is the kubelet's (pkg/kubelet/prober/worker.go, kuberuntime's
 doBackOff): each probe runs on its own ticker from the container's start; a startup
@@ -13,8 +15,10 @@ probe gates liveness and readiness until it succeeds; ``failureThreshold`` failu
 in a row of liveness (or startup) kill the container (SIGTERM, SIGKILL after the
 grace period) and it is restarted (restartPolicy Always) after the CrashLoopBackOff
 delay (10 s doubling to 5 min, forgotten after 10 min); readiness only marks the
-container NotReady. A probe succeeds on an HTTP status from 200 to 399 within its
-timeout, on a new connection each time.
+container NotReady. An HTTP probe succeeds on a status from 200 to 399 within its
+timeout, on a new connection each time; an exec probe on exit status 0 within its
+timeout (a timed-out exec probe is a failure, as the kubelet has counted it since
+1.20), whether or not the port it talks to is listening.
 
 Time is scaled: canaryd's cycle is shortened and every period, delay, threshold
 window, grace period and backoff is multiplied by the same factor, so their ratios
@@ -106,10 +110,9 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
         path = directory / entry
         objects += kustomize(path) if path.is_dir() else docs(path)
     for entry in spec.get("components", []):
-        component = directory / entry
-        objects += kustomize_resources(component)
-        objects = patched(objects, component)
+        objects = with_component(objects, directory / entry)
     objects = patched(objects, directory)
+    objects = replaced(objects, directory)
     namespace = spec.get("namespace")
     for obj in objects:
         if namespace and obj["kind"] not in CLUSTER_SCOPED:
@@ -131,6 +134,55 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResou
 def kustomize_resources(directory: Path) -> list[dict[str, Any]]:
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     return [d for entry in spec.get("resources", []) for d in docs(directory / entry)]
+
+
+def with_component(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
+    """A component: its resources and its own components added, then its patches and
+    replacements applied to everything so far."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = objects + kustomize_resources(directory)
+    for entry in spec.get("components", []):
+        objects = with_component(objects, directory / entry)
+    return replaced(patched(objects, directory), directory)
+
+
+def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
+    """kustomize's replacements as config/ uses them: a source field by kind and name
+    into target fields (a ``[name=X]`` step picks a list item by name), whole or as
+    one ``delimiter``-separated part (``index``)."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+    def select(obj: dict[str, Any], selector: Mapping[str, Any]) -> bool:
+        return obj["kind"] == selector["kind"] and obj["metadata"]["name"] == selector["name"]
+
+    def steps(path: str) -> list[str]:
+        return re.findall(r"\[[^\]]*\]|[^.\[\]]+", path)
+
+    def walk(obj: Any, path: list[str]) -> Any:
+        for step in path:
+            if step.startswith("[name="):
+                obj = next(item for item in obj if item.get("name") == step[6:-1])
+            else:
+                obj = obj[step]
+        return obj
+
+    for replacement in spec.get("replacements", []):
+        source = replacement["source"]
+        (origin,) = [o for o in objects if select(o, source)]
+        value = walk(origin, steps(source["fieldPath"]))
+        for target in replacement["targets"]:
+            for obj in (o for o in objects if select(o, target["select"])):
+                for field_path in target["fieldPaths"]:
+                    *parent_path, last = steps(field_path)
+                    parent = walk(obj, parent_path)
+                    options = target.get("options", {})
+                    if "delimiter" in options:
+                        parts = str(parent[last]).split(options["delimiter"])
+                        parts[options["index"]] = value
+                        parent[last] = options["delimiter"].join(parts)
+                    else:
+                        parent[last] = value
+    return objects
 
 
 def patched(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
@@ -193,21 +245,35 @@ class ProbeSpec:
 
     kind: str
     path: str
+    """An HTTP probe's path; an exec probe's bash script."""
     port: int | str
+    """An HTTP probe's port; the port an exec probe's script opens with /dev/tcp."""
     period: float = PERIOD
     timeout: float = TIMEOUT
     failure_threshold: int = FAILURE_THRESHOLD
     success_threshold: int = SUCCESS_THRESHOLD
     initial_delay: float = 0.0
+    exec: bool = False
 
     @classmethod
     def parse(cls, kind: str, probe: Mapping[str, Any]) -> ProbeSpec:
-        http = probe.get("httpGet")
-        assert http is not None, f"{kind} probe {probe} is not httpGet: not modelled here"
+        http, exec_ = probe.get("httpGet"), probe.get("exec")
+        if exec_ is not None:
+            command = exec_["command"]
+            assert command[:2] == ["bash", "-c"] and len(command) == 3, (
+                f"{kind} probe {command}: only `bash -c SCRIPT` is modelled here"
+            )
+            ports = re.findall(r"/dev/tcp/127\.0\.0\.1/(\d+)", command[2])
+            assert len(set(ports)) == 1, f"{kind} probe: one /dev/tcp port, not {ports}"
+            path, port, is_exec = str(command[2]), int(ports[0]), True
+        else:
+            assert http is not None, f"{kind} probe {probe}: httpGet or exec only"
+            path, port, is_exec = str(http.get("path", "/")), http["port"], False
         return cls(
             kind=kind,
-            path=str(http.get("path", "/")),
-            port=http["port"],
+            path=path,
+            port=port,
+            exec=is_exec,
             period=float(probe.get("periodSeconds", PERIOD)),
             timeout=float(probe.get("timeoutSeconds", TIMEOUT)),
             failure_threshold=int(probe.get("failureThreshold", FAILURE_THRESHOLD)),
@@ -255,9 +321,48 @@ class PodSpec:
     containers: tuple[ContainerSpec, ...]
     volumes: Mapping[str, Mapping[str, Any]]
     grace: float
+    service_env: Mapping[str, str] = field(default_factory=dict)
+    """The Services' environment variables the kubelet sets in every container
+    (``enableServiceLinks``, on unless the pod turns it off)."""
 
     def container(self, name: str) -> ContainerSpec:
         return next(c for c in self.containers if c.name == name)
+
+
+SERVICE_IP = "10.0.0.10"
+"""The cluster IP a Service gets here (nothing is sent to it)."""
+
+
+def service_links(objects: Sequence[Mapping[str, Any]], namespace: str | None) -> dict[str, str]:
+    """The kubelet's environment variables for the Services of a namespace
+    (pkg/kubelet/envvars: NAME_SERVICE_HOST, NAME_SERVICE_PORT, and the Docker links
+    NAME_PORT=tcp://IP:PORT, NAME_PORT_PORT_TCP, ...), NAME the Service's name in upper
+    case with - as _."""
+    env: dict[str, str] = {}
+    for service in objects:
+        if service["kind"] != "Service" or service["metadata"].get("namespace") != namespace:
+            continue
+        if service["spec"].get("clusterIP") == "None":
+            continue
+        name = service["metadata"]["name"].upper().replace("-", "_")
+        ports = service["spec"].get("ports") or []
+        if not ports:
+            continue
+        env[f"{name}_SERVICE_HOST"] = SERVICE_IP
+        env[f"{name}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                port_name = port["name"].upper().replace("-", "_")
+                env[f"{name}_SERVICE_PORT_{port_name}"] = str(port["port"])
+        env[f"{name}_PORT"] = f"tcp://{SERVICE_IP}:{ports[0]['port']}"
+        for port in ports:
+            protocol = port.get("protocol", "TCP")
+            prefix = f"{name}_PORT_{port['port']}_{protocol}"
+            env[prefix] = f"{protocol.lower()}://{SERVICE_IP}:{port['port']}"
+            env[f"{prefix}_PROTO"] = protocol.lower()
+            env[f"{prefix}_PORT"] = str(port["port"])
+            env[f"{prefix}_ADDR"] = SERVICE_IP
+    return env
 
 
 def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
@@ -268,6 +373,7 @@ def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
             continue
         template = obj["spec"]["template"]
         spec = template["spec"]
+        links = spec.get("enableServiceLinks", True)
         containers = tuple(
             ContainerSpec(
                 name=c["name"],
@@ -296,6 +402,9 @@ def pods(objects: Sequence[Mapping[str, Any]]) -> list[PodSpec]:
                     containers=containers,
                     volumes={v["name"]: v for v in spec.get("volumes", [])},
                     grace=float(spec.get("terminationGracePeriodSeconds", GRACE)),
+                    service_env=(
+                        service_links(objects, obj["metadata"].get("namespace")) if links else {}
+                    ),
                 )
             )
     return found
@@ -373,10 +482,11 @@ class PodHost:
         return value
 
     def env(self, container: ContainerSpec) -> dict[str, str]:
-        """The container's environment from the manifest (values, and the downward API's
-        metadata.name / metadata.namespace)."""
+        """The container's environment: the Services' variables (service links), then
+        the manifest's (values, and the downward API's metadata.name /
+        metadata.namespace), which win."""
         fields = {"metadata.name": self.spec.name, "metadata.namespace": self.spec.namespace}
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(self.spec.service_env)
         for entry in container.env:
             if "value" in entry:
                 env[entry["name"]] = str(entry["value"])
@@ -387,8 +497,9 @@ class PodHost:
         return env
 
 
-Launch = Callable[[ContainerSpec, PodHost], Command]
-"""How a container's image runs here: its command line and environment."""
+Launch = Callable[[ContainerSpec, PodHost], Command | None]
+"""How a container's image runs here: its command line and environment (None: its
+image cannot be pulled, so the container never runs: ErrImagePull, ImagePullBackOff)."""
 
 
 def canaryd_launch(scale: Scale) -> Launch:
@@ -414,7 +525,9 @@ def canaryd_launch(scale: Scale) -> Launch:
             "CANARYD_HOST": "127.0.0.1",
             "PYTHONUNBUFFERED": "1",
         }
-        if container.flag("--port") is None:  # canaryd's default port, the image's 8085
+        # canaryd's default port, the image's 8085, unless the environment sets one (a
+        # Service link named CANARYD_PORT does: canaryd reads it as its port).
+        if container.flag("--port") is None and "CANARYD_PORT" not in host.env(container):
             env["CANARYD_PORT"] = str(host.port(next(iter(container.ports.values()))))
         return Command([sys.executable, "-m", "canaryd", *args], env)
 
@@ -549,6 +662,9 @@ class Kubelet:
         pod, name = run.pod.spec.name, run.spec.name
         backoff: float | None = None
         backoff_since = -math.inf
+        if self.launchers[name](run.spec, run.pod) is None:
+            self._note(pod, name, "waiting", "ImagePullBackOff")
+            await asyncio.get_running_loop().create_future()  # until the pod goes
         while True:
             await self._start(run)
             run.kill = self._loop.create_future()
@@ -587,6 +703,7 @@ class Kubelet:
 
     async def _start(self, run: ContainerRun) -> None:
         command = self.launchers[run.spec.name](run.spec, run.pod)
+        assert command is not None
         with run.log.open("ab") as log:
             run.proc = await asyncio.create_subprocess_exec(
                 *command.argv,
@@ -663,15 +780,29 @@ class Kubelet:
         failures = successes = 0
         tick = self._loop.time()
         while True:
-            # A probe addressed to a container that is (re)starting waits for it: start-up
-            # is not scaled (see the module), and at shipped scale it is a small part of
-            # one probe period.
-            if not owner.listening:
-                await self.until(lambda: owner.listening, f"{owner.spec.name} to listen", math.inf)
+            # A probe addressed to a container whose process is starting waits until it
+            # listens: start-up is not scaled (see the module), and at shipped scale it
+            # is a small part of one probe period. Not when no process runs there (its
+            # image not pulled, an exit waiting out its back-off): the kubelet's probe
+            # meets connection refused. Nor an exec probe: what it does when nothing
+            # listens is what it is there to decide.
+            def starting() -> bool:
+                return (
+                    not owner.listening
+                    and owner.proc is not None
+                    and owner.proc.returncode is None
+                    and not probe.exec
+                )
+
+            if starting():
+                await self.until(lambda: not starting(), f"{owner.spec.name} to listen", math.inf)
             # A probe is skipped (as a success) until initialDelaySeconds have passed
             # since the container started.
             if self._loop.time() - run.running_since >= self.scale(probe.initial_delay):
-                ok, detail = await self._http_get(url, self.scale.answer(probe.timeout))
+                if probe.exec:
+                    ok, detail = await self._exec(run, probe, container_port)
+                else:
+                    ok, detail = await self._http_get(url, self.scale.answer(probe.timeout))
                 failures, successes = (0, successes + 1) if ok else (failures + 1, 0)
                 if probe.kind == "readiness":
                     if ok and successes >= probe.success_threshold:
@@ -686,7 +817,8 @@ class Kubelet:
                     assert run.kill is not None
                     if not run.kill.done():
                         run.kill.set_result(
-                            f"{probe.kind} probe failed {failures}x: {probe.path} {detail}"
+                            f"{probe.kind} probe failed {failures}x: "
+                            f"{'exec' if probe.exec else probe.path} {detail}"
                         )
                     return
             # Go's ticker: a probe that ran past its next tick starts the next one at once
@@ -700,6 +832,39 @@ class Kubelet:
             if container_port in container.ports.values():
                 return self.containers[(pod.spec.name, container.name)]
         raise AssertionError(f"pod {pod.spec.name} declares no containerPort {container_port}")
+
+    async def _exec(
+        self, run: ContainerRun, probe: ProbeSpec, container_port: int
+    ) -> tuple[bool, str]:
+        """An exec probe: its script with bash, its /dev/tcp port the pod's, and its
+        own ``timeout N`` bounds scaled as the probe's timeout is (floored at
+        ``ANSWER_FLOOR``, the kubelet's timeout kept in the same ratio above them)."""
+        local = run.pod.port(container_port)
+        script = probe.path.replace(
+            f"/dev/tcp/127.0.0.1/{container_port}", f"/dev/tcp/127.0.0.1/{local}"
+        )
+        within = self.scale.answer(probe.timeout)
+        for bound in {int(b) for b in re.findall(r"\btimeout (\d+)\b", script)}:
+            scaled = self.scale.answer(bound)
+            within = max(within, scaled * probe.timeout / bound)
+            script = re.sub(rf"\btimeout {bound}\b", f"timeout {scaled:.3f}", script)
+        process = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            script,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(within):
+                status = await process.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            return False, "timeout"
+        return status == 0, f"exit status {status}"
 
     async def _http_get(self, url: str, within: float) -> tuple[bool, str]:
         assert self._http is not None

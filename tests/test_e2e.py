@@ -1169,3 +1169,262 @@ async def test_canaryd_check_names_patch_when_a_role_lacks_it_on_a_real_api_serv
     assert "ok   patch flinkdeployments in all namespaces" in lines, lines
     code, lines = await canaryd_check(cluster.canaryd, *args, "--lease-name", "another")
     assert code == 2 and f"MISSING update leases/another in {CANARYD_NAMESPACE}" in lines, lines
+
+
+# ------------- config/admission: the operator's stale replace, refused where it lands
+
+OPERATOR_NAMESPACE, OPERATOR_SA = "flink-operator", "flink-operator"
+"""The operator's service account as the chart names it (config/admission's default)."""
+
+
+@dataclass
+class Operator:
+    """The upstream operator's writes, as its service account sends them: replace() of
+    a copy it read earlier (fabric8 refreshes only resourceVersion on a 409)."""
+
+    plane: Any
+    token: str
+
+    def get(self, path: str) -> dict[str, Any]:
+        status, body = self.plane.request("GET", path, token=self.token)
+        assert status == 200, body
+        return dict(body)
+
+    def put(self, path: str, obj: dict[str, Any], query: str = "") -> tuple[int, Any]:
+        return self.plane.request("PUT", path + query, obj, token=self.token)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Operator:
+    """config/admission's policy and binding as config/standalone renders them (kubectl's
+    kustomize, as a user applies them: cluster-scoped, whatever namespace the
+    kustomization sets), and the operator's service account with the operator's rights
+    on the canary kinds."""
+    plane = cluster.needs_plane()
+    from tests.kubelet import render
+
+    policy = [
+        d
+        for d in render(ROOT / "config" / "standalone")
+        if d["apiVersion"].startswith("admissionregistration.k8s.io/")
+    ]
+    assert sorted(d["kind"] for d in policy) == [
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
+    for obj in policy:
+        plane.apply(obj)
+    plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
+    plane.apply(
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_SA}},
+        namespace=OPERATOR_NAMESPACE,
+    )
+    plane.apply(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "e2e-flink-operator"},
+            "rules": [
+                {
+                    "apiGroups": [G],
+                    "resources": [FD, f"{FD}/status", "flinksessionjobs"],
+                    "verbs": ["get", "list", "watch", "update", "patch"],
+                }
+            ],
+        }
+    )
+    plane.apply(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "e2e-flink-operator"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "e2e-flink-operator",
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}
+            ],
+        }
+    )
+    return Operator(plane, plane.service_account_token(OPERATOR_NAMESPACE, OPERATOR_SA))
+
+
+POLICY_PATH = (
+    "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/canaryd-keep-canary-metadata"
+)
+
+
+def canary_path(namespace: str, name: str = "canary") -> str:
+    return f"/apis/{G}/{V}/namespaces/{namespace}/{FD}/{name}"
+
+
+def bumped(stale: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The operator's bump: its cached copy, nonce + 1, resourceVersion refreshed."""
+    obj = json.loads(json.dumps(stale))
+    obj["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+    spec = obj.setdefault("spec", {})
+    spec["restartNonce"] = (spec.get("restartNonce") or 0) + 1
+    return obj
+
+
+async def refused(operator: Operator, path: str, obj: dict[str, Any]) -> None:
+    """The policy is read by kube-apiserver a moment after it is created: until a dry
+    run of ``obj`` is refused (nothing stored either way), bounded."""
+
+    async def denied() -> bool:
+        return operator.put(path, obj, "?dryRun=All")[0] in (403, 422)
+
+    await eventually(denied, "the policy to refuse the operator's stale copy", within=30)
+    status, body = operator.put(path, obj)
+    assert status in (403, 422), body
+    assert "canary-metadata" in body["message"] and "stale copy" in body["message"], body
+
+
+async def test_the_policy_refuses_the_operators_stale_replace_of_a_canary(api, operator, namespace):
+    """Seed failure 1 beside the operator: a label and an annotation a user added since
+    the operator's copy are not wiped by its replace(); the bump it retries on a fresh
+    copy, its finalizers and its status writes pass."""
+    await create_canary(api, namespace)
+    path = canary_path(namespace)
+
+    async def type_checked() -> Any:
+        status, body = operator.plane.request("GET", POLICY_PATH)
+        assert status == 200, body
+        checked = body.get("status", {}).get("observedGeneration") == body["metadata"]["generation"]
+        return body["status"] if checked else None
+
+    # kube-apiserver's type check of the CEL against the CRD's schema: no warning.
+    checked = await eventually(type_checked, "the policy's type check", within=30)
+    assert not checked.get("typeChecking", {}).get("expressionWarnings"), checked
+    stale = operator.get(path)
+    await crd(api).patch_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        "canary",
+        {"metadata": {"labels": {"argocd.argoproj.io/instance": "x"}, "annotations": {"a": "b"}}},
+        _content_type=MERGE,
+    )
+    current = operator.get(path)
+    await refused(operator, path, bumped(stale, current))
+    kept = operator.get(path)
+    assert kept["metadata"]["labels"]["argocd.argoproj.io/instance"] == "x"
+    assert kept["metadata"]["annotations"] == {"a": "b"}
+    assert kept["metadata"]["generation"] == current["metadata"]["generation"]
+    # The same bump on a fresh copy passes, and raises the generation.
+    status, body = operator.put(path, bumped(kept, kept))
+    assert status == 200, body
+    assert body["metadata"]["generation"] == kept["metadata"]["generation"] + 1
+    assert body["metadata"]["labels"] == kept["metadata"]["labels"]
+    # Finalizers (metadata, not labels or annotations): added and removed.
+    fresh = operator.get(path)
+    fresh["metadata"]["finalizers"] = ["flinkdeployments.flink.apache.org/finalizer"]
+    status, body = operator.put(path, fresh)
+    assert status == 200, body
+    body["metadata"]["finalizers"] = []
+    status, body = operator.put(path, body)
+    assert status == 200, body
+    # /status is not the main resource: a status write from the stale copy passes.
+    # (The CRD's status strategy keeps the stored metadata on /status anyway, so the
+    # policy would find nothing to refuse there either: this pins that it passes.)
+    status_obj = json.loads(json.dumps(stale))
+    status_obj["metadata"]["resourceVersion"] = body["metadata"]["resourceVersion"]
+    status_obj["status"] = {"lifecycleState": "STABLE"}
+    status, body = operator.put(path + "/status", status_obj)
+    assert status == 200, body
+    assert body["status"] == {"lifecycleState": "STABLE"}
+    assert body["metadata"]["labels"]["argocd.argoproj.io/instance"] == "x"
+
+
+async def test_the_policy_keeps_a_removed_canary_label_removed(api, operator, namespace):
+    """Seed failure 2 beside the operator: a canary label (any case of true) removed by
+    its user is not put back by the operator's copy from before."""
+    await crd(api).create_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        {
+            "apiVersion": f"{G}/{V}",
+            "kind": "FlinkDeployment",
+            "metadata": {"name": "canary", "labels": {LABEL: "True"}},
+        },
+    )
+    path = canary_path(namespace)
+    stale = operator.get(path)
+    await crd(api).patch_namespaced_custom_object(
+        G, V, namespace, FD, "canary", {"metadata": {"labels": {LABEL: None}}}, _content_type=MERGE
+    )
+    current = operator.get(path)
+    await refused(operator, path, bumped(stale, current))
+    after = operator.get(path)
+    assert LABEL not in (after["metadata"].get("labels") or {})
+    assert after["metadata"]["resourceVersion"] == current["metadata"]["resourceVersion"]
+
+
+async def test_the_policy_keeps_a_canary_label_added_since_the_operators_copy(
+    api, operator, namespace
+):
+    """The other way round: an ordinary FlinkDeployment made a canary by its user is a
+    canary as stored, so the operator's copy from before (no canary label) may not
+    wipe the label."""
+    await crd(api).create_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        {"apiVersion": f"{G}/{V}", "kind": "FlinkDeployment", "metadata": {"name": "canary"}},
+    )
+    path = canary_path(namespace)
+    stale = operator.get(path)
+    await crd(api).patch_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        "canary",
+        {"metadata": {"labels": {LABEL: "true"}}},
+        _content_type=MERGE,
+    )
+    await refused(operator, path, bumped(stale, operator.get(path)))
+    assert operator.get(path)["metadata"]["labels"][LABEL] == "true"
+
+
+async def test_the_policy_leaves_other_objects_and_other_users_alone(
+    api, cluster, operator, namespace
+):
+    """Only the operator's writes to canaries are checked: its replace() of an ordinary
+    FlinkDeployment, and a stale replace() of a canary by anyone else, pass (the first
+    proves the policy is in effect)."""
+    await create_canary(api, namespace)
+    path = canary_path(namespace)
+    stale = operator.get(path)
+    await crd(api).patch_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        "canary",
+        {"metadata": {"annotations": {"a": "b"}}},
+        _content_type=MERGE,
+    )
+    await refused(operator, path, bumped(stale, operator.get(path)))  # annotations alone
+    status, body = cluster.plane.request("PUT", path, bumped(stale, operator.get(path)))
+    assert status == 200, body  # the admin's: not the operator's service account
+    await crd(api).create_namespaced_custom_object(
+        G,
+        V,
+        namespace,
+        FD,
+        {"apiVersion": f"{G}/{V}", "kind": "FlinkDeployment", "metadata": {"name": "job"}},
+    )
+    job = canary_path(namespace, "job")
+    stale = operator.get(job)
+    await crd(api).patch_namespaced_custom_object(
+        G, V, namespace, FD, "job", {"metadata": {"labels": {"team": "a"}}}, _content_type=MERGE
+    )
+    status, body = operator.put(job, bumped(stale, operator.get(job)))
+    assert status == 200, body

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.test_packaging import operator_identity
+
 ROOT = Path(__file__).resolve().parent.parent
 POST_RENDER = ROOT / "config" / "helm" / "post-render"
 SIDECAR_PATCH = ROOT / "config" / "sidecar" / "operator-patch.yaml"
@@ -246,10 +248,10 @@ def check_sidecar(deployment: dict[str, Any], chart_containers: set[str]) -> Non
             assert _contains(canaryd[field], value), (field, canaryd[field], value)
     (port,) = [p["containerPort"] for p in canaryd["ports"] if p["name"] == "canaryd"]
     operator = found["flink-kubernetes-operator"]
-    # The operator's liveness is canaryd's verdict; its startup probe is the chart's.
-    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port} | {
-        k: v for k, v in operator["livenessProbe"]["httpGet"].items() if k == "scheme"
-    }
+    # The operator's liveness is canaryd's verdict (an exec probe of bash's /dev/tcp:
+    # no answer passes), not the chart's httpGet; its startup probe is the chart's.
+    assert "httpGet" not in operator["livenessProbe"]
+    assert f"/dev/tcp/127.0.0.1/{port}" in operator["livenessProbe"]["exec"]["command"][2]
     assert operator["startupProbe"]["httpGet"]["port"] == "health-port"
     # canaryd reads the operator's config from the volume the operator mounts.
     mounts = {m["name"]: m["mountPath"] for m in operator["volumeMounts"]}
@@ -316,13 +318,24 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
     unchanged = [doc for doc in yaml.safe_load_all(plain) if doc]
     for how, env in kustomizers(kustomize):
         docs = render(helm, chart, *values, env=env)
-        # The post-renderer adds the sidecar and changes nothing else.
-        assert _names(docs) == _names(unchanged), how
+        # The post-renderer adds the sidecar and config/admission's policy for the
+        # operator's service account as the chart renders it, and changes nothing else.
+        assert _names(docs) == sorted(_names(unchanged) + POLICY), how
+        (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+        (account,) = [
+            d
+            for d in unchanged
+            if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "flink-operator"
+        ]
+        assert operator_identity(policy) == (
+            f"system:serviceaccount:{RELEASE_NAMESPACE}:{account['metadata']['name']}"
+        ), how
+        docs_without_policy = [d for d in docs if (d["kind"], d["metadata"]["name"]) not in POLICY]
         (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
         check_sidecar(deployment, chart_containers)
         (original,) = [d for d in unchanged if d["kind"] == "Deployment"]
         assert _without_sidecar(deployment) == _without_sidecar(original), how
-        for doc, before in zip(_sorted(docs), _sorted(unchanged), strict=True):
+        for doc, before in zip(_sorted(docs_without_policy), _sorted(unchanged), strict=True):
             if doc["kind"] != "Deployment":
                 assert doc == _without_nulls(before), (how, doc["kind"], doc["metadata"]["name"])
         answers = dry_run(plane, docs)
@@ -331,6 +344,12 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
         webhook_kinds = {"MutatingWebhookConfiguration", "Certificate"}
         assert (webhook_kinds <= {d["kind"] for d in docs}) is webhook, how
         print(f"{how}, webhook {'on' if webhook else 'off'}: {len(docs)} objects admitted")
+
+
+POLICY = [
+    ("ValidatingAdmissionPolicy", "canaryd-keep-canary-metadata"),
+    ("ValidatingAdmissionPolicyBinding", "canaryd-keep-canary-metadata"),
+]
 
 
 def _names(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -389,7 +408,7 @@ def test_a_chart_whose_deployment_has_another_name_is_refused(helm, kustomize, c
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, "KUSTOMIZE": str(kustomize)},
+        env={**os.environ, "KUSTOMIZE": str(kustomize), "CANARYD_IMAGE": IMAGE},
     )
     assert result.returncode != 0
     assert "canaryd was not added" in result.stderr, result.stderr

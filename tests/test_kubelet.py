@@ -163,7 +163,11 @@ class Deployed:
 
 
 @contextlib.asynccontextmanager
-async def deployed(name: str, kube: FakeKube, tmp_path: Path) -> AsyncIterator[Deployed]:
+async def deployed(
+    name: str, kube: FakeKube, tmp_path: Path, canaryd: k.Launch | None = None
+) -> AsyncIterator[Deployed]:
+    """The topology's pods running; ``canaryd``: how canaryd's container runs instead
+    of its image as shipped."""
     topology = TOPOLOGIES[name]
     objects = k.render(topology.directory)
     specs = k.pods(objects)
@@ -176,7 +180,7 @@ async def deployed(name: str, kube: FakeKube, tmp_path: Path) -> AsyncIterator[D
         user = f"system:serviceaccount:{spec.namespace}:{spec.name}"
         return kube.client_kubeconfig(workdir / "kubeconfig", user)
 
-    launchers: dict[str, k.Launch] = {"canaryd": k.canaryd_launch(SCALE)}
+    launchers: dict[str, k.Launch] = {"canaryd": canaryd or k.canaryd_launch(SCALE)}
     if topology.operator:
         launchers[topology.operator] = operator_launch
     kubelet = k.Kubelet(
@@ -453,6 +457,58 @@ async def test_a_revoked_patch_permission(topology, kube, tmp_path):
     assert unknown and unknown[0] <= seen_by, "the verdict aged to unknown"
 
 
+# -------------------------------------------------- canaryd absent beside the operator
+
+
+def image_not_pulled(container: k.ContainerSpec, host: k.PodHost) -> k.Command | None:
+    """canaryd's image was never pushed (or CANARYD_IMAGE forgotten)."""
+    return None
+
+
+def bad_configuration(container: k.ContainerSpec, host: k.PodHost) -> k.Command | None:
+    """canaryd as shipped with one bad setting: it exits 2 at once, every time."""
+    command = k.canaryd_launch(SCALE)(container, host)
+    assert command is not None
+    command.env["CANARYD_TIMEOUT"] = "soon"
+    command.argv = [a for a in command.argv if not a.startswith("--timeout")]
+    return command
+
+
+ABSENT_FOR = 5 * 60
+"""Shipped seconds canaryd stays absent in these scenarios."""
+
+
+@pytest.mark.parametrize(
+    "absence",
+    [image_not_pulled, bad_configuration],
+    ids=["image not pulled", "exit 2 on a bad configuration"],
+)
+async def test_canaryd_absent_never_restarts_the_operator(absence, kube, tmp_path):
+    """The operator's liveness reads canaryd's verdict, never its absence: canaryd not
+    answering for five minutes (its image not pulled; exiting 2 on a bad configuration,
+    in CrashLoopBackOff) restarts the operator 0 times. The operator's probe ran all
+    along (its container is up from the start)."""
+    async with deployed("sidecar", kube, tmp_path, canaryd=absence) as d:
+        pod = canaryd_pod(d)
+        operator = "flink-kubernetes-operator"
+        await d.until(lambda: d.kubelet.container(pod, operator).listening, "the operator running")
+        if absence is bad_configuration:
+            await d.until(
+                lambda: d.kubelet.container(pod, "canaryd").restarts >= 2,
+                "canaryd exiting again and again",
+            )
+        d.mark("absent")
+        await d.hold(ABSENT_FOR)
+        d.mark("end")
+    record(d, f"canaryd absent: {absence.__name__.replace('_', ' ')}")
+    assert not d.restarts(pod, operator), d.restarts(pod, operator)
+    canaryd = d.kubelet.container(pod, "canaryd")
+    if absence is bad_configuration:
+        assert canaryd.restarts >= 2 and all("status 2" in r for r in canaryd.reasons)
+    else:
+        assert canaryd.restarts == 0 and canaryd.proc is None
+
+
 # --------------------------------------------------------------- canaryd wedged
 
 
@@ -645,7 +701,8 @@ async def test_the_operator_wedged(kube, tmp_path):
     record(d, "operator wedged")
     restarts = d.restarts(pod, operator)
     assert len(restarts) == 1, f"restarted exactly once: {restarts}"
-    assert "liveness probe failed" in restarts[0].detail and "/healthz" in restarts[0].detail
+    # The exec probe's script exits 1 on canaryd's answer 500, and only then.
+    assert restarts[0].detail == "liveness probe failed 3x: exec exit status 1", restarts
     assert not d.restarts(pod, "canaryd")
     end = on_grid(d.recording.shipped(asyncio.get_running_loop().time()))
     alerts(

@@ -7,6 +7,7 @@ Kustomizations are built with `kubectl kustomize` where kubectl exists.
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -178,7 +179,11 @@ def test_sidecar_points_the_operator_liveness_at_canaryd():
     operator = container(deployment, "flink-kubernetes-operator")
     canaryd = container(deployment, "canaryd")
     port = int(flag_value(canaryd["args"], "--port") or DEFAULTS.port)
-    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
+    # canaryd's verdict on /healthz, through bash's /dev/tcp (tests/test_sidecar_probe.py
+    # runs it): an answer of 500 fails it, no answer passes.
+    assert "httpGet" not in operator["livenessProbe"]
+    (script,) = operator["livenessProbe"]["exec"]["command"][2:]
+    assert f"/dev/tcp/127.0.0.1/{port}" in script and "GET /healthz " in script
     # The startup probe stays the operator's own: a verdict never restarts a process
     # that is still starting.
     assert operator["startupProbe"]["httpGet"] == {"path": "/", "port": "health-port"}
@@ -259,7 +264,6 @@ def post_render(stdin: str, **env: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("image", "wanted"),
     [
-        ("", "canaryd:0.1.0"),
         ("registry.example.com:5000/team/canaryd:0.2.0", None),
         ("registry.example.com:5000/team/canaryd", "registry.example.com:5000/team/canaryd:0.1.0"),
         ("ghcr.io/x/canaryd@sha256:" + "a" * 64, None),
@@ -270,7 +274,13 @@ def test_the_helm_post_renderer_adds_the_sidecar_with_the_image_asked(image, wan
     stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
     result = post_render(stand_in, CANARYD_IMAGE=image)
     assert result.returncode == 0, result.stderr
-    (deployment,) = [d for d in yaml.safe_load_all(result.stdout) if d]
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert sorted(d["kind"] for d in rendered) == [
+        "Deployment",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
+    (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
     expected = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "Deployment")
     got, want = container(deployment, "canaryd"), container(expected, "canaryd")
     assert got.pop("image") == (wanted or image)
@@ -281,9 +291,74 @@ def test_the_helm_post_renderer_adds_the_sidecar_with_the_image_asked(image, wan
     )
 
 
+def test_the_helm_post_renderer_refuses_to_render_without_an_image():
+    """An image nobody pushed (the sidecar's placeholder) would leave canaryd's
+    container waiting beside the operator for ever: no image, nothing rendered."""
+    stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
+    for unset in (post_render(stand_in), post_render(stand_in, CANARYD_IMAGE="")):
+        assert unset.returncode == 2, unset.stdout
+        assert unset.stdout == ""
+        assert unset.stderr.count("\n") == 1 and "CANARYD_IMAGE is not set" in unset.stderr
+
+
+def operator_identity(policy: dict[str, Any]) -> str:
+    """The service account config/admission's policy checks: the matchCondition's
+    string literals, concatenated as CEL does."""
+    (condition,) = [
+        c for c in policy["spec"]["matchConditions"] if c["name"] == "operator-service-account"
+    ]
+    expression = condition["expression"]
+    assert expression.startswith("request.userInfo.username == "), expression
+    return "".join(re.findall(r"'([^']*)'", expression))
+
+
+def test_the_helm_post_renderer_checks_the_service_account_the_chart_renders():
+    """The release's namespace and the chart's serviceAccountName, read from the
+    rendered Deployment (kustomize replacements in config/sidecar)."""
+    stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
+    assert "namespace: flink-operator\n" in stand_in
+    assert "serviceAccountName: flink-operator\n" in stand_in
+    other = stand_in.replace("namespace: flink-operator\n", "namespace: team-flink\n").replace(
+        "serviceAccountName: flink-operator\n", "serviceAccountName: op-sa\n"
+    )
+    for chart, wanted in (
+        (stand_in, "system:serviceaccount:flink-operator:flink-operator"),
+        (other, "system:serviceaccount:team-flink:op-sa"),
+    ):
+        result = post_render(chart, CANARYD_IMAGE="canaryd:0.1.0")
+        assert result.returncode == 0, result.stderr
+        (policy,) = [
+            d
+            for d in yaml.safe_load_all(result.stdout)
+            if d and d["kind"] == "ValidatingAdmissionPolicy"
+        ]
+        assert operator_identity(policy) == wanted
+
+
+@pytest.mark.parametrize("directory", ["sidecar-example", "standalone", "standalone-ha"], ids=str)
+def test_every_topology_ships_the_policy_against_the_operators_stale_replace(directory):
+    """config/admission in each: the operator's UPDATEs of the canary kinds' main
+    resource (no /status), failurePolicy Ignore, bound with Deny; its default
+    service account is the chart's (flink-operator in flink-operator)."""
+    objects = {d["kind"]: d for d in built(CONFIG / directory)}
+    policy = objects["ValidatingAdmissionPolicy"]
+    binding = objects["ValidatingAdmissionPolicyBinding"]
+    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["failurePolicy"] == "Ignore"
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["UPDATE"]
+    assert sorted(rule["resources"]) == ["flinkdeployments", "flinksessionjobs"]
+    assert operator_identity(policy) == "system:serviceaccount:flink-operator:flink-operator"
+
+
 def test_the_helm_post_renderer_refuses_what_would_install_no_canaryd():
     stand_in = (CONFIG / "sidecar-example" / "operator-deployment.yaml").read_text()
-    renamed = post_render(stand_in.replace("name: flink-kubernetes-operator\n", "name: x\n", 1))
+    renamed = post_render(
+        stand_in.replace("name: flink-kubernetes-operator\n", "name: x\n", 1),
+        CANARYD_IMAGE="canaryd:0.1.0",
+    )
     assert renamed.returncode == 2, renamed.stdout
     assert renamed.stderr.count("\n") == 1 and "canaryd was not added" in renamed.stderr
     assert renamed.stdout == ""
@@ -295,7 +370,7 @@ def test_the_helm_post_renderer_refuses_what_would_install_no_canaryd():
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/nonexistent"},
+        env={"PATH": "/nonexistent", "CANARYD_IMAGE": "canaryd:0.1.0"},
         check=False,
     )
     assert missing.returncode == 2 and "needs kustomize (v5) or kubectl" in missing.stderr

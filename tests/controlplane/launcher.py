@@ -7,7 +7,8 @@ admin user (a static token in system:masters) and canaryd's own users, which are
 ServiceAccounts of the project's config/rbac manifests, applied as shipped (cluster-wide)
 and as their namespaced variant, with tokens from the TokenRequest API: the tests prove
 that those manifests grant enough. The controller manager runs the namespace controller
-and the garbage collector, so a deleted namespace really empties and goes. There is no
+and the garbage collector, so a deleted namespace really empties and goes, and the
+status controller of ValidatingAdmissionPolicies (their CEL type-checked). There is no
 kubelet: nothing may create pods.
 
     python -m tests.controlplane.launcher --kubeconfig /tmp/admin.kubeconfig
@@ -93,6 +94,8 @@ class ControlPlane:
     port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    ca: Any = None
+    """The cluster's CA (trustme.CA), once started."""
 
     @property
     def url(self) -> str:
@@ -170,10 +173,15 @@ class ControlPlane:
 
     # ------------------------------------------------------------- pieces
 
+    def serving_names(self) -> tuple[str, ...]:
+        """The names and addresses kube-apiserver's serving certificate is valid for."""
+        return ("127.0.0.1", "localhost")
+
     def _certificates(self) -> None:
         ca = trustme.CA(organization_name="canaryd e2e")
+        self.ca = ca
         ca.cert_pem.write_to_path(str(self.ca_file))
-        serving = ca.issue_cert("127.0.0.1", "localhost", common_name="kube-apiserver")
+        serving = ca.issue_cert(*self.serving_names(), common_name="kube-apiserver")
         serving.private_key_pem.write_to_path(str(self.workdir / "apiserver.key"))
         serving.cert_chain_pems[0].write_to_path(str(self.workdir / "apiserver.crt"))
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -241,7 +249,11 @@ class ControlPlane:
     def _controller_manager_args(self) -> list[str]:
         return [
             f"--kubeconfig={self.kubeconfig('admin')}",
-            "--controllers=namespace-controller,garbage-collector-controller",
+            # The namespace controller and the garbage collector, so a deleted namespace
+            # really empties and goes; the policy status controller, which type-checks
+            # a ValidatingAdmissionPolicy's CEL (config/admission) against the schemas.
+            "--controllers=namespace-controller,garbage-collector-controller,"
+            "validatingadmissionpolicy-status-controller",
             "--leader-elect=false",
             "--secure-port=0",
         ]
@@ -390,6 +402,16 @@ _PLURALS = {
     "CustomResourceDefinition": (
         "/apis/apiextensions.k8s.io/v1",
         "customresourcedefinitions",
+        False,
+    ),
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicies",
+        False,
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
         False,
     ),
 }

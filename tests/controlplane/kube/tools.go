@@ -1,10 +1,13 @@
 //go:build tools
 
-// Package tools pins the control-plane commands that `make controlplane`
-// builds (go build k8s.io/kubernetes/cmd/...); nothing here is compiled.
+// Package tools pins the Kubernetes commands the tests build from this module
+// (go build k8s.io/kubernetes/cmd/...): kube-apiserver and kube-controller-manager
+// for `make controlplane`, the kubelet for `make node` (tests/node/build.sh, one
+// module so that the builds share Go's build cache); nothing here is compiled.
 package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )

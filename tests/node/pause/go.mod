@@ -1,0 +1,3 @@
+module canaryd.test/node/pause
+
+go 1.22
