@@ -37,19 +37,20 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Any]:
-    from tests.node.cluster import Node, host_state
+    from tests.node.cluster import Node, host_state, one_node_per_machine
 
-    before = host_state()
-    global NODE
-    started = Node()
-    started.start()
-    NODE = started
-    try:
-        yield started
-    finally:
-        started.stop()
-        after = host_state()
-        assert after == before, f"the host differs after the node: {before} -> {after}"
+    with one_node_per_machine():
+        before = host_state()
+        global NODE
+        started = Node()
+        started.start()
+        NODE = started
+        try:
+            yield started
+        finally:
+            started.stop()
+            after = host_state()
+            assert after == before, f"the host differs after the node: {before} -> {after}"
 
 
 NODE: Any = None

@@ -33,6 +33,7 @@ and after. With ``makeIPTablesUtilChains: false`` the kubelet adds no iptables c
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,9 @@ BRIDGE = "canarydbr0"
 SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops", "net.ipv4.ip_forward")
 FIXED_PATHS = (Path("/var/lib/kubelet/device-plugins"), Path("/var/log/containers"))
 KUBELET_PORTS = (10248, 10250)
+LOCK = Path("/run/lock/canaryd-node.lock")
+"""Held while a node runs: a second ``make e2e-node`` on the machine waits for it."""
+LOCK_WAIT = 3600.0
 IMAGES = ROOT / ".cache" / "node" / "images"
 CANARYD_IMAGE = "localhost/canaryd:e2e"
 PAUSE_IMAGE = "localhost/pause:canaryd-node"
@@ -108,6 +113,28 @@ def host_state() -> dict[str, Any]:
             if "canaryd-node" in line or "/run/netns" in line
         ),
     }
+
+
+@contextlib.contextmanager
+def one_node_per_machine() -> Iterator[None]:
+    """Held around a node's life and the host checks on both sides of it: a second
+    ``make e2e-node`` (or a developer's ``python -m tests.node.cluster``) waits, bounded."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("w") as lock:
+        deadline = time.monotonic() + LOCK_WAIT
+        announced = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{LOCK} still held after {LOCK_WAIT:.0f}s") from None
+                if not announced:
+                    print(f"another node runs on this machine; waiting for {LOCK}", flush=True)
+                    announced = True
+                time.sleep(2)
+        yield  # the lock goes with the file's closing
 
 
 def read_sysctl(name: str) -> str:
@@ -547,16 +574,18 @@ def _listening(port: int) -> bool:
 
 
 def main() -> None:
-    node = Node()
-    node.start()
-    try:
-        print(f"node {NODE} ready; admin kubeconfig {node.plane.kubeconfig('admin')}", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
-    finally:
-        node.stop()
+    with one_node_per_machine():
+        node = Node()
+        node.start()
+        try:
+            kubeconfig = node.plane.kubeconfig("admin")
+            print(f"node {NODE} ready; admin kubeconfig {kubeconfig}", flush=True)
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        finally:
+            node.stop()
 
 
 if __name__ == "__main__":
