@@ -162,8 +162,11 @@ class Daemon:
         )
         kube.note_credentials(loader)
         try:
-            self.watcher = Watcher(settings, self.registry, kube, open_files)
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
+            self.registry.attach(scheduler)
+            self.watcher = Watcher(
+                settings, self.registry, kube, open_files, on_scope_resumed=scheduler.scope_resumed
+            )
             metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
             if settings.leader_elect:
                 self.elector = LeaderElector(
@@ -323,8 +326,8 @@ class Daemon:
     def _not_ready(self) -> list[str] | None:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
-        if self.watcher is None or not self.watcher.discovered.is_set():
-            problem = self.watcher.discovery_problem if self.watcher is not None else None
+        if self.watcher is None or not self.watcher.discovery.discovered.is_set():
+            problem = self.watcher.discovery.problem if self.watcher is not None else None
             return [f"discovery failed: {problem}" if problem else "discovery not done"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:

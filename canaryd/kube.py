@@ -122,7 +122,7 @@ KINDS = {
     "flinksessionjobs": Kind("flinksessionjobs", "FlinkSessionJob"),
 }
 NAMESPACES_PATH = "/api/v1/namespaces"
-_KIND_NAMES: dict[str, str] = {}
+KIND_NAMES: dict[str, str] = {}
 """The Kind names discovery found for kinds given as PLURAL.GROUP/VERSION."""
 
 
@@ -133,7 +133,7 @@ def kind_of(key: str) -> Kind:
         return known
     resource, _, version = key.partition("/")
     plural, _, group = resource.partition(".")
-    return Kind(plural, _KIND_NAMES.get(key, plural), group, version)
+    return Kind(plural, KIND_NAMES.get(key, plural), group, version)
 
 
 class ErrorKind(enum.Enum):
@@ -795,66 +795,3 @@ async def load_configuration(
 
     loader = await reload(configuration)
     return configuration, reload, loader
-
-
-@dataclass
-class Discovery:
-    """What discovery found for the wanted kinds."""
-
-    kinds: list[Kind]
-    """The wanted kinds that are served, in the order wanted."""
-    failed: dict[str, str]
-    """Wanted kinds whose group could not be read (an error other than 404), with the
-    error: not known to be served or not, so retried; the other kinds go on."""
-    first_error: KubeError | None = None
-    """The first of those errors, for naming its cause (refused, unauthorized, tls...)."""
-
-
-async def discover_kinds(
-    kube: KubeClient, wanted: tuple[str, ...], *, quiet: bool = False
-) -> Discovery:
-    """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
-    (at debug level when ``quiet``, for the periodic re-discovery). Each group version is
-    read on its own: one that fails (a 503 from an aggregated API, a 403) leaves its
-    kinds in ``failed`` and does not hold up the others."""
-    served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
-    errors: dict[tuple[str, str], str] = {}
-    first_error: KubeError | None = None
-    for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
-        group, version = group_version
-        try:
-            found = await kube.request("get", "GET", f"/apis/{group}/{version}")
-            served[group_version] = {
-                str(r.get("name")): r for r in found.get("resources") or [] if isinstance(r, dict)
-            }
-        except KubeError as err:
-            if err.kind is not ErrorKind.GONE:
-                errors[group_version] = str(err)
-                first_error = first_error or err
-                continue
-            served[group_version] = {}
-    kinds = []
-    failed = {}
-    for key in wanted:
-        kind = kind_of(key)
-        if (kind.group, kind.version) in errors:
-            failed[key] = errors[(kind.group, kind.version)]
-            continue
-        resource = served[(kind.group, kind.version)].get(kind.plural)
-        if resource is not None and resource.get("namespaced") is True:
-            name = resource.get("kind")
-            if key not in KINDS and isinstance(name, str) and name:
-                _KIND_NAMES[key] = name
-                kind = kind_of(key)
-            kinds.append(kind)
-            continue
-        detail = (
-            f"{kind.plural}.{kind.group} is cluster-scoped; only namespaced kinds can be canaries"
-            if resource is not None
-            else f"{kind.plural}.{kind.group} is not served in {kind.group}/{kind.version}; "
-            "its canaries are not checked"
-        )
-        (log.debug if quiet else log.warning)(
-            "crd_missing", kind=key, group=f"{kind.group}/{kind.version}", detail=detail
-        )
-    return Discovery(kinds, failed, first_error)

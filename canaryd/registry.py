@@ -172,18 +172,12 @@ class RegistryObserver(Protocol):
     def canary_forgotten(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept."""
 
-    def scope_resumed(self, scope: ScopeKey) -> None:
-        """A watch scope delivers again: the verdicts that waited for it are judged."""
-
 
 class _Nobody:
     def canary_added(self, canary: Canary) -> None:
         pass
 
     def canary_forgotten(self, key: CanaryKey) -> None:
-        pass
-
-    def scope_resumed(self, scope: ScopeKey) -> None:
         pass
 
 
@@ -199,13 +193,11 @@ class Registry:
         self.label = label
         self._canaries: dict[CanaryKey, Canary] = {}
         self._counts: Counter[CanaryState] = Counter()
-        self.closed_namespaces: set[str] = set()
+        self._closed: set[str] = set()
         """Namespaces being deleted: their canaries are not tracked."""
         self._scopes: dict[ScopeKey, ScopeSync] = {}
         """The sync model of every canary watch scope (canaryd.sync)."""
-        self.observer: RegistryObserver = _NOBODY
-        """Who acts on what is tracked (the scheduler): told of every canary added and
-        forgotten, and of every watch scope that resumed."""
+        self._observer: RegistryObserver = _NOBODY
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
 
@@ -238,7 +230,30 @@ class Registry:
             for key in sorted(self._canaries, key=lambda k: (k.namespace, k.kind, k.name))
         ]
 
+    @property
+    def closed_namespaces(self) -> frozenset[str]:
+        """Namespaces being deleted: their canaries are not tracked."""
+        return frozenset(self._closed)
+
     # ----------------------------------------------------------------- writes
+
+    def attach(self, observer: RegistryObserver) -> None:
+        """Who acts on what is tracked (the scheduler, wired by the daemon): told of
+        every canary added and forgotten."""
+        self._observer = observer
+
+    def close_namespace(self, name: str, why: str) -> None:
+        """A namespace is being deleted: its canaries are dropped, new copies ignored."""
+        self._closed.add(name)
+        self.forget_namespace(name, "namespace_closed", why)
+
+    def reopen_namespace(self, name: str) -> bool:
+        """A namespace of that name is usable again (deleted, or no longer terminating).
+        True when it was closed."""
+        if name not in self._closed:
+            return False
+        self._closed.discard(name)
+        return True
 
     def _changed(self) -> None:
         for listener in self.listeners:
@@ -259,16 +274,6 @@ class Registry:
         sync = self._scopes[scope] = ScopeSync(now)
         return sync
 
-    def scope_down(self, scope: ScopeKey, since: float) -> None:
-        """The scope's stream dropped: until it resumes, what it did not deliver is
-        canaryd's own delay, not the cluster's."""
-        self.scope(scope, since).dropped(since)
-
-    def scope_delivered(self, scope: ScopeKey, now: float) -> None:
-        """A list finished, or an event or a bookmark arrived, on the scope."""
-        if self.scope(scope, now).delivered(now):
-            self.observer.scope_resumed(scope)
-
     def scope_removed(self, scope: ScopeKey) -> None:
         """The scope is no longer watched: nothing of it waits any more."""
         self._scopes.pop(scope, None)
@@ -278,18 +283,6 @@ class Registry:
         cluster-wide one), if any."""
         found = self._scopes.get((key.kind, key.namespace))
         return found if found is not None else self._scopes.get((key.kind, None))
-
-    def unsynced_since(self, key: CanaryKey) -> float | None:
-        """When the watch that covers this canary fell out of sync, if it is out of sync."""
-        scope = self.covering(key)
-        return scope.unsynced_since if scope is not None else None
-
-    def unsynced_scopes(self) -> dict[ScopeKey, float]:
-        return {
-            key: scope.unsynced_since
-            for key, scope in self._scopes.items()
-            if scope.unsynced_since is not None
-        }
 
     def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
         if not self.owns(canary):
@@ -455,7 +448,7 @@ class Registry:
             self._canaries[key] = canary
             self._counts[canary.state] += 1
             log.info("canary_tracked", canary=str(key), generation=canary.generation)
-            self.observer.canary_added(canary)
+            self._observer.canary_added(canary)
             self._changed()
             return
         existing.resource_version = str(metadata.get("resourceVersion") or "")
@@ -486,7 +479,7 @@ class Registry:
         self, namespace: str, obj: Mapping[str, Any]
     ) -> tuple[str, str] | None:
         """Why a copy is not (or no longer) a canary canaryd tracks: (cause, detail)."""
-        if namespace in self.closed_namespaces:
+        if namespace in self._closed:
             return "namespace_closed", "its namespace is being deleted"
         if not is_canary(obj, self.label):
             return "not_canary", f"label {self.label} is no longer true"
@@ -565,7 +558,7 @@ class Registry:
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
-        self.observer.canary_forgotten(key)
+        self._observer.canary_forgotten(key)
         self._changed()
         return canary
 

@@ -90,7 +90,6 @@ class Scheduler:
             self.operator = OperatorJudge(
                 settings, registry, self, lambda: kube.last_answer, clock=clock
             )
-        registry.observer = self
 
     @property
     def active(self) -> bool:

@@ -22,6 +22,7 @@ import structlog
 from canaryd import metrics
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
+from canaryd.discovery import KindDiscovery
 from canaryd.episodes import Episodes
 from canaryd.kube import (
     NAMESPACES_PATH,
@@ -30,11 +31,9 @@ from canaryd.kube import (
     KubeClient,
     KubeError,
     classify_answer,
-    discover_kinds,
-    failure_cause,
 )
 from canaryd.limits import OpenFiles
-from canaryd.registry import CanaryKey, Registry, is_canary
+from canaryd.registry import CanaryKey, Registry, ScopeKey, is_canary
 from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.watcher")
@@ -77,9 +76,24 @@ LIST_PAGE = 500
 """Objects per list page (client-go's pager default)."""
 
 
-class Phase(enum.Enum):
-    LIST = "list"  # no usable resourceVersion: list everything, replace the scope's state
-    WATCH = "watch"  # stream changes from a known resourceVersion
+class State(enum.Enum):
+    LISTING = "listing"  # no usable resourceVersion: list everything, replace the scope's
+    WATCHING = "watching"  # stream changes from a known resourceVersion
+    BACKING_OFF = "backing_off"  # wait ``delay``, then go on to ``then``
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    """A ListWatch's next state, and what it needs."""
+
+    state: State
+    rv: str = ""
+    delay: float = 0.0
+    then: State = State.LISTING
+
+
+def backing_off(delay: float, then: State, rv: str = "") -> Next:
+    return Next(State.BACKING_OFF, rv, delay, then)
 
 
 def _rv(obj: Mapping[str, Any]) -> str:
@@ -144,21 +158,28 @@ class ListWatch:
         as nothing: a connect timeout is a failure, not an established stream)."""
 
     async def run(self) -> None:
-        phase, rv = Phase.LIST, ""
+        """The state machine: listing -> watching (resumed from each stream's last
+        resourceVersion) -> backing off after failures in a row -> watching, or listing
+        again after a 410 or a denial. Each transition is the ``Next`` a step returns."""
+        step = Next(State.LISTING)
         log.info("watch_started", scope=str(self.scope))
         try:
             while True:
                 try:
-                    if phase is Phase.LIST:
-                        rv = await self._list()
-                    phase, rv = await self._watch(rv)
+                    match step.state:
+                        case State.LISTING:
+                            step = await self._list()
+                        case State.WATCHING:
+                            step = await self._watch(step.rv)
+                        case State.BACKING_OFF:
+                            await asyncio.sleep(step.delay)
+                            step = Next(step.then, step.rv)
                 except Exception:
                     # A bug must not stop the daemon: say so, count it, start over.
                     self._down()
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
-                    await asyncio.sleep(self._backoff.next())
-                    phase, rv = Phase.LIST, ""
+                    step = backing_off(self._backoff.next(), State.LISTING)
         except asyncio.CancelledError:
             log.info("watch_stopped", scope=str(self.scope), why="cancelled")
             raise
@@ -177,23 +198,21 @@ class ListWatch:
             metrics.WATCH_RESTARTS.labels(self.scope.resource, "suspected").inc()
             self._stream.reschedule(self._loop.time())
 
-    async def _list(self) -> str:
-        """List until it succeeds; returns the list's resourceVersion."""
-        while True:
-            try:
-                async with self.list_slots:
-                    items, rv = await self._list_pages()
-            except KubeError as err:
-                self._down()
-                await asyncio.sleep(self._failed(err, "list"))
-                continue
-            metrics.RELISTS.labels(self.scope.resource).inc()
-            self.on_list(items)
-            self.failures.recovered(self.scope)
-            if self.sync.listed_at(time.monotonic()):
-                self.on_resumed()
-            self._backoff.reset()
-            return rv
+    async def _list(self) -> Next:
+        """One list: the scope's state replaced, then a watch from its resourceVersion."""
+        try:
+            async with self.list_slots:
+                items, rv = await self._list_pages()
+        except KubeError as err:
+            self._down()
+            return backing_off(self._failed(err, "list"), State.LISTING)
+        metrics.RELISTS.labels(self.scope.resource).inc()
+        self.on_list(items)
+        self.failures.recovered(self.scope)
+        if self.sync.listed_at(time.monotonic()):
+            self.on_resumed()
+        self._backoff.reset()
+        return Next(State.WATCHING, rv)
 
     async def _list_pages(self) -> tuple[list[Mapping[str, Any]], str]:
         """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
@@ -237,7 +256,7 @@ class ListWatch:
             # watch that ended at once with no event recovers only when one arrives.
             self.failures.recovered(self.scope)
 
-    async def _watch(self, rv: str) -> tuple[Phase, str]:
+    async def _watch(self, rv: str) -> Next:
         """One watch stream; returns what to do next and where to resume."""
         timeout = int(self.settings.watch_timeout * random.uniform(1.0, 2.0)) or 1
         params = {
@@ -284,25 +303,25 @@ class ListWatch:
                 raise
             # Replaced (_replace): the scope is out of sync until the new stream delivers.
             self._down()
-            return Phase.WATCH, rv
+            return Next(State.WATCHING, rv)
         except KubeError as err:
             self._down()
             if err.kind is ErrorKind.EXPIRED:
                 # The resourceVersion was compacted: only a new list can resume.
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
                 log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
-                return Phase.LIST, ""
+                return Next(State.LISTING)
             if self._established(events) and err.kind is ErrorKind.TRANSIENT:
                 # It worked, then dropped (a reset, an idle stream): resume at once.
                 why = "idle" if err.reason == "Idle" else "dropped"
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
                 # Counted; a resume that fails is the failure worth a line.
                 log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
-                return Phase.WATCH, rv
-            await asyncio.sleep(self._failed(err, "watch"))
+                return Next(State.WATCHING, rv)
+            delay = self._failed(err, "watch")
             if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
-                return Phase.LIST, ""
-            return Phase.WATCH, rv
+                return backing_off(delay, State.LISTING)
+            return backing_off(delay, State.WATCHING, rv)
         finally:
             self._stream = None
         self._down()
@@ -317,11 +336,10 @@ class ListWatch:
                 f"the watch ended after {self._loop.time() - opened:.3f}s with no event "
                 f"(retry in {delay:.3f}s)",
             )
-            await asyncio.sleep(delay)
-            return Phase.WATCH, rv
+            return backing_off(delay, State.WATCHING, rv)
         metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
         log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
-        return Phase.WATCH, rv
+        return Next(State.WATCHING, rv)
 
     def _established(self, events: int) -> bool:
         """The stream worked: it delivered, or it stayed open ``short_watch`` after the
@@ -374,14 +392,15 @@ class Watcher:
         registry: Registry,
         kube: KubeClient,
         open_files: OpenFiles | None = None,
+        on_scope_resumed: Callable[[ScopeKey], None] = lambda scope: None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
+        self._on_scope_resumed = on_scope_resumed
+        """A canary scope delivers again (the scheduler judges what waited for it)."""
         self.open_files = open_files or OpenFiles(None, None)
         """The open-files limit in force: every watch holds a socket."""
         self._files_problem: str | None = None
         self.namespaces = settings.namespaces
-        self.kinds: list[Kind] = []
-        self.discovered = asyncio.Event()
         self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._seen_namespaces: set[str] = set()
@@ -391,44 +410,42 @@ class Watcher:
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
-        self.discovery_failures = Episodes(
-            "discovery_failures",
-            subject="api_server",
-            subjects="api_servers",
-            detail_event="discovery_failed",
-            interval=lambda: settings.timeout,
-            logger_name="canaryd.watcher",
-        )
-        self.discovery_problem: str | None = None
-        """Why the last discovery failed ("refused: ..."), None when it worked."""
-        self.discovery_failed: dict[str, str] = {}
-        """Wanted kinds whose discovery failed (not a 404), with the error: retried with
-        backoff, named in /readyz; the other kinds are watched meanwhile."""
+        self.discovery = KindDiscovery(settings, kube, self._follow_kinds)
+
+    @property
+    def kinds(self) -> list[Kind]:
+        """The kinds watched: those discovery found served."""
+        return self.discovery.kinds
 
     @property
     def ready(self) -> bool:
         """Every scope listed and connected (what systemd's READY=1 waits for). A limit
         that is too low is said in /readyz, but must not keep a unit from starting."""
-        return self.discovered.is_set() and all(lw.sync.ready for lw, _ in self._watches.values())
+        return self.discovery.discovered.is_set() and all(
+            lw.sync.ready for lw, _ in self._watches.values()
+        )
 
     def coverage(self) -> dict[str, int]:
         """Watch scopes by state, wanted ones that cannot exist included: ``listed``
         (in sync or resuming), ``waiting`` (not listed or not connected), ``forbidden``
         (403), ``gone`` (404), ``namespace_missing`` (a watched namespace the
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
-        CRD is not served). A canaryd that checks nothing must be able to say so."""
+        CRD is not served). A canaryd that checks nothing must be able to say so. Each
+        wanted scope counts once: one in a missing namespace (whose list answers an
+        empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
+        missing = self._namespaces_missing()
         for lw, _ in self._watches.values():
-            if lw.scope.kind is None:
+            if lw.scope.kind is None or lw.scope.namespace in missing:
                 continue
             if lw.sync.denied is not None:
                 counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
             else:
                 counts["listed" if lw.sync.ready else "waiting"] += 1
         per_kind = 1 if self.namespaces is None else len(self.namespaces)
-        counts["kind_not_served"] = per_kind * len(self._kinds_not_served())
-        counts["waiting"] += per_kind * len(self.discovery_failed)
-        counts["namespace_missing"] = len(self.kinds) * len(self._namespaces_missing())
+        counts["kind_not_served"] = per_kind * len(self.discovery.not_served())
+        counts["waiting"] += per_kind * len(self.discovery.failed)
+        counts["namespace_missing"] = len(self.kinds) * len(missing)
         return counts
 
     def not_covered(self) -> list[str]:
@@ -445,19 +462,9 @@ class Watcher:
                 phrases.append(f"{word}: {', '.join(scopes[:20])}")
         if missing := self._namespaces_missing():
             phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
-        if kinds := self._kinds_not_served():
+        if kinds := self.discovery.not_served():
             phrases.append(f"kind not served: {', '.join(kinds)}")
         return phrases
-
-    def _kinds_not_served(self) -> list[str]:
-        if not self.discovered.is_set():
-            return []
-        served = {kind.key for kind in self.kinds}
-        return [
-            key
-            for key in self.settings.kinds
-            if key not in served and key not in self.discovery_failed
-        ]
 
     def _namespaces_missing(self) -> set[str]:
         if self.namespaces is None or not self._namespaces_known:
@@ -474,7 +481,7 @@ class Watcher:
         problems = [self._files_problem] if self._files_problem is not None else []
         problems += [
             f"discovery of {key} failed (retrying): {error}"
-            for key, error in sorted(self.discovery_failed.items())
+            for key, error in sorted(self.discovery.failed.items())
         ]
         if waiting:
             more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
@@ -483,14 +490,12 @@ class Watcher:
 
     async def run(self) -> None:
         try:
-            self.kinds = await self._discover()
-            self.discovered.set()
+            await self.discovery.first()
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
-                group.create_task(self._retry_failed_discovery(), name="discovery retry")
-                await self._rediscover()  # until cancelled at shutdown
+                await self.discovery.follow()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
             raise
@@ -498,125 +503,16 @@ class Watcher:
             self._group = None
             # Not watched until a restart starts them: still failing, not recovered.
             self.failures.stopped("the watches stopped")
-            self.discovery_failures.stopped("the watches stopped")
+            self.discovery.failures.stopped("the watches stopped")
             self._watches.clear()
 
-    async def _discover(self) -> list[Kind]:
-        """The first discovery, retried while no wanted kind's group could be read at all
-        (the API server is away, or refuses the credentials): one episode, its cause in
-        the first line and in /readyz, not a warning per retry. Once one group could be
-        read, the kinds whose groups failed are left to ``_retry_failed_discovery`` and
-        the others are watched."""
-        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        while True:
-            try:
-                found = await discover_kinds(self.kube, self.settings.kinds)
-            except Exception:
-                # A bug must not stop the daemon: say so, count it, try again.
-                delay = backoff.next()
-                metrics.ERRORS.labels("discovery").inc()
-                log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
-                await asyncio.sleep(delay)
-                continue
-            if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
-                delay = backoff.next()
-                self._discovery_failed(found.first_error, f"retry in {delay:.3f}s")
-                await asyncio.sleep(delay)
-                continue
-            self._discovery_works()
-            self.discovery_failed = dict(found.failed)
-            if found.failed:
-                log.warning(
-                    "discovery_failed",
-                    kinds=sorted(found.failed),
-                    error=next(iter(found.failed.values())),
-                    watching=[k.key for k in found.kinds],
-                )
-            log.info("discovered", kinds=[k.key for k in found.kinds])
-            return found.kinds
-
-    async def _retry_failed_discovery(self) -> None:
-        """Kinds whose group failed the first discovery are asked again, with backoff,
-        until their group answers: served, they get their watches; 404, they are not
-        served (and the periodic re-discovery looks again, as for any kind)."""
-        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        while self.discovery_failed:
-            await asyncio.sleep(backoff.next())
-            wanted = tuple(self.discovery_failed)
-            try:
-                found = await discover_kinds(self.kube, wanted)
-            except Exception:
-                # A bug must not stop the retries: say so, count it, try again.
-                metrics.ERRORS.labels("discovery").inc()
-                log.exception("discovery_failed_unexpectedly", kinds=list(wanted))
-                continue
-            for key in wanted:
-                if key not in found.failed:
-                    self.discovery_failed.pop(key, None)
-                elif found.failed[key] != self.discovery_failed.get(key):
-                    log.warning("discovery_failed", kinds=[key], error=found.failed[key])
-                    self.discovery_failed[key] = found.failed[key]
-            new = [k for k in found.kinds if k.key not in {have.key for have in self.kinds}]
-            if new or len(found.failed) < len(wanted):
-                log.info("discovered", kinds=[k.key for k in found.kinds], retried=list(wanted))
-            if new:
-                kinds = [*self.kinds, *new]
-                kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
-                self._follow_kinds(kinds)
-
-    def _discovery_failed(self, err: KubeError, then: str) -> None:
-        cause = failure_cause(err)
-        self.discovery_problem = f"{cause}: {err}"
-        self.discovery_failures.failed(self.kube.host, cause, f"{err} ({then})")
-
-    def _discovery_works(self) -> None:
-        self.discovery_problem = None
-        self.discovery_failures.recovered(self.kube.host)
-
-    async def _rediscover(self) -> None:
-        """Every check interval, look again at which Flink CRDs are served: a CRD installed
-        after canaryd started gets its watches; a removed one loses them — once a second
-        look, a backoff later, confirms it: one API server replica that briefly answers
-        404 for the group must not drop every canary until the next interval."""
-        while True:
-            await asyncio.sleep(self.settings.config_check_interval)
-            try:
-                found = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
-                # A group that failed to answer this time keeps the kinds it had.
-                kinds = [
-                    *found.kinds,
-                    *(k for k in self.kinds if k.key in found.failed),
-                ]
-                lost = {k.key for k in self.kinds} - {k.key for k in kinds}
-                if lost:
-                    await asyncio.sleep(self.settings.backoff_max)
-                    again = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
-                    confirmed = {k.key for k in again.kinds} | set(again.failed)
-                    kinds += [k for k in self.kinds if k.key in lost and k.key in confirmed]
-                kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
-                if kinds != self.kinds:
-                    self._follow_kinds(kinds)
-                if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
-                    kept = ", ".join(k.key for k in self.kinds)
-                    self._discovery_failed(found.first_error, f"keeping {kept}")
-                else:
-                    self._discovery_works()
-            except KubeError as err:
-                self._discovery_failed(err, f"keeping {', '.join(k.key for k in self.kinds)}")
-            except Exception:
-                metrics.ERRORS.labels("discovery").inc()
-                keeping = [k.key for k in self.kinds]
-                log.exception("rediscovery_failed_unexpectedly", keeping=keeping)
-
     def _follow_kinds(self, kinds: list[Kind]) -> None:
-        log.info("kinds_changed", was=[k.key for k in self.kinds], now=[k.key for k in kinds])
-        for kind in kinds:
-            self.discovery_failed.pop(kind.key, None)
-        removed = {k.key for k in self.kinds} - {k.key for k in kinds}
+        """Discovery changed the served kinds: a kind no longer served loses its canaries."""
+        removed = {scope.kind.key for scope in self._watches if scope.kind is not None}
+        removed -= {k.key for k in kinds}
         self.registry.forget_where(
             lambda key: key.kind in removed, "gone", "its CRD is no longer served"
         )
-        self.kinds = kinds
         self._reconcile()
 
     # ----------------------------------------------------------- namespaces
@@ -717,7 +613,7 @@ class Watcher:
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
                 sync=sync,
-                on_resumed=lambda: self.registry.observer.scope_resumed(key),
+                on_resumed=lambda: self._on_scope_resumed(key),
                 failures=self.failures,
                 list_slots=self._list_slots,
             )
@@ -808,8 +704,11 @@ class Watcher:
                 closed.add(str((obj.get("metadata") or {}).get("name")))
         for name in closed - self.registry.closed_namespaces:
             self._close_namespace(name, "its namespace is terminating")
-        reopened = self.registry.closed_namespaces - closed
-        self.registry.closed_namespaces = closed
+        reopened = [
+            name
+            for name in self.registry.closed_namespaces - closed
+            if self.registry.reopen_namespace(name)
+        ]
         if reopened:
             self._reconcile()
 
@@ -823,18 +722,16 @@ class Watcher:
         self.check_coverage()
         if event == "DELETED":
             self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
-            self.registry.closed_namespaces.discard(name)  # a namespace of that name may come
+            self.registry.reopen_namespace(name)  # a namespace of that name may come
             self._reconcile()
         elif self._terminating(obj):
             if name not in self.registry.closed_namespaces:
                 self._close_namespace(name, "its namespace is terminating")
-        elif name in self.registry.closed_namespaces:
-            self.registry.closed_namespaces.discard(name)
+        elif self.registry.reopen_namespace(name):
             self._reconcile()
 
     def _close_namespace(self, name: str, why: str) -> None:
-        self.registry.closed_namespaces.add(name)
-        self.registry.forget_namespace(name, "namespace_closed", why)
+        self.registry.close_namespace(name, why)
         self._reconcile()
 
     def _namespaces_denied(self, err: KubeError) -> None:

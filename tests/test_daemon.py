@@ -753,7 +753,10 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
             )
             coverage = watcher.coverage()
             assert coverage["kind_not_served"] == 2  # a kind x two namespaces
-            assert coverage["listed"] == 1  # flinkdeployments@does-not-exist lists (empty)
+            # flinkdeployments@does-not-exist lists (an empty 200) but counts as missing
+            # only: each of the 2 x 2 wanted scopes once.
+            assert coverage["listed"] == 0
+            assert sum(coverage.values()) == 4, coverage
             status, text = await run.get("/readyz")
             assert status == 200, text
             assert "forbidden (403): flinkdeployments@locked" in text

@@ -135,7 +135,13 @@ class Run:
             self.kube,  # type: ignore[arg-type]
             clock=lambda: self.now,
         )
-        self.watcher = Watcher(self.settings, self.registry, self.kube)  # type: ignore[arg-type]
+        self.registry.attach(self.scheduler)
+        self.watcher = Watcher(
+            self.settings,
+            self.registry,
+            self.kube,  # type: ignore[arg-type]
+            on_scope_resumed=self.scheduler.scope_resumed,
+        )
         self.watcher.settings = self.settings
         self.violations = self.kube.violations
         original = self.registry.set_state
@@ -168,7 +174,12 @@ class Run:
         uid = obj["metadata"]["uid"]
         self.cluster.delivered.setdefault(uid, []).append((self.now, obj["metadata"]["generation"]))
         self.watcher._canary_event(self.watcher_kind, event, obj)
-        self.registry.scope_delivered(SCOPE, self.now)
+        self.scope_delivered()
+
+    def scope_delivered(self) -> None:
+        """An event or a bookmark arrived on the scope (as ListWatch tells it)."""
+        if self.registry.scope(SCOPE, self.now).delivered(self.now):
+            self.scheduler.scope_resumed(SCOPE)
 
     @property
     def watcher_kind(self) -> Any:
@@ -303,9 +314,9 @@ async def play(steps: list[tuple[Any, ...]]) -> list[str]:
                 case ("label", name, value):
                     run.relabel(name, value)
                 case ("watch_down",):
-                    run.registry.scope_down(SCOPE, run.now)
+                    run.registry.scope(SCOPE, run.now).dropped(run.now)
                 case ("watch_resumed",):
-                    run.registry.scope_delivered(SCOPE, run.now)
+                    run.scope_delivered()
             for _ in range(5):
                 await asyncio.sleep(0)  # let the bump tasks take their answers
             run.check_tracked()

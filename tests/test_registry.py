@@ -71,16 +71,12 @@ class Heard:
     def __init__(self) -> None:
         self.added: list[CanaryKey] = []
         self.forgotten: list[CanaryKey] = []
-        self.resumed: list[tuple[str, str | None]] = []
 
     def canary_added(self, canary: Canary) -> None:
         self.added.append(canary.key)
 
     def canary_forgotten(self, key: CanaryKey) -> None:
         self.forgotten.append(key)
-
-    def scope_resumed(self, scope: tuple[str, str | None]) -> None:
-        self.resumed.append(scope)
 
 
 def tracked(registry: Registry, name: str = "a") -> Canary:
@@ -92,13 +88,11 @@ def tracked(registry: Registry, name: str = "a") -> Canary:
 
 def test_observed_added_and_forgotten_are_told_to_the_observer():
     registry, heard = Registry(LABEL), Heard()
-    registry.observer = heard
+    registry.attach(heard)
     canary = tracked(registry)
-    registry.scope_delivered(("flinkdeployments", "ns1"), 1.0)  # out of sync until now
     registry.forget(canary.key, "deleted")
     key = CanaryKey("flinkdeployments", "ns1", "a")
     assert heard.added == [key] and heard.forgotten == [key]
-    assert heard.resumed == [("flinkdeployments", "ns1")]
 
 
 def test_bumped_then_judged_healthy_or_unhealthy():
