@@ -25,7 +25,9 @@ format: $(STAMP)
 	$(BIN)/ruff format canaryd tests bench
 	$(BIN)/ruff check --fix canaryd tests bench
 
-test: lint
+# Builds Helm and kustomize first when they are missing (`make helm`: tests/test_chart.py
+# lints and renders charts/canaryd with them; a cold build takes about 2 minutes).
+test: lint helm
 	$(BIN)/python -m pytest
 
 # canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
@@ -82,7 +84,8 @@ operator:
 	bash tests/operator/build.sh
 
 # Helm and kustomize built from their Go modules (tests/helm, pinned in go.mod there) into
-# .cache/helm and .cache/kustomize, for the test of the post-renderer; a no-op once built.
+# .cache/helm and .cache/kustomize, for the tests of charts/canaryd (make test) and of the
+# post-renderer (make e2e-operator); a no-op once built. Needs Go 1.26 or later.
 helm:
 	bash tests/helm/build.sh
 
