@@ -92,7 +92,8 @@ helm:
 # The real operator in the loop: tests/test_operator.py (the bug report's reproductions on
 # the operator's own probe and on canaryd, its metric names, real wedges - a half-open API
 # connection, SIGSTOP - under the sidecar's probe settings) and tests/test_helm.py (the
-# operator's own chart through config/helm/post-render, a server-side dry run). Builds what
+# operator's own chart through config/helm/post-render and through the GitOps kustomization
+# of docs/OPERATIONS.md, server-side dry runs). Builds what
 # it needs first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`,
 # Helm); about 15 minutes. Not in CI: it needs Java, Maven and a copy of the operator's
 # source.
