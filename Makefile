@@ -56,7 +56,7 @@ controlplane:
 # canaryd against the real control plane: tests/test_e2e.py (the bug report's reproductions
 # and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
 # server). CI runs it after `make test`.
-e2e: $(STAMP) controlplane
+e2e: $(STAMP) controlplane helm
 	CANARYD_E2E=controlplane $(BIN)/python -m pytest -p no:cacheprovider -rs \
 		tests/test_e2e.py tests/test_conformance.py
 

@@ -46,12 +46,16 @@ def _pinned(gomod: Path, module: str) -> str:
     raise AssertionError(f"{gomod} does not require {module}")
 
 
-@pytest.fixture(scope="module")
-def helm() -> Path:
+def helm_binary() -> Path:
     version = _pinned(ROOT / "tests" / "helm" / "go.mod", "helm.sh/helm/v3")
     binary = ROOT / ".cache" / "helm" / version / "bin" / "helm"
     assert binary.is_file(), f"{binary} is missing: run `make helm` (`make test` does)"
     return binary
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return helm_binary()
 
 
 def template(helm: Path, *values: str, release: str = RELEASE, namespace: str = NAMESPACE):
