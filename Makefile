@@ -25,7 +25,9 @@ format: $(STAMP)
 	$(BIN)/ruff format canaryd tests bench
 	$(BIN)/ruff check --fix canaryd tests bench
 
-test: lint
+# Builds Helm and kustomize first when they are missing (`make helm`: tests/test_chart.py
+# lints and renders charts/canaryd with them; a cold build takes about 2 minutes).
+test: lint helm
 	$(BIN)/python -m pytest
 
 # canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
@@ -54,7 +56,7 @@ controlplane:
 # canaryd against the real control plane: tests/test_e2e.py (the bug report's reproductions
 # and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
 # server). CI runs it after `make test`.
-e2e: $(STAMP) controlplane
+e2e: $(STAMP) controlplane helm
 	CANARYD_E2E=controlplane $(BIN)/python -m pytest -p no:cacheprovider -rs \
 		tests/test_e2e.py tests/test_conformance.py
 
@@ -82,14 +84,16 @@ operator:
 	bash tests/operator/build.sh
 
 # Helm and kustomize built from their Go modules (tests/helm, pinned in go.mod there) into
-# .cache/helm and .cache/kustomize, for the test of the post-renderer; a no-op once built.
+# .cache/helm and .cache/kustomize, for the tests of charts/canaryd (make test) and of the
+# post-renderer (make e2e-operator); a no-op once built. Needs Go 1.26 or later.
 helm:
 	bash tests/helm/build.sh
 
 # The real operator in the loop: tests/test_operator.py (the bug report's reproductions on
 # the operator's own probe and on canaryd, its metric names, real wedges - a half-open API
 # connection, SIGSTOP - under the sidecar's probe settings) and tests/test_helm.py (the
-# operator's own chart through config/helm/post-render, a server-side dry run). Builds what
+# operator's own chart through config/helm/post-render and through the GitOps kustomization
+# of docs/OPERATIONS.md, server-side dry runs). Builds what
 # it needs first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`,
 # Helm); about 15 minutes. Not in CI: it needs Java, Maven and a copy of the operator's
 # source.

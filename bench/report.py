@@ -101,7 +101,7 @@ work: CPU shares and latencies move with it).
 {table}
 
 The bump stages are canaryd's own SLI (`canaryd_bump_duration_seconds{{stage}}`,
-README "Alerts"): from a bump's PATCH to its answer (`answered`) and to the watch
+docs/OPERATIONS.md, the SLO): from a bump's PATCH to its answer (`answered`) and to the watch
 event that carries its generation (`observed`), over the window's bumps, estimated
 from the histogram's buckets as Prometheus' `histogram_quantile` does (linear within
 a bucket). Against the fake API server on the same two cores they measure canaryd

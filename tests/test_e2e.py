@@ -1171,6 +1171,134 @@ async def test_canaryd_check_names_patch_when_a_role_lacks_it_on_a_real_api_serv
     assert code == 2 and f"MISSING update leases/another in {CANARYD_NAMESPACE}" in lines, lines
 
 
+async def test_the_charts_objects_are_admitted_and_its_rbac_is_what_canaryd_check_asks(
+    cluster, tmp_path
+):
+    """charts/canaryd on a real kube-apiserver: every object it renders (default, HA with
+    monitoring off, namespaced) admitted by a server-side dry run; its ServiceAccount and
+    RBAC applied, `canaryd check` as that ServiceAccount with the Deployment's own args
+    and env (what `helm test` runs) exits 0; without the chart's RBAC it exits 2 naming
+    patch."""
+    plane = cluster.needs_plane()
+    import yaml
+
+    from tests.controlplane.launcher import namespace_object
+    from tests.test_chart import canaryd_container, helm_binary, one, template
+    from tests.test_helm import Discovery
+
+    helm = helm_binary()
+    release = f"chart-e2e-{os.getpid()}"
+    plane.apply(namespace_object(release))
+    watched = f"{release}-watched"
+    plane.apply(namespace_object(watched))
+    discovery = Discovery(plane)
+    variants = {
+        "default": [],
+        "ha": ["highAvailability.enabled=true"],
+        "namespaced": [f"watchNamespaces={{{watched}}}"],
+        "no-rbac": ["rbac.create=false", "admissionPolicy.enabled=false"],
+    }
+    rendered = {
+        name: template(helm, *values, release=release, namespace=release)
+        for name, values in variants.items()
+    }
+    for name, objects in rendered.items():
+        for obj in objects:
+            if obj["kind"] == "Pod":
+                continue  # helm test's pod: the check below runs what it runs
+            namespaced = "/namespaces/" in discovery.path(
+                {**obj, "metadata": {**obj["metadata"], "namespace": release}}
+            )
+            if namespaced:
+                obj["metadata"].setdefault("namespace", release)
+            path = discovery.path(obj) + "?dryRun=All&fieldValidation=Strict"
+            status, body = plane.request("POST", path, obj)
+            assert status == 201, (name, obj["kind"], obj["metadata"]["name"], status, body)
+
+    def kubeconfig(account: str) -> Path:
+        path = tmp_path / f"{account}.kubeconfig"
+        token = plane.service_account_token(release, account)
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "e2e",
+                            "cluster": {
+                                "server": plane.url,
+                                "certificate-authority": str(plane.ca_file),
+                            },
+                        }
+                    ],
+                    "users": [{"name": account, "user": {"token": token}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "e2e", "user": account}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        return path
+
+    async def check_as_helm_test(objects: list[dict[str, Any]]) -> tuple[int, list[str]]:
+        """The chart's ServiceAccount and RBAC applied (the rest is not needed to ask),
+        then `canaryd check` with the Deployment's args and env, until the new bindings
+        are in the authorizer's cache (bounded)."""
+        for obj in objects:
+            if obj["kind"] in (
+                "ServiceAccount",
+                "Role",
+                "RoleBinding",
+                "ClusterRole",
+                "ClusterRoleBinding",
+            ):
+                plane.apply(obj, obj["metadata"].get("namespace", release))
+        container = canaryd_container(one(objects, "Deployment"))
+        account = one(objects, "ServiceAccount")["metadata"]["name"]
+        env = [f"{e['name']}={e['value']}" for e in container["env"] if "value" in e]
+        env += [f"CANARYD_LEASE_NAMESPACE={release}", "CANARYD_IDENTITY=check"]
+        path = kubeconfig(account)
+
+        async def granted() -> Any:
+            process = await asyncio.create_subprocess_exec(
+                "env",
+                *env,
+                sys.executable,
+                "-m",
+                "canaryd",
+                "check",
+                "--kubeconfig",
+                str(path),
+                *container["args"],
+                cwd=ROOT,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            async with asyncio.timeout(60):
+                out, err = await process.communicate()
+            lines = (out.decode() + err.decode()).splitlines()
+            return (process.returncode, lines) if process.returncode == 0 else None
+
+        result: tuple[int, list[str]] = await eventually(granted, "the chart's RBAC in effect", 30)
+        return result
+
+    code, lines = await check_as_helm_test(rendered["ha"])
+    assert lines[-1].startswith("canaryd check: all ") and plane.url in lines[-1], lines
+    (lease,) = [
+        e["value"]
+        for e in canaryd_container(one(rendered["ha"], "Deployment"))["env"]
+        if e["name"] == "CANARYD_LEASE_NAME"
+    ]
+    assert f"ok   update leases/{lease} in {release}" in lines, lines
+    code, lines = await check_as_helm_test(rendered["namespaced"])
+    assert f"ok   patch flinkdeployments in {watched}" in lines, lines
+    # Without the chart's RBAC: what is missing, named.
+    bare = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "bare"}}
+    plane.apply(bare, release)
+    code, lines = await canaryd_check(kubeconfig("bare"))
+    assert code == 2 and "MISSING patch flinkdeployments in all namespaces" in lines, lines
+
+
 # ------------- config/admission: the operator's stale replace, refused where it lands
 
 OPERATOR_NAMESPACE, OPERATOR_SA = "flink-operator", "flink-operator"

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.test_packaging import CHART_DEFAULT_OVERRIDES
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config"
 OVERLAYS = ROOT / ".cache" / "node" / "overlays"
@@ -281,10 +283,11 @@ def test_standalone_canaryd_wedged_is_restarted_once(node, standalone):
 
 
 def operator_config(namespace: str) -> dict[str, Any]:
-    """The operator's ConfigMap as the chart renders it with config/sidecar/helm-values.yaml,
-    the cycle shortened and the watched namespace the test's own."""
-    values = yaml.safe_load((CONFIG / "sidecar" / "helm-values.yaml").read_text())
-    conf = values["defaultConfiguration"]["flink-conf.yaml"]
+    """The operator's ConfigMap as the chart renders it (its own defaults: config/sidecar
+    replaces nothing of it; the reporter is its override ConfigMap's, on canaryd's default
+    port, where the stand-in serves it), the cycle shortened and the watched namespace the
+    test's own."""
+    conf = CHART_DEFAULT_OVERRIDES
     conf += f"kubernetes.operator.health.canary.resource.timeout: {CYCLE}\n"
     conf += f"kubernetes.operator.watched.namespaces: {namespace}\n"
     return {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -71,9 +72,23 @@ def kustomize() -> Path:
 
 
 @pytest.fixture(scope="module")
-def chart() -> Path:
+def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The operator's chart as `make operator` copies it; before that build, from
+    FLINK_OPERATOR_SRC when it is a local git directory (the chart at FLINK_OPERATOR_REF:
+    rendering needs no operator build)."""
     path = ROOT / ".cache" / "operator" / f"{OPERATOR_REF}-flink{FLINK_VERSION}" / "helm"
     path /= "flink-kubernetes-operator"
+    source = os.environ.get("FLINK_OPERATOR_SRC", "")
+    if not (path / "Chart.yaml").is_file() and source and Path(source).is_dir():
+        out = tmp_path_factory.mktemp("operator-chart")
+        archive = subprocess.run(
+            ["git", "-C", source, "archive", OPERATOR_REF, "helm/flink-kubernetes-operator"],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive, timeout=60, check=True)
+        path = out / "helm" / "flink-kubernetes-operator"
     assert (path / "Chart.yaml").is_file(), (
         f"{path} is missing: run `make operator FLINK_OPERATOR_SRC=...` (it copies the chart)"
     )
@@ -320,7 +335,7 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
         docs = render(helm, chart, *values, env=env)
         # The post-renderer adds the sidecar and config/admission's policy for the
         # operator's service account as the chart renders it, and changes nothing else.
-        assert _names(docs) == sorted(_names(unchanged) + POLICY), how
+        assert _names(docs) == sorted(_names(unchanged) + ADDED), how
         (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
         (account,) = [
             d
@@ -330,7 +345,7 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
         assert operator_identity(policy) == (
             f"system:serviceaccount:{RELEASE_NAMESPACE}:{account['metadata']['name']}"
         ), how
-        docs_without_policy = [d for d in docs if (d["kind"], d["metadata"]["name"]) not in POLICY]
+        docs_without_policy = [d for d in docs if (d["kind"], d["metadata"]["name"]) not in ADDED]
         (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
         check_sidecar(deployment, chart_containers)
         (original,) = [d for d in unchanged if d["kind"] == "Deployment"]
@@ -346,10 +361,13 @@ def test_the_chart_through_the_post_renderer_passes_a_server_side_dry_run(
         print(f"{how}, webhook {'on' if webhook else 'off'}: {len(docs)} objects admitted")
 
 
-POLICY = [
+ADDED = [
+    ("ConfigMap", "canaryd-operator-conf-override"),
     ("ValidatingAdmissionPolicy", "canaryd-keep-canary-metadata"),
     ("ValidatingAdmissionPolicyBinding", "canaryd-keep-canary-metadata"),
 ]
+"""What config/sidecar adds beside the chart's objects: the operator's reporter (its
+CONF_OVERRIDE_DIR) and config/admission's policy."""
 
 
 def _names(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -368,6 +386,12 @@ def _without_sidecar(deployment: dict[str, Any]) -> dict[str, Any]:
     for container in pod["containers"]:
         if container["name"] == "flink-kubernetes-operator":
             container.pop("livenessProbe", None)
+            container["env"] = [e for e in container["env"] if e["name"] != "CONF_OVERRIDE_DIR"]
+            container["volumeMounts"] = [
+                m
+                for m in container["volumeMounts"]
+                if m["name"] != "canaryd-operator-conf-override"
+            ]
     added = {
         v["name"]
         for v in yaml.safe_load(SIDECAR_PATCH.read_text())["spec"]["template"]["spec"].get(
@@ -412,3 +436,204 @@ def test_a_chart_whose_deployment_has_another_name_is_refused(helm, kustomize, c
     )
     assert result.returncode != 0
     assert "canaryd was not added" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------- GitOps
+
+OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
+REMOTE = re.compile(r"https://github\.com/ORG/canaryd//config/sidecar\?ref=(v[0-9.]+)")
+
+
+def gitops_kustomization() -> dict[str, Any]:
+    """The kustomization docs/OPERATIONS.md gives for GitOps, as written there."""
+    text = OPERATIONS.read_text()
+    block = text.split("```yaml\n# kustomization.yaml\n", 1)[1].split("```", 1)[0]
+    spec: dict[str, Any] = yaml.safe_load(block)
+    return spec
+
+
+def canaryd_remote(tmp_path: Path, ref: str) -> Path:
+    """A git repository holding this checkout's config/sidecar and config/admission,
+    tagged ``ref``: what kustomize fetches for ``//config/sidecar?ref=``, as it fetches
+    canaryd's repository from its host."""
+    repo = tmp_path / "canaryd.git"
+    for part in ("sidecar", "admission"):
+        shutil.copytree(ROOT / "config" / part, repo / "config" / part)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (
+        ["init", "-q", "-b", "main"],
+        ["add", "-A"],
+        ["commit", "-q", "-m", "canaryd"],
+        ["tag", ref],
+    ):
+        subprocess.run(git + args, capture_output=True, timeout=60, check=True)
+    return repo
+
+
+def gitops_render(
+    helm: Path, kustomize: Path, chart: Path, tmp_path: Path, values: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """``kustomize build --enable-helm`` of the documented kustomization, as Argo CD runs
+    it: the chart from a chart home instead of its repository (no network here), the
+    component from a git repository at the documented ref."""
+    spec = gitops_kustomization()
+    (entry,) = spec["helmCharts"]
+    assert (
+        entry["repo"]
+        == f"https://downloads.apache.org/flink/flink-kubernetes-operator-{entry['version']}/"
+    )
+    assert f"release-{entry['version']}" == OPERATOR_REF
+    (component,) = spec["components"]
+    match = REMOTE.fullmatch(component)
+    assert match, component
+    ref = match.group(1)
+    from canaryd import __version__
+
+    assert ref == f"v{__version__}", "the documented ref is this version's tag"
+    app = tmp_path / "app"
+    shutil.copytree(chart, app / "charts" / entry["name"])
+    entry = {k: v for k, v in entry.items() if k not in ("repo", "version")}
+    if values is not None:
+        entry["valuesInline"] = {**entry["valuesInline"], **values}
+    remote = canaryd_remote(tmp_path, ref)
+    spec = {
+        **spec,
+        "helmGlobals": {"chartHome": "charts"},
+        "helmCharts": [entry],
+        "components": [f"file://{remote}//config/sidecar?ref={ref}"],
+    }
+    (app / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run(
+        [str(kustomize), "build", "--enable-helm", "--helm-command", str(helm), str(app)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def flink_conf(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+    parsed: dict[str, Any] = yaml.safe_load(config["data"]["flink-conf.yaml"]) or {}
+    return parsed
+
+
+def test_the_sidecar_as_a_remote_component_beside_the_chart_rendered_by_kustomize(
+    helm, kustomize, chart, plane, tmp_path
+):
+    """docs/OPERATIONS.md's GitOps kustomization: the operator's own chart through
+    kustomize's helmCharts, config/sidecar as a remote component at canaryd's tag. The
+    same objects as the post-renderer renders from the same values; the chart's
+    ConfigMap as the values make it; the reporter on through the override; a real API
+    server admits it all."""
+    docs = gitops_render(helm, kustomize, chart, tmp_path / "documented")
+    objects = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
+    assert len(objects) < len(docs), "includeCRDs: the chart's CRDs come along"
+    image = "REGISTRY/canaryd:0.1.0"
+    (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+    assert containers(deployment)["canaryd"]["image"] == image
+    # What the post-renderer makes of the same chart and the same values.
+    post_rendered = render(helm, chart, "webhook.create=false", env={"CANARYD_IMAGE": image})
+    assert _sorted([_without_nulls(d) for d in objects]) == _sorted(
+        [_without_nulls(d) for d in post_rendered]
+    )
+    check_sidecar(
+        {**deployment, "spec": _with_image(deployment["spec"], IMAGE)},
+        {"flink-kubernetes-operator"},
+    )
+    operator = containers(deployment)["flink-kubernetes-operator"]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in operator["volumeMounts"]}
+    assert mounts["canaryd-operator-conf-override"] == env["CONF_OVERRIDE_DIR"]
+    assert {"FLINK_CONF_DIR", "JVM_ARGS"} <= set(env), "the chart's own env is kept"
+    (override,) = [d for d in objects if d["metadata"]["name"] == "canaryd-operator-conf-override"]
+    assert override["metadata"]["namespace"] == RELEASE_NAMESPACE
+    # The chart's ConfigMap is the chart's: nothing of canaryd's in it or instead of it.
+    plain = subprocess.run(
+        [
+            str(helm),
+            "template",
+            "flink-kubernetes-operator",
+            str(chart),
+            "--namespace",
+            RELEASE_NAMESPACE,
+            "--set",
+            "webhook.create=false",
+            "--set",
+            "metrics.port=9249",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    (chart_config,) = [
+        d
+        for d in yaml.safe_load_all(plain)
+        if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == "flink-operator-config"
+    ]
+    (config,) = [
+        d
+        for d in objects
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "flink-operator-config"
+    ]
+    assert config == _without_nulls(chart_config)
+    answers = dry_run(plane, objects)
+    check_sidecar(
+        {
+            **answers["Deployment/flink-kubernetes-operator"],
+            "spec": _with_image(answers["Deployment/flink-kubernetes-operator"]["spec"], IMAGE),
+        },
+        {"flink-kubernetes-operator"},
+    )
+    print(f"GitOps: {len(objects)} objects and {len(docs) - len(objects)} CRDs admitted")
+
+
+def test_a_users_own_operator_configuration_is_kept_beside_the_reporter(
+    helm, kustomize, chart, tmp_path
+):
+    """Values to merge: the user's own defaultConfiguration."flink-conf.yaml" stays what
+    the user wrote, and the operator's effective configuration (its file, then the
+    override directory's keys over it) has both the user's keys and the reporter."""
+    own = (
+        "kubernetes.operator.reconcile.interval: 30 s\n"
+        "kubernetes.operator.reconcile.parallelism: 7\n"
+    )
+    docs = gitops_render(
+        helm, kustomize, chart, tmp_path, values={"defaultConfiguration": {"flink-conf.yaml": own}}
+    )
+    main = flink_conf(docs, "flink-operator-config")
+    assert main["kubernetes.operator.reconcile.interval"] == "30 s"
+    assert main["kubernetes.operator.reconcile.parallelism"] == 7
+    effective = {**main, **flink_conf(docs, "canaryd-operator-conf-override")}
+    assert effective["kubernetes.operator.reconcile.parallelism"] == 7
+    assert effective["kubernetes.operator.metrics.reporter.prom.factory.class"].endswith(
+        "PrometheusReporterFactory"
+    )
+    # canaryd reads the chart's file (its mount of the operator's conf): the reporter's
+    # port there is canaryd's default, the one the override sets.
+    from canaryd.config import load_settings
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (config,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "flink-operator-config"
+    ]
+    (conf / "flink-conf.yaml").write_text(config["data"]["flink-conf.yaml"])
+    settings = load_settings(["--operator-config", str(conf)], {})
+    port = effective["kubernetes.operator.metrics.reporter.prom.port"]
+    assert settings.operator_metrics_url == f"http://127.0.0.1:{port}/metrics"
+
+
+def _with_image(spec: dict[str, Any], image: str) -> dict[str, Any]:
+    """The pod spec with canaryd's image set to ``image`` (check_sidecar's)."""
+    spec = copy.deepcopy(spec)
+    for container in spec["template"]["spec"]["containers"]:
+        if container["name"] == "canaryd":
+            container["image"] = image
+    return spec

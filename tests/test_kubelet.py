@@ -22,8 +22,8 @@ The operator container runs the fake Flink operator (canaryd/testing/operator.py
 watches the canaries through the fake API server, reconciles them and serves its JOSDK
 counters in the Prometheus reporter's format, which canaryd reads under the rendered
 sidecar args (``--reconciled-by=operator-metrics``); a restart of the container is a new
-operator process. The operator's ConfigMap is what config/sidecar/helm-values.yaml puts
-in it, plus the cycle (scaled).
+operator process. The operator's ConfigMaps are the chart's and config/sidecar's (its
+reporter), plus the cycle (scaled).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from canaryd.testing.apiserver import LEASES, FakeKube, Fault
 from tests import kubelet as k
 from tests.harness import create_canary
 from tests.promseries import EVALUATION, Expect, alert_for, check_alerts, on_grid, promtool
+from tests.test_packaging import CHART_DEFAULT_OVERRIDES
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -101,20 +102,30 @@ def operator_launch(container: k.ContainerSpec, host: k.PodHost) -> k.Command:
     )
 
 
-HELM_VALUES = yaml.safe_load((k.CONFIG / "sidecar" / "helm-values.yaml").read_text())
+OVERRIDE = yaml.safe_load((k.CONFIG / "sidecar" / "operator-conf-override.yaml").read_text())
 
 
 def operator_config_maps(host: k.PodHost) -> dict[str, dict[str, str]]:
-    """The operator's ConfigMap as the chart renders it with config/sidecar/helm-values.yaml,
-    with the canary cycle (the operator's default, 1 min) scaled. A port in it is the
-    pod's own, placed by the pod's port map here."""
-    conf = re.sub(
-        r"(?m)^(kubernetes\.operator\.metrics\.reporter\.\w+\.port:[ \t]*)(\d+)[ \t]*$",
-        lambda m: f"{m.group(1)}{host.port(int(m.group(2)))}",
-        HELM_VALUES["defaultConfiguration"]["flink-conf.yaml"],
-    )
+    """The operator's ConfigMaps: the chart's (its default flink-conf.yaml, the canary
+    cycle, the operator's default of 1 min, scaled) and config/sidecar's reporter
+    override. A port in them is the pod's own, placed by the pod's port map here; the
+    reporter's port is also written into the chart's file, where canaryd reads it: its
+    default, 9249, is one fixed port, and the pods here share one host."""
+
+    def mapped(text: str) -> str:
+        return re.sub(
+            r"(?m)^(kubernetes\.operator\.metrics\.reporter\.\w+\.port:[ \t]*)(\d+)[ \t]*$",
+            lambda m: f"{m.group(1)}{host.port(int(m.group(2)))}",
+            text,
+        )
+
+    override = mapped(OVERRIDE["data"]["flink-conf.yaml"])
+    conf = CHART_DEFAULT_OVERRIDES + override
     conf += f"kubernetes.operator.health.canary.resource.timeout: {SCALE(SHIPPED_CYCLE)}s\n"
-    return {"flink-operator-config": {"flink-conf.yaml": conf, "log4j-operator.properties": ""}}
+    return {
+        "flink-operator-config": {"flink-conf.yaml": conf, "log4j-operator.properties": ""},
+        OVERRIDE["metadata"]["name"]: {"flink-conf.yaml": override},
+    }
 
 
 @dataclass

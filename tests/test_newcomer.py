@@ -51,23 +51,3 @@ async def test_watched_namespaces_counts_all_namespaces_when_all_are_watched(kub
         await run.until(lambda: metrics.WATCHED_NAMESPACES._value.get() == 4, "4 namespaces")
         kube.delete(kube.types["namespaces"], None, "c")
         await run.until(lambda: metrics.WATCHED_NAMESPACES._value.get() == 3, "3 namespaces")
-
-
-def test_the_readme_stands_alone_every_path_it_names_is_in_the_repository():
-    """A reader has the repository, not the project's shared folder: every file or
-    directory of it the README names exists, and nothing points outside it."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    assert "shared folder" not in readme and "seed's" not in readme
-    named = set(
-        re.findall(r"(?<![\w/.])((?:config|docs|tests|canaryd|bench)/[\w./-]*[\w/])", readme)
-    )
-    assert {"docs/DESIGN.md", "config/helm/post-render", "config/samples"} <= named, named
-    not_paths = {"canaryd/canaryd"}  # the ServiceAccount's namespace/name
-    missing = sorted(p for p in named - not_paths if not (root / p).exists())
-    assert not missing, missing
-    assert "--once`; otherwise" not in readme  # make demo cannot pass --once
-    assert ".venv/bin/canaryd" in readme and "apply -n default -k config/samples" in readme

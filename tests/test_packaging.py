@@ -207,25 +207,74 @@ def test_sidecar_points_the_operator_liveness_at_canaryd():
     assert flag_value(canaryd["args"], "--reconciled-by") == "operator-metrics"
 
 
-def test_the_sidecars_helm_values_set_up_the_reporter_canaryd_reads(tmp_path):
-    """config/sidecar/helm-values.yaml turns on Flink's Prometheus reporter in the
-    chart's ConfigMap: canaryd, reading that file as the sidecar does, finds it there
-    and reads the port the chart exposes."""
+CHART_DEFAULT_OVERRIDES = (
+    "# Flink Config Overrides\n"
+    "kubernetes.operator.metrics.reporter.slf4j.factory.class: "
+    "org.apache.flink.metrics.slf4j.Slf4jReporterFactory\n"
+    "kubernetes.operator.metrics.reporter.slf4j.interval: 5 MINUTE\n"
+    "\n"
+    "kubernetes.operator.reconcile.interval: 15 s\n"
+    "kubernetes.operator.observer.progress-check.interval: 5 s\n"
+)
+"""The operator chart's own ``defaultConfiguration."flink-conf.yaml"`` (release 1.15.0):
+what its ConfigMap holds when nobody replaces it."""
+
+
+def test_the_sidecars_helm_values_merge_and_replace_no_configuration():
+    """config/sidecar/helm-values.yaml sets no part of the chart's configuration: a
+    values file merged with the user's, nothing of defaultConfiguration replaced."""
     values = yaml.safe_load((CONFIG / "sidecar" / "helm-values.yaml").read_text())
-    conf = tmp_path / "flink-conf.yaml"
-    conf.write_text(values["defaultConfiguration"]["flink-conf.yaml"])
-    settings = load_settings(
-        ["--operator-config", str(tmp_path), "--reconciled-by", "operator-metrics"], {}
+    assert set(values) == {"metrics"}, "values to merge: no defaultConfiguration"
+    override = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "ConfigMap")
+    conf = yaml.safe_load(override["data"]["flink-conf.yaml"])
+    assert conf["kubernetes.operator.metrics.reporter.prom.port"] == values["metrics"]["port"]
+
+
+def test_the_sidecar_turns_on_the_reporter_canaryd_reads_beside_the_charts_config(tmp_path):
+    """The component's ConfigMap is the operator's CONF_OVERRIDE_DIR (its keys win over
+    the chart's flink-conf.yaml, which stays the user's); canaryd, reading the chart's
+    file as the sidecar does, reads the reporter at the port the override sets."""
+    objects = built(CONFIG / "sidecar-example")
+    deployment = next(d for d in objects if d["kind"] == "Deployment")
+    override = next(d for d in objects if d["kind"] == "ConfigMap")
+    assert override["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    operator = container(deployment, "flink-kubernetes-operator")
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in operator["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    (name,) = [
+        n
+        for n, v in volumes.items()
+        if v.get("configMap", {}).get("name") == (override["metadata"]["name"])
+    ]
+    assert mounts[name] == env["CONF_OVERRIDE_DIR"]
+    assert "canaryd" not in {m["name"] for m in container(deployment, "canaryd")["volumeMounts"]}
+    # The operator's effective configuration: its conf, then the override's keys over it
+    # (FlinkConfigManager.loadGlobalConfiguration); the chart's own settings kept.
+    effective = {
+        **yaml.safe_load(CHART_DEFAULT_OVERRIDES),
+        **yaml.safe_load(override["data"]["flink-conf.yaml"]),
+    }
+    assert effective["kubernetes.operator.reconcile.interval"] == "15 s"
+    assert effective["kubernetes.operator.metrics.reporter.prom.factory.class"].endswith(
+        "PrometheusReporterFactory"
     )
-    assert settings.operator_metrics_url == f"http://127.0.0.1:{values['metrics']['port']}/metrics"
-    # The chart's own defaults are kept (the key replaces the chart's string).
-    assert "kubernetes.operator.reconcile.interval: 15 s" in conf.read_text()
+    (tmp_path / "flink-conf.yaml").write_text(CHART_DEFAULT_OVERRIDES)
+    args = container(deployment, "canaryd")["args"]
+    config = flag_value(args, "--operator-config")
+    assert config == mounts["flink-operator-config-volume"]
+    settings = load_settings(
+        [a for a in args if not a.startswith("--operator-config")]
+        + ["--operator-config", str(tmp_path)],
+        {},
+    )
+    port = effective["kubernetes.operator.metrics.reporter.prom.port"]
+    assert settings.operator_metrics_url == f"http://127.0.0.1:{port}/metrics"
 
 
 def test_the_sidecar_example_is_the_chart_rendered_with_the_sidecars_helm_values():
     """The stand-in Deployment is what the chart renders with helm-values.yaml: the
-    reporter's container port (metrics.port) and the ConfigMap item the values set
-    (the chart mounts flink-conf.yaml when the values have it, else config.yaml)."""
+    reporter's container port (metrics.port), and the chart's flink-conf.yaml item."""
     values = yaml.safe_load((CONFIG / "sidecar" / "helm-values.yaml").read_text())
     deployment = next(d for d in built(CONFIG / "sidecar-example") if d["kind"] == "Deployment")
     operator = container(deployment, "flink-kubernetes-operator")
@@ -237,7 +286,7 @@ def test_the_sidecar_example_is_the_chart_rendered_with_the_sidecars_helm_values
         if v["name"] == "flink-operator-config-volume"
     )
     keys = {item["key"] for item in volume["configMap"]["items"]}
-    assert set(values["defaultConfiguration"]) & {"flink-conf.yaml", "config.yaml"} <= keys
+    assert "flink-conf.yaml" in keys
 
 
 POST_RENDER = CONFIG / "helm" / "post-render"
@@ -276,6 +325,7 @@ def test_the_helm_post_renderer_adds_the_sidecar_with_the_image_asked(image, wan
     assert result.returncode == 0, result.stderr
     rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert sorted(d["kind"] for d in rendered) == [
+        "ConfigMap",  # the operator's reporter (operator-conf-override.yaml)
         "Deployment",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",

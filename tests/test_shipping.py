@@ -533,13 +533,22 @@ async def test_the_fakes_access_reviews_answer_as_its_requests_are_answered(kube
             assert answer.status == 422 and (await answer.json())["reason"] == "Invalid"
 
 
-def test_the_readme_documents_check_and_version():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Before you deploy: `canaryd check`, and `--version`", 1)[1]
-    section = section.split("\n### ", 1)[0]
+def test_the_docs_document_check_and_version():
+    """docs/OPERATIONS.md has the whole of it; the README's deploy section says what it
+    asks and what its exit status means."""
+    operations = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    section = operations.split("## Before you deploy: `canaryd check`, and `--version`", 1)[1]
+    section = section.split("\n## ", 1)[0]
     assert "canaryd check --kubeconfig" in section and "canaryd --version" in section
     for verb in KIND_VERBS:
         assert f"`{verb}`" in section, verb
     assert "exits 0 when all are granted, 2" in section
     assert "    ok   list flinkdeployments in team-a" in section
     assert "    MISSING patch flinkdeployments in team-a" in section
+    readme = (ROOT / "README.md").read_text()
+    brief = " ".join(readme.split("### Before you deploy: `canaryd check`", 1)[1].split())
+    assert brief.startswith(".venv/bin/canaryd check --kubeconfig")
+    assert "exit 0 when all are granted, 2 naming what is missing" in brief
+    for verb in KIND_VERBS:
+        assert verb in brief.split("###", 1)[0], verb
+    assert "canaryd --version" in readme

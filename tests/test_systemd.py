@@ -180,12 +180,15 @@ def test_unit_file_has_what_the_daemon_relies_on():
 
 def test_the_install_lines_install_this_project_with_a_least_privilege_kubeconfig():
     """PyPI's "canaryd" is an unrelated project: the unit's install lines (and the
-    README's) install this one from its source, hand over a kubeconfig made by `make
-    kubeconfig`'s tool rather than an admin's, and install the Documentation= file."""
-    readme = (UNIT.parents[2] / "README.md").read_text()
-    section = readme[readme.index("### systemd") :]
-    section = section[: section.index("\n## ")]
-    for text in (UNIT.read_text(), section):
+    README's and docs/OPERATIONS.md's) install this one from its source, hand over a
+    kubeconfig made by `make kubeconfig`'s tool rather than an admin's, and install the
+    Documentation= file."""
+    sections = []
+    for doc, end in (("README.md", "\n## "), ("docs/OPERATIONS.md", "\n#### ")):
+        text = (UNIT.parents[2] / doc).read_text()
+        section = text[text.index("### systemd") :]
+        sections.append(section[: section.index(end)])
+    for text in (UNIT.read_text(), *sections):
         assert "pip install canaryd" not in text
         assert "pip install ." in text
         assert "~/.kube/config /etc/canaryd" not in text

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make helm`: builds Helm (helm.sh/helm/v3, pinned in go.mod here) and kustomize
 # (sigs.k8s.io/kustomize/kustomize/v5, pinned in kustomize/go.mod) from their Go modules
-# into .cache/helm/<version>/bin and .cache/kustomize/<version>/bin, for the test of the
-# Helm post-renderer (config/helm). Does nothing when those pinned builds are there.
+# into .cache/helm/<version>/bin and .cache/kustomize/<version>/bin, for the tests of
+# charts/canaryd (make test) and the Helm post-renderer (config/helm). Does nothing when those
+# pinned builds are there.
 # Test infrastructure only: users bring their own helm, and kustomize or kubectl.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
