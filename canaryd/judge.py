@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from canaryd.config import Settings
 from canaryd.opmetrics import RECONCILED_SUFFIX, ResourceKey, Scrape, ScrapeFailed, reporter_label
-from canaryd.registry import Canary, ScopeKey
-from canaryd.sync import ScopeSync
+from canaryd.registry import Canary
+from canaryd.sync import ScopeKey, ScopeSync
 
 
 @dataclass(frozen=True, slots=True)

@@ -219,7 +219,7 @@ class OperatorJudge:
             instance=self._instance_judged,
             last_answer_at=last.answered_at if last is not None else None,
             api_away=judge.api_server_away(
-                canary, self.registry.covering(canary.key), self._api_last_answer(), now
+                canary, self.registry.scopes.covering(canary.key), self._api_last_answer(), now
             ),
         )
         self._warn_missing_series(canary, judgement)

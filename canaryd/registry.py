@@ -18,13 +18,11 @@ from typing import Any, NamedTuple, Protocol
 import structlog
 
 from canaryd import metrics
-from canaryd.sync import ScopeSync
+from canaryd.sync import Scopes
 
 log = structlog.get_logger("canaryd.registry")
 
 INT64_MAX = 2**63 - 1
-ScopeKey = tuple[str, str | None]
-"""(kind plural, namespace) of one canary watch; namespace None: cluster-wide."""
 
 
 # Objects decoded from JSON are dicts: on the paths every bump and watch event takes,
@@ -195,8 +193,9 @@ class Registry:
         self._counts: Counter[CanaryState] = Counter()
         self._closed: set[str] = set()
         """Namespaces being deleted: their canaries are not tracked."""
-        self._scopes: dict[ScopeKey, ScopeSync] = {}
-        """The sync model of every canary watch scope (canaryd.sync)."""
+        self.scopes = Scopes()
+        """Where each canary watch scope stands (canaryd.sync): the watcher adds and
+        removes them, the judge reads the one covering a canary."""
         self._observer: RegistryObserver = _NOBODY
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
@@ -258,31 +257,6 @@ class Registry:
     def _changed(self) -> None:
         for listener in self.listeners:
             listener()
-
-    # ------------------------------------------------------------ watch scopes
-
-    def scope(self, scope: ScopeKey, now: float | None = None) -> ScopeSync:
-        """The sync model of one canary watch scope, made (out of sync since ``now``)
-        when first asked for."""
-        found = self._scopes.get(scope)
-        if found is None:
-            found = self._scopes[scope] = ScopeSync(time.monotonic() if now is None else now)
-        return found
-
-    def add_scope(self, scope: ScopeKey, now: float) -> ScopeSync:
-        """A new watch of this scope starts: out of sync until its first list."""
-        sync = self._scopes[scope] = ScopeSync(now)
-        return sync
-
-    def scope_removed(self, scope: ScopeKey) -> None:
-        """The scope is no longer watched: nothing of it waits any more."""
-        self._scopes.pop(scope, None)
-
-    def covering(self, key: CanaryKey) -> ScopeSync | None:
-        """The sync model of the watch that covers this canary (its namespace's, or the
-        cluster-wide one), if any."""
-        found = self._scopes.get((key.kind, key.namespace))
-        return found if found is not None else self._scopes.get((key.kind, None))
 
     def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
         if not self.owns(canary):

@@ -36,9 +36,9 @@ from canaryd.episodes import Episodes
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.opjudge import OperatorJudge, phase
-from canaryd.registry import Canary, CanaryKey, CanaryState, Registry, ScopeKey
+from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
 from canaryd.role import Role
-from canaryd.sync import ScopeSync
+from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
@@ -283,7 +283,7 @@ class Scheduler:
         """Judge the pending bump on the watch (canaryd.judge.by_watch) and act on it.
         Returns False when the verdict waits (deferred, re-checked: rescheduled)."""
         now = self._clock()
-        sync = self.registry.covering(canary.key)
+        sync = self.registry.scopes.covering(canary.key)
         judgement = judge.by_watch(
             canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
         )

@@ -15,8 +15,13 @@ the watcher, the registry and the server read it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+ScopeKey = tuple[str, str | None]
+"""(kind plural, namespace) of one canary watch; namespace None: cluster-wide."""
 
 
 @dataclass(slots=True, eq=False)
@@ -92,3 +97,39 @@ class ScopeSync:
         was_behind = self.unsynced_since is not None
         self.unsynced_since = None
         return was_behind
+
+
+class _Located(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+
+
+class Scopes:
+    """The sync model of every canary watch scope."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[ScopeKey, ScopeSync] = {}
+
+    def get(self, scope: ScopeKey, now: float | None = None) -> ScopeSync:
+        """One scope's model, made (out of sync since ``now``) when first asked for."""
+        found = self._scopes.get(scope)
+        if found is None:
+            found = self._scopes[scope] = ScopeSync(time.monotonic() if now is None else now)
+        return found
+
+    def add(self, scope: ScopeKey, now: float) -> ScopeSync:
+        """A new watch of this scope starts: out of sync until its first list."""
+        sync = self._scopes[scope] = ScopeSync(now)
+        return sync
+
+    def remove(self, scope: ScopeKey) -> None:
+        """The scope is no longer watched: nothing of it waits any more."""
+        self._scopes.pop(scope, None)
+
+    def covering(self, key: _Located) -> ScopeSync | None:
+        """The model of the watch that covers this canary (its namespace's, or the
+        cluster-wide one), if any."""
+        found = self._scopes.get((key.kind, key.namespace))
+        return found if found is not None else self._scopes.get((key.kind, None))

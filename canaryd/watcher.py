@@ -33,8 +33,8 @@ from canaryd.kube import (
     classify_answer,
 )
 from canaryd.limits import OpenFiles
-from canaryd.registry import CanaryKey, Registry, ScopeKey, is_canary
-from canaryd.sync import ScopeSync
+from canaryd.registry import CanaryKey, Registry, is_canary
+from canaryd.sync import ScopeKey, ScopeSync
 
 log = structlog.get_logger("canaryd.watcher")
 
@@ -549,7 +549,7 @@ class Watcher:
             _, task = self._watches.pop(scope)
             task.cancel()
             assert scope.kind is not None
-            self.registry.scope_removed((scope.kind.key, scope.namespace))
+            self.registry.scopes.remove((scope.kind.key, scope.namespace))
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
@@ -602,7 +602,7 @@ class Watcher:
         else:
             kind = scope.kind
             key = (kind.key, scope.namespace)
-            sync = self.registry.add_scope(key, time.monotonic())
+            sync = self.registry.scopes.add(key, time.monotonic())
             metrics.bump_stages_exported(kind.key)
             lw = ListWatch(
                 self.kube,

@@ -178,7 +178,7 @@ class Run:
 
     def scope_delivered(self) -> None:
         """An event or a bookmark arrived on the scope (as ListWatch tells it)."""
-        if self.registry.scope(SCOPE, self.now).delivered(self.now):
+        if self.registry.scopes.get(SCOPE, self.now).delivered(self.now):
             self.scheduler.scope_resumed(SCOPE)
 
     @property
@@ -314,7 +314,7 @@ async def play(steps: list[tuple[Any, ...]]) -> list[str]:
                 case ("label", name, value):
                     run.relabel(name, value)
                 case ("watch_down",):
-                    run.registry.scope(SCOPE, run.now).dropped(run.now)
+                    run.registry.scopes.get(SCOPE, run.now).dropped(run.now)
                 case ("watch_resumed",):
                     run.scope_delivered()
             for _ in range(5):
