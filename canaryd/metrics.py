@@ -217,6 +217,7 @@ DROP_REASONS = (
     "forbidden",
 )
 ERROR_PLACES = (
+    "access_review",
     "credentials",
     "discovery",
     "malformed_object",
@@ -301,7 +302,8 @@ class StateCollector(Collector):
         scopes = GaugeMetricFamily(
             "canaryd_watch_scopes",
             "Wanted watch scopes by state: listed, waiting, forbidden (403), gone (404), "
-            "namespace_missing, kind_not_served (a scope that cannot exist is counted too).",
+            "namespace_missing, kind_not_served, patch_forbidden (an access review refused "
+            "patch there; a scope that cannot exist is counted too).",
             labels=["state"],
         )
         for state, count in self._scopes().items():

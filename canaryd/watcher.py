@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
+from canaryd.access import Permission, reviews
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.discovery import KindDiscovery
@@ -71,7 +72,15 @@ class Scope:
         return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
 
 
-SCOPE_STATES = ("listed", "waiting", "forbidden", "gone", "namespace_missing", "kind_not_served")
+SCOPE_STATES = (
+    "listed",
+    "waiting",
+    "forbidden",
+    "gone",
+    "namespace_missing",
+    "kind_not_served",
+    "patch_forbidden",
+)
 LIST_PAGE = 500
 """Objects per list page (client-go's pager default)."""
 
@@ -409,6 +418,10 @@ class Watcher:
         self._uncovered: list[str] = []
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
+        self._patch_forbidden: set[Scope] = set()
+        """Watched scopes an access review says canaryd may not patch in."""
+        self._review: asyncio.Task[None] | None = None
+        self._review_again = False
         self.failures = watch_failures(settings)
         self.discovery = KindDiscovery(settings, kube, self._follow_kinds)
 
@@ -430,7 +443,9 @@ class Watcher:
         (in sync or resuming), ``waiting`` (not listed or not connected), ``forbidden``
         (403), ``gone`` (404), ``namespace_missing`` (a watched namespace the
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
-        CRD is not served). A canaryd that checks nothing must be able to say so. Each
+        CRD is not served), ``patch_forbidden`` (watched, but an access review says
+        canaryd may not patch there: its canaries cannot be bumped). A canaryd that
+        checks nothing must be able to say so. Each
         wanted scope counts once: one in a missing namespace (whose list answers an
         empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
@@ -440,6 +455,8 @@ class Watcher:
                 continue
             if lw.sync.denied is not None:
                 counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
+            elif lw.scope in self._patch_forbidden:
+                counts["patch_forbidden"] += 1
             else:
                 counts["listed" if lw.sync.ready else "waiting"] += 1
         per_kind = 1 if self.namespaces is None else len(self.namespaces)
@@ -460,6 +477,12 @@ class Watcher:
             if scopes:
                 word = "forbidden (403)" if state == "forbidden" else "not found (404)"
                 phrases.append(f"{word}: {', '.join(scopes[:20])}")
+        if denied := sorted(
+            str(scope)
+            for scope in self._patch_forbidden
+            if scope in self._watches and self._watches[scope][0].sync.denied is None
+        ):
+            phrases.append(f"patch forbidden: {', '.join(denied[:20])}")
         if missing := self._namespaces_missing():
             phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
         if kinds := self.discovery.not_served():
@@ -553,9 +576,50 @@ class Watcher:
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
+        self._patch_forbidden &= set(self._watches)
+        self._review_patch()
         self._count_namespaces()
         self._check_open_files()
         self.check_coverage()
+
+    def _review_patch(self) -> None:
+        """Ask (again, as the scopes changed) whether canaryd may patch in each scope."""
+        assert self._group is not None
+        self._review_again = True
+        if self._review is None or self._review.done():
+            self._review = self._group.create_task(self._patch_reviews(), name="access reviews")
+
+    async def _patch_reviews(self) -> None:
+        """One SelfSubjectAccessReview for patch per watched canary scope, until the
+        scopes stop changing; an unanswered round is asked again after a backoff."""
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
+        while self._review_again:
+            self._review_again = False
+            scopes = [scope for scope in self._watches if scope.kind is not None]
+            wanted = [
+                Permission("patch", s.kind.plural, s.kind.group, s.namespace)
+                for s in scopes
+                if s.kind is not None
+            ]
+            try:
+                granted = await reviews(self.kube, wanted)
+            except KubeError as err:
+                # Unanswered is not refused: what was known stays; ask again later.
+                metrics.ERRORS.labels("access_review").inc()
+                log.info("access_review_unanswered", error=str(err), retry="after a backoff")
+                await asyncio.sleep(backoff.next())
+                self._review_again = True
+                continue
+            except Exception:
+                # A bug must not stop the watches that share this task group.
+                metrics.ERRORS.labels("access_review").inc()
+                log.exception("access_review_failed_unexpectedly")
+                await asyncio.sleep(backoff.next())
+                self._review_again = True
+                continue
+            denied = {scope for scope, ok in zip(scopes, granted, strict=True) if not ok}
+            self._patch_forbidden = denied & set(self._watches)
+            self.check_coverage()
 
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can

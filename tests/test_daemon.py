@@ -771,6 +771,41 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
     assert len(warned) <= 3, warned  # once per change, not per scope or per retry
 
 
+async def test_a_missing_patch_permission_is_said_at_start_not_only_by_unknown_canaries(
+    kube, kubeconfig, capsys
+):
+    """Issue 33: with patch refused in one watched namespace (list and watch granted),
+    canaryd's access reviews at start say so in /readyz's body, the scope gauge
+    (patch_forbidden) and one warning, while the other namespace is listed."""
+    from tests.harness import json_lines, json_logs
+
+    for namespace in ("team-a", "team-b"):
+        kube.create_namespace(namespace)
+        create_canary(kube, namespace=namespace)
+    kube.deny(verb="patch", resource="flinkdeployments", namespace="team-b")
+    with json_logs("info"):
+        async with running_daemon(
+            kube,
+            kubeconfig,
+            namespaces=frozenset({"team-a", "team-b"}),
+            kinds=("flinkdeployments",),
+        ) as run:
+            watcher = run.daemon.watcher
+            assert watcher is not None
+            await run.until(
+                lambda: watcher.coverage()["patch_forbidden"] == 1, "the access reviews"
+            )
+            coverage = watcher.coverage()
+            assert coverage["listed"] == 1 and sum(coverage.values()) == 2, coverage
+            status, text = await run.get("/readyz")
+            assert status == 200, text  # a sidecar's readiness must not take the pod out
+            assert "patch forbidden: flinkdeployments@team-b" in text, text
+            _, scraped = await run.get("/metrics")
+            assert 'canaryd_watch_scopes{state="patch_forbidden"} 1.0' in scraped
+    warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
+    assert warned and "patch forbidden: flinkdeployments@team-b" in warned[-1]["what"], warned
+
+
 async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(kube, tmp_path):
     """The token is revoked and the plugin that would renew it fails: every refused
     request at that moment shares one run of it (not one each, in a row behind a

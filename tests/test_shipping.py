@@ -22,7 +22,8 @@ import pytest
 
 from canaryd import __version__
 from canaryd.__main__ import main
-from canaryd.check import ACCESS_REVIEWS, KIND_VERBS, check
+from canaryd.access import ACCESS_REVIEWS, KIND_VERBS
+from canaryd.check import check
 from canaryd.config import ConfigError, load_settings
 from canaryd.testing.apiserver import FakeKube
 from tests.conftest import TOKEN
