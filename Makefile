@@ -88,14 +88,18 @@ helm:
 
 # The real operator in the loop: tests/test_operator.py (the bug report's reproductions on
 # the operator's own probe and on canaryd, its metric names, real wedges - a half-open API
-# connection, SIGSTOP - under the sidecar's probe settings) and tests/test_helm.py (the
-# operator's own chart through config/helm/post-render, a server-side dry run). Builds what
-# it needs first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`,
-# Helm); about 15 minutes. Not in CI: it needs Java, Maven and a copy of the operator's
-# source.
-e2e-operator: $(STAMP) controlplane operator helm
+# connection, SIGSTOP - under the sidecar's probe settings), tests/test_helm.py (the
+# operator's own chart through config/helm/post-render, a server-side dry run) and
+# tests/test_e2e_operator_node.py (that chart installed with `helm install` on the real
+# node of `make node`, the operator's image built from the jars on a Debian JRE base by
+# tests/operator/image.sh: the bug report with and without canaryd and its policy,
+# restarts from pod status). Builds what it needs first (the control plane, the
+# operator: FLINK_OPERATOR_SRC as for `operator`, Helm, the node, the image); about 30
+# minutes, as root. Not in CI: it needs Java, Maven and a copy of the operator's source.
+e2e-operator: $(STAMP) controlplane operator helm node
+	bash tests/operator/image.sh
 	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs -s \
-		tests/test_helm.py tests/test_operator.py
+		tests/test_helm.py tests/test_operator.py tests/test_e2e_operator_node.py
 
 # A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
 # ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.
