@@ -68,9 +68,12 @@ node: controlplane
 
 # canaryd in real pods under that kubelet (tests/test_e2e_node.py): the image as shipped,
 # config/standalone applied with kubectl and authenticating in-cluster, the shipped probes
-# (canaryd wedged), the sidecar's operator liveness (canaryd absent 5 minutes: the operator
-# restarted 0 times; an unhealthy verdict: once). About 10 minutes; leaves the host as it
-# found it (sysctls, cgroups, mounts, the bridge, fixed paths).
+# (canaryd wedged; a stuck delivery path and a write outage through the fault proxy in
+# front of the API server), the sidecar's operator liveness (canaryd absent 5 minutes: the
+# operator restarted 0 times; an unhealthy verdict: once). Restart counts are checked
+# against tests/fixtures/node-restarts.json, which `make test` checks the simulation
+# against too (docs/NODE.md). About 15 minutes; leaves the host as it found it (sysctls,
+# cgroups, mounts, the bridge, fixed paths).
 e2e-node: $(STAMP) node
 	CANARYD_E2E=node $(BIN)/python -m pytest -p no:cacheprovider -rs -s tests/test_e2e_node.py
 
