@@ -97,7 +97,7 @@ helm:
 # node of `make node`, the operator's image built from the jars on a Debian JRE base by
 # tests/operator/image.sh: the bug report with and without canaryd and its policy,
 # restarts from pod status). Builds what it needs first (the control plane, the
-# operator: FLINK_OPERATOR_SRC as for `operator`, Helm, the node, the image); about 30
+# operator: FLINK_OPERATOR_SRC as for `operator`, Helm, the node, the image); about 22
 # minutes, as root. Not in CI: it needs Java, Maven and a copy of the operator's source.
 e2e-operator: $(STAMP) controlplane operator helm node
 	bash tests/operator/image.sh
