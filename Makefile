@@ -70,9 +70,12 @@ node: controlplane
 
 # canaryd in real pods under that kubelet (tests/test_e2e_node.py): the image as shipped,
 # config/standalone applied with kubectl and authenticating in-cluster, the shipped probes
-# (canaryd wedged), the sidecar's operator liveness (canaryd absent 5 minutes: the operator
-# restarted 0 times; an unhealthy verdict: once). About 10 minutes; leaves the host as it
-# found it (sysctls, cgroups, mounts, the bridge, fixed paths).
+# (canaryd wedged; a stuck delivery path and a write outage through the fault proxy in
+# front of the API server), the sidecar's operator liveness (canaryd absent 5 minutes: the
+# operator restarted 0 times; an unhealthy verdict: once). Restart counts are checked
+# against tests/fixtures/node-restarts.json, which `make test` checks the simulation
+# against too (docs/NODE.md). About 15 minutes; leaves the host as it found it (sysctls,
+# cgroups, mounts, the bridge, fixed paths).
 e2e-node: $(STAMP) node
 	CANARYD_E2E=node $(BIN)/python -m pytest -p no:cacheprovider -rs -s tests/test_e2e_node.py
 
@@ -91,15 +94,19 @@ helm:
 
 # The real operator in the loop: tests/test_operator.py (the bug report's reproductions on
 # the operator's own probe and on canaryd, its metric names, real wedges - a half-open API
-# connection, SIGSTOP - under the sidecar's probe settings) and tests/test_helm.py (the
+# connection, SIGSTOP - under the sidecar's probe settings), tests/test_helm.py (the
 # operator's own chart through config/helm/post-render and through the GitOps kustomization
-# of docs/OPERATIONS.md, server-side dry runs). Builds what
-# it needs first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`,
-# Helm); about 15 minutes. Not in CI: it needs Java, Maven and a copy of the operator's
-# source.
-e2e-operator: $(STAMP) controlplane operator helm
+# of docs/OPERATIONS.md, server-side dry runs) and tests/test_e2e_operator_node.py (that
+# chart installed with `helm install` on the real node of `make node`, the operator's image
+# built from the jars on a Debian JRE base by tests/operator/image.sh: the bug report with
+# and without canaryd and its policy, restarts from pod status). Builds what it needs
+# first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`, Helm, the
+# node, the image); about 22 minutes, as root. Not in CI: it needs Java, Maven and a copy
+# of the operator's source.
+e2e-operator: $(STAMP) controlplane operator helm node
+	bash tests/operator/image.sh
 	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs -s \
-		tests/test_helm.py tests/test_operator.py
+		tests/test_helm.py tests/test_operator.py tests/test_e2e_operator_node.py
 
 # A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
 # ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.

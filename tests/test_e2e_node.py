@@ -144,6 +144,28 @@ def container_id(node: Any, namespace: str, container: str) -> str:
     return str(statuses(pod)[container]["containerID"]).removeprefix("containerd://")
 
 
+MEASURED = ROOT / ".cache" / "node" / "restarts-measured.jsonl"
+"""Every count measured here, one JSON line each: what tests/fixtures/node-restarts.json
+is refreshed from."""
+
+
+def against_fixture(scenario: str, topology: str, container: str, count: int) -> None:
+    """A measured restart count, checked against tests/fixtures/node-restarts.json's
+    real-kubelet figure for the scenario (the simulation's side is checked against the
+    same row by ``make test``)."""
+    from tests.node import restarts as fixture
+
+    row = fixture.row(scenario, topology, container)
+    MEASURED.parent.mkdir(parents=True, exist_ok=True)
+    with MEASURED.open("a") as out:
+        measured = {"scenario": scenario, "topology": topology, "container": container}
+        out.write(json.dumps({**measured, "real": count, "at": time.time()}) + "\n")
+    assert fixture.within(row, "real", count), (
+        f"{scenario} / {topology} / {container}: restarted {count} times, the fixture says "
+        f"{row['real']} (accepted {fixture.bounds(row, 'real')}): tests/fixtures/node-restarts.json"
+    )
+
+
 # ---------------------------------------------------------------- standalone
 
 
@@ -277,6 +299,7 @@ def test_standalone_canaryd_wedged_is_restarted_once(node, standalone):
     # to show (one liveness budget, 3 x 10 s + the timeout), not an event to wait for.
     time.sleep(40)
     assert restarts(node, STANDALONE)["canaryd"] == before + 1
+    against_fixture("canaryd wedged (SIGSTOP)", "standalone", "canaryd", 1)
 
 
 # ------------------------------------------------------------------- sidecar
@@ -469,6 +492,11 @@ def test_canaryd_absent_never_restarts_the_operator(node, operator_role):
     last = statuses(the_pod(node, "e2e-exit-2") or {})["canaryd"]["lastState"]["terminated"]
     assert last["exitCode"] == 2, last
     assert http[OPERATOR] >= 1, f"the httpGet probe would have restarted the operator: {http}"
+    against_fixture("canaryd's image missing, 5 min", "sidecar", OPERATOR, no_image[OPERATOR])
+    against_fixture("canaryd exits 2, 5 min", "sidecar", OPERATOR, exit_2[OPERATOR])
+    against_fixture("canaryd exits 2, 5 min", "sidecar", "canaryd", exit_2["canaryd"])
+    for namespace in ("e2e-no-image", "e2e-exit-2", "e2e-http-probe"):
+        node.plane.request("DELETE", f"/api/v1/namespaces/{namespace}")  # less load after
 
 
 def test_an_unhealthy_verdict_restarts_the_operator_once(node, operator_role):
@@ -493,3 +521,101 @@ def test_an_unhealthy_verdict_restarts_the_operator_once(node, operator_role):
     # An absence again: a second restart would show within a liveness budget.
     time.sleep(60)
     assert restarts(node, namespace) == {OPERATOR: 1, "canaryd": 0}
+    for container in (OPERATOR, "canaryd"):
+        count = restarts(node, namespace)[container]
+        against_fixture("unhealthy verdict (operator wedged)", "sidecar", container, count)
+    node.plane.request("DELETE", f"/api/v1/namespaces/{namespace}")  # less load after
+
+
+# -------------------------------------------------------------------- faults
+#
+# Through the fault proxy every pod's in-cluster configuration dials (the ``kubernetes``
+# Service's address): the standalone canaryd and a sidecar pod meet each fault at once.
+
+
+FAULTS = "e2e-faults"
+"""The sidecar pod the faults below are measured on."""
+
+
+@pytest.fixture(scope="module")
+def faults_sidecar(node: Any, operator_role: None, standalone: Path) -> str:
+    sidecar(node, FAULTS, "localhost/canaryd:e2e")
+    return FAULTS
+
+
+def both_healthy(node: Any) -> bool:
+    return (
+        canary_state(node, STANDALONE, 8085, "e2e-standalone") == "healthy"
+        and canary_state(node, FAULTS, 8086, FAULTS) == "healthy"
+    )
+
+
+def deltas(node: Any, before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {
+        namespace: {c: n - counts[c] for c, n in restarts(node, namespace).items()}
+        for namespace, counts in before.items()
+    }
+
+
+def test_a_stuck_delivery_path(node, standalone, faults_sidecar):
+    """Every established connection to the API server goes silent (half-open: no FIN, no
+    RST; new connections work), held until the sidecar's operator was restarted and
+    checked again. Standalone: canaryd replaces its silent watch, is never restarted.
+    Sidecar: the stand-in operator's informer waits on its silent watch for ever (as a
+    real informer without a read timeout does), canaryd's verdict is unhealthy, the exec
+    probe fails on the 500, the kubelet restarts the operator: once (the new process'
+    connections are new). canaryd is never restarted."""
+    wait(lambda: both_healthy(node), "both canaries healthy", 240)
+    before = {STANDALONE: restarts(node, STANDALONE), FAULTS: restarts(node, FAULTS)}
+    assert node.proxy is not None
+    node.proxy.freeze()
+    try:
+        wait(
+            lambda: restarts(node, FAULTS)[OPERATOR] > before[FAULTS][OPERATOR],
+            "the sidecar's operator restarted",
+            240,
+        )
+        wait(lambda: both_healthy(node), "both healthy with the new operator process", 240)
+    finally:
+        node.proxy.heal()
+    # An absence: a second restart would show within one liveness budget (3 x 10 s + 5).
+    time.sleep(40)
+    found = deltas(node, before)
+    print(f"stuck delivery path: restarts {found}")
+    against_fixture("stuck delivery path", "standalone", "canaryd", found[STANDALONE]["canaryd"])
+    for container in (OPERATOR, "canaryd"):
+        against_fixture("stuck delivery path", "sidecar", container, found[FAULTS][container])
+
+
+OUTAGE_FOR = 60.0
+"""Seconds the API server's address is black-holed: six of canaryd's cycles here, twice
+the liveness budget of either container."""
+
+
+def test_a_write_outage(node, standalone, faults_sidecar):
+    """The API server's address black-holed for a minute (new connects time out,
+    established connections freeze), then healed: no write of canaryd's can land, so
+    there is no verdict either way (unknown), and nothing is restarted, in either
+    topology; both are healthy again after it."""
+    wait(lambda: both_healthy(node), "both canaries healthy", 240)
+    before = {STANDALONE: restarts(node, STANDALONE), FAULTS: restarts(node, FAULTS)}
+    assert node.proxy is not None
+    seen: dict[str, set[str | None]] = {STANDALONE: set(), FAULTS: set()}
+    node.proxy.blackhole()
+    started = time.monotonic()
+    try:
+        # The outage is a duration: its states are read each second until it ends.
+        while time.monotonic() - started < OUTAGE_FOR:
+            seen[STANDALONE].add(canary_state(node, STANDALONE, 8085, "e2e-standalone"))
+            seen[FAULTS].add(canary_state(node, FAULTS, 8086, FAULTS))
+            time.sleep(1)
+    finally:
+        node.proxy.heal()
+    wait(lambda: both_healthy(node), "both healthy after the outage", 240)
+    time.sleep(40)  # an absence again: a restart decided late would show meanwhile
+    found = deltas(node, before)
+    print(f"write outage: states seen {seen}, restarts {found}")
+    assert "unknown" in seen[STANDALONE], seen
+    against_fixture("write outage", "standalone", "canaryd", found[STANDALONE]["canaryd"])
+    for container in (OPERATOR, "canaryd"):
+        against_fixture("write outage", "sidecar", container, found[FAULTS][container])

@@ -722,3 +722,49 @@ async def test_the_operator_wedged(kube, tmp_path):
         Expect("CanarydOperatorRestartLoop", end, [], why="one restart repaired it"),
         Expect("CanarydCanaryUnhealthy", end, [], why="healthy"),
     )
+
+
+# ------------------------------------------------- against the real kubelet
+
+
+def test_the_simulation_against_the_real_kubelet():
+    """The restarts every scenario above made, against tests/fixtures/node-restarts.json:
+    the figures of the same scenarios under the real kubelet (``make e2e-node`` checks
+    its side against the same file) and, where the two differ, why. Runs after the
+    scenarios (pytest keeps a module's order)."""
+    from tests.node import restarts
+
+    compared, wrong, missing = 0, [], []
+    for row in restarts.rows():
+        if row.get("sim") is None:
+            continue
+        found = [
+            r
+            for r in k.RESTARTS
+            if r.topology == row["topology"]
+            and r.scenario == row["sim_scenario"]
+            and r.container.endswith(f"/{row['container']}")
+        ]
+        if not found:
+            missing.append(f"{row['sim_scenario']} / {row['topology']} / {row['container']}")
+            continue
+        compared += 1
+        for r in found:
+            if not restarts.within(row, "sim", r.restarts):
+                wrong.append(
+                    f"{row['sim_scenario']} / {row['topology']} / {r.container}: {r.restarts}, "
+                    f"the fixture says {row['sim']} (accepted {restarts.bounds(row, 'sim')})"
+                )
+    if not compared:
+        pytest.skip("no scenario of this module ran in this session")
+    assert not missing, f"scenarios in the fixture that did not run: {missing}"
+    assert not wrong, "the simulation differs from the fixture:\n" + "\n".join(wrong)
+
+
+def test_docs_node_md_shows_the_fixtures_table():
+    """docs/NODE.md's table is generated from the fixture (python -m tests.node.restarts)."""
+    from tests.node import restarts
+
+    assert restarts.block(restarts.DOC.read_text()) == restarts.table(), (
+        "docs/NODE.md's table is not the fixture's: run `python -m tests.node.restarts`"
+    )

@@ -148,6 +148,14 @@ def write_sysctl(name: str, value: str) -> None:
 class NodePlane(ControlPlane):
     """``make e2e``'s control plane, set up to run pods (see the module)."""
 
+    stand_in_crds = True
+    """The launcher's stand-in CRDs of the canary kinds; off where a chart brings its own
+    (``make e2e-operator``: the operator's chart, installed with ``helm install``)."""
+
+    def _install_crds(self) -> None:
+        if self.stand_in_crds:
+            super()._install_crds()
+
     def serving_names(self) -> tuple[str, ...]:
         return (*super().serving_names(), SERVICE_IP, "kubernetes", "kubernetes.default.svc")
 
@@ -208,9 +216,10 @@ class NodePlane(ControlPlane):
 class Node:
     """The cluster: ``start()``, then ``stop()`` (always: it restores the host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stand_in_crds: bool = True) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="canaryd-node-"))
         self.plane = NodePlane(workdir=self.workdir / "plane")
+        self.plane.stand_in_crds = stand_in_crds
         self.plane.workdir.mkdir()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.sysctls: dict[str, str] = {}
