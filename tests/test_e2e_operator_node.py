@@ -40,6 +40,7 @@ import pytest
 import yaml
 
 from tests.operator import real
+from tests.test_helm import _built as tool
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config"
@@ -71,19 +72,6 @@ pytestmark = [
 
 
 # ------------------------------------------------------------------ the world
-
-
-def _pinned(gomod: Path, module: str) -> str:
-    for line in gomod.read_text().splitlines():
-        if line.startswith(f"require {module} "):
-            return line.split()[2]
-    raise AssertionError(f"{gomod} does not require {module}")
-
-
-def tool(kind: str, gomod: Path, module: str) -> Path:
-    binary = ROOT / ".cache" / kind / _pinned(gomod, module) / "bin" / kind
-    assert binary.is_file(), f"{binary} is missing: run `make helm` (make e2e-operator does)"
-    return binary
 
 
 @pytest.fixture(scope="module")
