@@ -21,7 +21,7 @@ client timeout. So every write is answered or abandoned (its connection closed, 
 late answer never read) by the renew deadline, ``lease_duration - renew_deadline``
 (5 s at the defaults) before a follower may take over, whatever the elector task is
 doing. What stays possible is a write the API server received before canaryd gave
-up on it and applies later still: see the README's HA section.
+up on it and applies later still: see docs/CONFIGURATION.md, "Replicas behind a Lease".
 """
 
 from __future__ import annotations
