@@ -182,15 +182,20 @@ def on_grid(shipped: float, up: bool = False) -> float:
 
 
 def check_alerts(
-    recording: Recording, expectations: Sequence[Expect], workdir: Path, tool: str
+    recording: Recording,
+    expectations: Sequence[Expect],
+    workdir: Path,
+    tool: str,
+    evaluation: float = EVALUATION,
 ) -> None:
-    """Run the rules over the recording with promtool; fail naming what did not hold."""
+    """Run the rules over the recording with promtool, evaluated every ``evaluation``
+    shipped seconds; fail naming what did not hold."""
     rule_file = workdir / "canaryd-rules.yaml"
     rule_file.write_text(yaml.safe_dump(rule_groups()))
     names = names_the_rules_read()
     test = {
         "rule_files": [str(rule_file)],
-        "evaluation_interval": f"{int(EVALUATION)}s",
+        "evaluation_interval": f"{int(evaluation)}s",
         "tests": [
             {
                 "interval": f"{int(recording.interval)}s",
