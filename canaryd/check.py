@@ -59,6 +59,7 @@ async def _client(settings: Settings) -> KubeClient:
         configuration,
         request_timeout=settings.request_timeout,
         connect_timeout=settings.connect_timeout,
+        keepalive_timeout=settings.keepalive_timeout,
         reload=reload,
     )
 

@@ -158,6 +158,7 @@ class Daemon:
             configuration,
             request_timeout=settings.request_timeout,
             connect_timeout=settings.connect_timeout,
+            keepalive_timeout=settings.keepalive_timeout,
             reload=reload,
         )
         kube.note_credentials(loader)

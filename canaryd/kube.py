@@ -352,6 +352,7 @@ class KubeClient:
         *,
         request_timeout: float = 10.0,
         connect_timeout: float = 5.0,
+        keepalive_timeout: float = 15.0,
         reload: Any = None,
     ) -> None:
         self._config = configuration
@@ -390,9 +391,11 @@ class KubeClient:
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
         # connect covers the wait for the pool). As many as bumps may be in flight
-        # (Settings.max_bumps_in_flight), each holding one.
+        # (Settings.max_bumps_in_flight), each holding one. aiohttp hands out the idle
+        # connection released first, so a burst's connections take turns and all stay
+        # alive while they are reused within keepalive_timeout (Settings.keepalive_timeout).
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256),
+            connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=keepalive_timeout),
             trust_env=trust_env,
             headers=headers,
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none

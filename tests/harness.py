@@ -262,3 +262,64 @@ def black_hole() -> Iterator[str]:
         for filler in fillers:
             filler.close()
         server.close()
+
+
+class HalfOpenProxy:
+    """A TCP forwarder on 127.0.0.1 in front of a server. ``freeze()`` makes every
+    connection open at that moment half-open: it stays open and forwards nothing more,
+    either way, with no FIN or RST (a crashed replica behind a load balancer), while
+    connections made later work."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.split("://", 1)[-1].split("/")[0].rsplit(":", 1)
+        self._target = (host, int(port))
+        self._live: set[asyncio.Event] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.url = ""
+
+    def freeze(self) -> None:
+        for frozen in self._live:
+            frozen.set()
+        self._live = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        frozen = asyncio.Event()
+        self._live.add(frozen)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if not frozen.is_set():  # frozen: dropped, as by a dead peer
+                    dst.write(data)
+                    await dst.drain()
+            if not frozen.is_set():
+                dst.close()
+
+        try:
+            with contextlib.suppress(OSError):
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(pipe(reader, up_writer))
+                    group.create_task(pipe(up_reader, writer))
+        finally:
+            writer.close()
+            up_writer.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[HalfOpenProxy]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            yield self
+        finally:
+            server.close()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await server.wait_closed()

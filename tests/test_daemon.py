@@ -136,7 +136,10 @@ async def test_canary_deleted_after_its_finalizer_was_removed_is_dropped(kube, k
         writes = len(kube.requests_for("patch"))
         create_canary(kube, "other")
         await run.until_state(CanaryState.HEALTHY, "other")
-        assert all(r.name == "other" for r in kube.requests_for("patch")[writes:])
+        # Nothing written to it after the drop but, at most, the bump that was in flight
+        # when it was deleted (DESIGN: its answer, a 404, changes nothing).
+        late = [r for r in kube.requests_for("patch")[writes:] if r.name != "other"]
+        assert len(late) <= 1 and all(r.status == 404 for r in late), late
         assert await run.get("/healthz") == (200, "OK")
 
 

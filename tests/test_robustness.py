@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.config import ConfigException
 
@@ -27,6 +28,7 @@ from canaryd.testing.apiserver import Fault
 from tests.harness import (
     CYCLE,
     LABEL,
+    HalfOpenProxy,
     counter,
     create_canary,
     following,
@@ -487,6 +489,34 @@ async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
     with pytest.raises(KubeError) as caught:
         await _watch_answering(ok + b"\n" + b"x" * 20_000 + b"\n" + ok + b"\n", (4096,))
     assert caught.value.kind is ErrorKind.TRANSIENT and caught.value.reason == "LineTooLong"
+
+
+async def test_a_half_open_pool_costs_no_bump_per_idle_connection(kube, tmp_path):
+    """Every connection to the API server goes silent at once, with no FIN or RST (a
+    crashed replica behind a load balancer), while new ones work. The start-up burst
+    (eight access reviews at once, the lists) left connections idle in the request pool;
+    none of them is reused for a bump a cycle later, as none is at the default cycle
+    (Settings.keepalive_timeout): a bump is not spent on each of them in turn."""
+    namespaces = [f"team-{i}" for i in range(8)]
+    for namespace in namespaces:
+        kube.create_namespace(namespace)
+    create_canary(kube, namespace=namespaces[0])
+    async with HalfOpenProxy(kube.url).running() as proxy:
+        config = kube.kubeconfig()
+        config["clusters"][0]["cluster"]["server"] = proxy.url
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        async with running_daemon(kube, kubeconfig, namespaces=frozenset(namespaces)) as run:
+            await run.until_state(CanaryState.HEALTHY, namespace=namespaces[0])
+            lost = counter(metrics.API_REQUESTS, "patch", "error")
+            bumps = len(run.bumps())
+            proxy.freeze()
+            await run.until_bumps(bumps + 3, within=12 * CYCLE)
+            timed_out = counter(metrics.API_REQUESTS, "patch", "error") - lost
+            # At most the bump in flight at the freeze.
+            assert timed_out <= 1, f"{timed_out:g} bumps timed out on frozen idle connections"
+            canary = run.canary(namespace=namespaces[0])
+            assert canary is not None and canary.state is not CanaryState.UNHEALTHY
 
 
 async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not_come():

@@ -111,6 +111,16 @@ class Settings:
         return min(self.request_timeout, lease_write_budget(self))
 
     @property
+    def keepalive_timeout(self) -> float:
+        """How long a request connection may sit idle in the pool and still be reused:
+        aiohttp's 15 s, at most a quarter of the cycle. At the default cycle a canary's
+        connection is idle longer than that between its bumps, so a bump seldom goes
+        over a connection that went silent meanwhile (half-open: a crashed replica
+        behind a load balancer) and costs its request timeout; a short cycle keeps that
+        ratio instead of reusing every connection of a start-up burst for many cycles."""
+        return min(15.0, self.timeout / 4)
+
+    @property
     def connect_timeout(self) -> float:
         """Establishing a connection, a watch's too (a black-holed address fails here,
         not after the OS's two minutes): 5 s, at most the request timeout."""
