@@ -78,7 +78,7 @@ node: controlplane
 # operator's stale copy; upgraded to high availability, one replica of two bumping;
 # `helm uninstall` leaving only the Lease and the test pod. Restart counts are checked
 # against tests/fixtures/node-restarts.json, which `make test` checks the simulation
-# against too (docs/NODE.md). About 17 minutes; leaves the host as it found it (sysctls,
+# against too (docs/NODE.md). About 16 minutes; leaves the host as it found it (sysctls,
 # cgroups, mounts, the bridge, fixed paths).
 e2e-node: $(STAMP) node helm
 	CANARYD_E2E=node $(BIN)/python -m pytest -p no:cacheprovider -rs -s tests/test_e2e_node.py
