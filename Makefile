@@ -72,11 +72,15 @@ node: controlplane
 # config/standalone applied with kubectl and authenticating in-cluster, the shipped probes
 # (canaryd wedged; a stuck delivery path and a write outage through the fault proxy in
 # front of the API server), the sidecar's operator liveness (canaryd absent 5 minutes: the
-# operator restarted 0 times; an unhealthy verdict: once). Restart counts are checked
+# operator restarted 0 times; an unhealthy verdict: once), and charts/canaryd installed
+# with `helm install` (Helm of `make helm`): its pod Ready, non-root and read-only, bumping;
+# `helm test` passing, and failing without patch; its admission policy refusing the
+# operator's stale copy; upgraded to high availability, one replica of two bumping;
+# `helm uninstall` leaving only the Lease and the test pod. Restart counts are checked
 # against tests/fixtures/node-restarts.json, which `make test` checks the simulation
-# against too (docs/NODE.md). About 15 minutes; leaves the host as it found it (sysctls,
+# against too (docs/NODE.md). About 16 minutes; leaves the host as it found it (sysctls,
 # cgroups, mounts, the bridge, fixed paths).
-e2e-node: $(STAMP) node
+e2e-node: $(STAMP) node helm
 	CANARYD_E2E=node $(BIN)/python -m pytest -p no:cacheprovider -rs -s tests/test_e2e_node.py
 
 # The upstream Flink Kubernetes Operator (release-1.15.0, Flink 1.20.0) built with Maven

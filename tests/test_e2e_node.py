@@ -3,16 +3,19 @@
 The image is the repository's Dockerfile built with buildah on a local Debian base; the
 manifests are config/ applied with kubectl as the README says (the image set with
 kustomize), plus what a cluster without scheduler or registry needs: ``nodeName`` and
-``imagePullPolicy: Never``. Timings are the shipped ones (probe periods, thresholds,
-grace periods, back-off) but for canaryd's cycle, 10 s instead of 1 min. Restarts are
-read from the pods' status, as ``kubectl get pods`` shows them. In ``make test`` every
-test here is skipped.
+``imagePullPolicy: Never``; and charts/canaryd installed with ``helm install`` (its
+defaults but for the image, ``image.pullPolicy=Never`` and the cycle; its pods bound to
+the node by tests/node/cluster.py's ``Binder``). Timings are the shipped ones (probe
+periods, thresholds, grace periods, back-off) but for canaryd's cycle, 10 s instead of
+1 min. Restarts are read from the pods' status, as ``kubectl get pods`` shows them. In
+``make test`` every test here is skipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.node.cluster import CANARYD_IMAGE
+from tests.test_chart import CHART, helm_binary
 from tests.test_packaging import CHART_DEFAULT_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +169,410 @@ def against_fixture(scenario: str, topology: str, container: str, count: int) ->
         f"{scenario} / {topology} / {container}: restarted {count} times, the fixture says "
         f"{row['real']} (accepted {fixture.bounds(row, 'real')}): tests/fixtures/node-restarts.json"
     )
+
+
+# ------------------------------------------------------------------ the chart
+#
+# charts/canaryd installed with `helm install` (Helm of `make helm`), the chart's defaults
+# but for the image (this node's, never pulled) and the cycle. These run first and the
+# release is uninstalled after them: its canaryd watches every namespace, and would bump
+# the canaries of the tests below too.
+
+CHART_NAMESPACE = "e2e-chart"
+CHART_CANARIES = "e2e-chart-canaries"
+RELEASE = "canaryd"
+CHART_VALUES = (
+    "image.repository=localhost/canaryd",
+    "image.tag=e2e",
+    "image.pullPolicy=Never",
+    f"timeout={CYCLE}",
+)
+"""What differs from the chart's defaults here."""
+OPERATOR_ACCOUNT = f"system:serviceaccount:{CHART_NAMESPACE}:flink-operator"
+"""The operator's service account the chart's admission policy judges by default (name
+flink-operator, the release's namespace)."""
+FLINK = "/apis/flink.apache.org/v1beta1/namespaces/{}/flinkdeployments"
+
+
+class Release:
+    """The release of charts/canaryd, and Helm run against the node as the admin."""
+
+    def __init__(self, node: Any, home: Path) -> None:
+        self.node = node
+        self.home = home
+        self.installed_at = 0.0
+
+    def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "HELM_CACHE_HOME": str(self.home / "cache"),
+            "HELM_CONFIG_HOME": str(self.home / "config"),
+            "HELM_DATA_HOME": str(self.home / "data"),
+        }
+        argv = [str(helm_binary()), *args, "--namespace", CHART_NAMESPACE]
+        argv += ["--kubeconfig", str(self.node.plane.kubeconfig("admin"))]
+        return subprocess.run(
+            argv, capture_output=True, text=True, env=env, timeout=timeout, check=False
+        )
+
+    def values(self, *more: str) -> list[str]:
+        return [arg for value in (*CHART_VALUES, *more) for arg in ("--set", value)]
+
+
+def release_pods(node: Any) -> list[dict[str, Any]]:
+    """The Deployment's live pods (the helm test pod carries the same labels)."""
+    return [
+        p
+        for p in pods(node, CHART_NAMESPACE)
+        if not p["metadata"].get("deletionTimestamp")
+        and any(o["kind"] == "ReplicaSet" for o in p["metadata"].get("ownerReferences") or [])
+    ]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def metrics(node: Any, pod: dict[str, Any]) -> dict[str, float]:
+    """A pod's /metrics (port 8085) through the API server's pod proxy: series -> value."""
+    name = pod["metadata"]["name"]
+    text = node.kubectl(
+        "get", "--raw", f"/api/v1/namespaces/{CHART_NAMESPACE}/pods/{name}:8085/proxy/metrics"
+    )
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            found[series] = float(value)
+    return found
+
+
+def bumps(series: dict[str, float]) -> dict[str, float]:
+    """canaryd_bumps_total by result, the results counted at least once."""
+    prefix = 'canaryd_bumps_total{result="'
+    return {k[len(prefix) : -2]: v for k, v in series.items() if k.startswith(prefix) and v}
+
+
+def nonce(node: Any) -> int:
+    status, body = node.plane.request("GET", FLINK.format(CHART_CANARIES) + "/canary")
+    assert status == 200, body
+    return int(body.get("spec", {}).get("restartNonce") or 0)
+
+
+def as_operator(node: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """kubectl as the operator's service account (the admin impersonates it)."""
+    argv = ["kubectl", f"--kubeconfig={node.plane.kubeconfig('admin')}"]
+    argv += [f"--as={OPERATOR_ACCOUNT}", "-n", CHART_CANARIES, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture(scope="class")
+def release(node: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    """charts/canaryd installed (``helm install``, not waited for), a canary in a
+    namespace of its own, a binder for the release's pods (no scheduler here); after the
+    class, whatever is left is removed so that the tests below start without it."""
+    from tests.node.cluster import Binder
+
+    made = Release(node, tmp_path_factory.mktemp("helm"))
+    binder = Binder(node)
+    binder.start()
+    try:
+        canary(node, CHART_CANARIES)
+        made.installed_at = time.monotonic()
+        installed = made.helm("install", RELEASE, str(CHART), "--create-namespace", *made.values())
+        assert installed.returncode == 0, f"helm install: {installed.stderr}"
+        try:
+            yield made
+        finally:
+            made.helm("uninstall", RELEASE, "--wait", "--timeout", "2m")  # after a failure
+            for namespace in (CHART_NAMESPACE, CHART_CANARIES):
+                node.plane.request("DELETE", f"/api/v1/namespaces/{namespace}")
+            wait(
+                lambda: all(
+                    node.plane.request("GET", f"/api/v1/namespaces/{ns}")[0] == 404
+                    for ns in (CHART_NAMESPACE, CHART_CANARIES)
+                ),
+                "the chart's namespaces deleted",
+                180,
+            )
+    finally:
+        binder.stop()
+
+
+class TestTheChart:
+    """charts/canaryd installed for real, in order: one release, upgraded to high
+    availability, then uninstalled."""
+
+    def test_its_pod_is_ready_non_root_read_only_and_bumps(self, node, release):
+        """The release's pod Ready; non-root 65532 with a read-only root filesystem, in
+        its spec and in the running container; it bumps the canary's restartNonce (no
+        other canaryd runs meanwhile)."""
+        pod = wait(
+            lambda: (ps := release_pods(node)) and len(ps) == 1 and pod_ready(ps[0]) and ps[0],
+            "the release's pod Ready",
+            180,
+        )
+        ready_after = time.monotonic() - release.installed_at
+        container = pod["spec"]["containers"][0]
+        assert container["image"] == CANARYD_IMAGE, container["image"]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True, pod["spec"]
+        assert pod["spec"]["securityContext"]["runAsUser"] == 65532, pod["spec"]
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True, security
+        assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
+        cid = str(statuses(pod)["canaryd"]["containerID"]).removeprefix("containerd://")
+        out = node.exec(cid, "id -u; touch /x 2>&1; touch /tmp/x && echo tmp-ok").splitlines()
+        assert out[0] == "65532", out
+        assert "Read-only file system" in out[1], out
+        assert out[2] == "tmp-ok", out
+        at_ready = nonce(node)
+        ready_at = time.monotonic()
+        wait(lambda: nonce(node) > at_ready, "the release's canaryd to bump the canary", 60)
+        bump_after = time.monotonic() - ready_at
+        written = bumps(metrics(node, pod)).get("written", 0)
+        assert written >= 1, f"the canary was bumped, but not by the release's pod: {written}"
+        print(
+            f"chart: pod Ready {ready_after:.1f} s after helm install, a bump "
+            f"{bump_after:.1f} s after Ready (nonce {at_ready} -> {nonce(node)}, "
+            f"{written:.0f} written by the pod)"
+        )
+
+    def test_helm_test_passes_and_names_a_removed_patch_permission(self, node, release):
+        """``helm test`` (canaryd check) exits 0; with patch removed from the release's
+        ClusterRole, it exits non-zero and its pod's log names ``patch flinkdeployments``."""
+        passed = release.helm("test", RELEASE, "--timeout", "2m")
+        assert passed.returncode == 0, f"helm test: {passed.stdout}{passed.stderr}"
+        path = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}-{CHART_NAMESPACE}"
+        status, role = node.plane.request("GET", path)
+        assert status == 200, role
+        rules = json.loads(json.dumps(role["rules"]))
+        for rule in role["rules"]:
+            if "flinkdeployments" in rule["resources"]:
+                rule["verbs"] = [v for v in rule["verbs"] if v != "patch"]
+        status, body = node.plane.request("PUT", path, role)
+        assert status == 200, body
+        try:
+            failed = release.helm("test", RELEASE, "--timeout", "2m")
+            log = node.kubectl("-n", CHART_NAMESPACE, "logs", f"{RELEASE}-check")
+            _, check = node.plane.request(
+                "GET", f"/api/v1/namespaces/{CHART_NAMESPACE}/pods/{RELEASE}-check"
+            )
+        finally:
+            _, role = node.plane.request("GET", path)
+            role["rules"] = rules
+            status, body = node.plane.request("PUT", path, role)
+            assert status == 200, body
+        print(f"chart: helm test exit {passed.returncode}; patch removed: exit {failed.returncode}")
+        print(log)
+        assert failed.returncode != 0, f"helm test passed without patch: {failed.stdout}"
+        assert "patch flinkdeployments" in log, log
+        terminated = statuses(check)["check"]["state"]["terminated"]
+        assert terminated["exitCode"] == 2, terminated
+
+    def test_the_admission_policy_refuses_a_stale_copy_of_the_operator(self, node, release):
+        """As the operator's service account (granted update on flinkdeployments here):
+        a stale copy of the canary, which would drop a label added since, is refused with
+        the policy's message; a bump on a fresh copy passes."""
+        name = f"{RELEASE}-{CHART_NAMESPACE}-keep-canary-metadata"
+        status, policy = node.plane.request(
+            "GET", f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}"
+        )
+        assert status == 200, policy
+        message = " ".join(policy["spec"]["validations"][0]["message"].split())
+        grant = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "e2e-chart-operator"},
+            "rules": [
+                {
+                    "apiGroups": ["flink.apache.org"],
+                    "resources": ["flinkdeployments"],
+                    "verbs": ["get", "update"],
+                }
+            ],
+        }
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "e2e-chart-operator"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "e2e-chart-operator",
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": "flink-operator", "namespace": CHART_NAMESPACE}
+            ],
+        }
+        rbac = "/apis/rbac.authorization.k8s.io/v1"
+        for obj, plural in ((grant, "clusterroles"), (binding, "clusterrolebindings")):
+            status, body = node.plane.request("POST", f"{rbac}/{plural}", obj)
+            assert status == 201, body
+        try:
+            stale = json.loads(
+                as_operator(node, "get", "flinkdeployment", "canary", "-o", "json").stdout
+            )
+            status, body = node.plane.request(
+                "PATCH",
+                FLINK.format(CHART_CANARIES) + "/canary",
+                {"metadata": {"labels": {"e2e.canaryd.io/team": "a"}}},
+                content_type="application/merge-patch+json",
+            )
+            assert status == 200, body
+            stale["metadata"].pop("resourceVersion")
+            stale["spec"]["restartNonce"] = int(stale["spec"].get("restartNonce") or 0) + 1
+            copy = release.home / "stale.json"
+            copy.write_text(json.dumps(stale))
+            # The policy was made with the release; the API server's admission reads it
+            # from an informer: server-side dry runs (nothing stored) until it answers.
+            wait(
+                lambda: (
+                    message
+                    in as_operator(node, "replace", "--dry-run=server", "-f", str(copy)).stderr
+                ),
+                "the admission policy to refuse a dry run",
+                30,
+            )
+            refused = as_operator(node, "replace", "-f", str(copy))
+            assert refused.returncode != 0 and message in " ".join(refused.stderr.split()), (
+                f"the stale copy was not refused by the policy: {refused.stdout}{refused.stderr}"
+            )
+            status, kept = node.plane.request("GET", FLINK.format(CHART_CANARIES) + "/canary")
+            assert kept["metadata"]["labels"].get("e2e.canaryd.io/team") == "a", kept["metadata"]
+
+            def fresh_bump() -> subprocess.CompletedProcess[str] | None:
+                fresh = json.loads(
+                    as_operator(node, "get", "flinkdeployment", "canary", "-o", "json").stdout
+                )
+                fresh["spec"]["restartNonce"] = int(fresh["spec"].get("restartNonce") or 0) + 1
+                copy.write_text(json.dumps(fresh))
+                done = as_operator(node, "replace", "-f", str(copy))
+                # canaryd bumps the same canary: a 409 is a race lost, not a refusal
+                return None if "the object has been modified" in done.stderr else done
+
+            passed = wait(fresh_bump, "a fresh copy's bump without a conflict", 30)
+            assert passed.returncode == 0, f"a fresh copy's bump was refused: {passed.stderr}"
+            print(f"chart: the policy refused the stale copy: {refused.stderr.strip()}")
+        finally:
+            for plural, obj in (("clusterrolebindings", binding), ("clusterroles", grant)):
+                node.plane.request("DELETE", f"{rbac}/{plural}/{obj['metadata']['name']}")
+
+    def test_high_availability_one_replica_holds_the_lease_and_bumps(self, node, release):
+        """Upgraded with ``highAvailability.enabled=true``: two replicas, the Lease held
+        by one of them, which writes bumps; the other writes none and says it follows."""
+        upgraded = release.helm(
+            "upgrade", RELEASE, str(CHART), *release.values("highAvailability.enabled=true")
+        )
+        assert upgraded.returncode == 0, f"helm upgrade: {upgraded.stderr}"
+        started = time.monotonic()
+
+        def two_ready() -> list[dict[str, Any]] | None:
+            found = release_pods(node)
+            electing = [p for p in found if "--leader-elect" in p["spec"]["containers"][0]["args"]]
+            ok = len(found) == 2 and len(electing) == 2 and all(map(pod_ready, found))
+            return found if ok else None
+
+        replicas = wait(two_ready, "two replicas with --leader-elect Ready", 180)
+        names = {p["metadata"]["name"] for p in replicas}
+        lease = f"/apis/coordination.k8s.io/v1/namespaces/{CHART_NAMESPACE}/leases/{RELEASE}"
+
+        def holder() -> str | None:
+            status, body = node.plane.request("GET", lease)
+            held = body.get("spec", {}).get("holderIdentity") if status == 200 else None
+            return held if held in names else None
+
+        leader_name = wait(holder, "one of the replicas to hold the Lease", 60)
+        leader = next(p for p in replicas if p["metadata"]["name"] == leader_name)
+        follower = next(p for p in replicas if p["metadata"]["name"] != leader_name)
+        # Two bumps of the one canary: the leader wrote for a whole cycle, the follower
+        # watching the same canary meanwhile.
+        wait(
+            lambda: bumps(metrics(node, leader)).get("written", 0) >= 2,
+            "the leader to write two bumps",
+            60,
+        )
+        led, followed = metrics(node, leader), metrics(node, follower)
+        print(
+            f"chart HA: {len(replicas)} replicas Ready {time.monotonic() - started:.1f} s after "
+            f"helm upgrade; Lease held by {leader_name}; bumps leader {bumps(led)}, "
+            f"follower {bumps(followed)}"
+        )
+        assert holder() == leader_name, "the Lease changed hands"
+        gauges = (led.get("canaryd_leader"), followed.get("canaryd_leader"))
+        assert gauges == (1, 0), f"canaryd_leader of the leader and the follower: {gauges}"
+        assert bumps(followed) == {}, f"the follower wrote or tried bumps: {bumps(followed)}"
+
+    def test_helm_uninstall_removes_what_the_chart_made(self, node, release):
+        """Every object of the release's manifest gone after ``helm uninstall``, and the
+        release's pods. Left in the release's namespace, until it goes: the pod of the
+        last ``helm test`` (a test hook: Helm deletes it only before the next test) and
+        the Lease, canaryd's own object, not the chart's. The leader's release of the
+        Lease on SIGTERM is refused (403), since Helm deletes the Lease Role's binding
+        and the ServiceAccount while the pods stop: the Lease stays held by the gone
+        leader until it expires (15 s), which a new install then waits out."""
+        manifest = release.helm("get", "manifest", RELEASE)
+        assert manifest.returncode == 0, manifest.stderr
+        made = [d for d in yaml.safe_load_all(manifest.stdout) if d]
+        listed = release.home / "manifest.yaml"
+        listed.write_text(manifest.stdout)
+        kinds = sorted({d["kind"] for d in made})
+        names = {p["metadata"]["name"] for p in release_pods(node)}
+        kubectl = ["kubectl", f"--kubeconfig={node.plane.kubeconfig('admin')}"]
+        logs = [  # each replica's log to its end, for what it did with the Lease
+            subprocess.Popen(
+                [*kubectl, "-n", CHART_NAMESPACE, "logs", "-f", name],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for name in sorted(names)
+        ]
+        try:
+            uninstalled = release.helm("uninstall", RELEASE, "--wait", "--timeout", "2m")
+            assert uninstalled.returncode == 0, f"helm uninstall: {uninstalled.stderr}"
+            wait(
+                lambda: not {p["metadata"]["name"] for p in pods(node, CHART_NAMESPACE)} & names,
+                "the release's pods deleted",
+                120,
+            )
+            said = [log.communicate(timeout=30)[0] for log in logs]
+        finally:
+            for log in logs:
+                log.kill()
+        left = node.kubectl(
+            "-n", CHART_NAMESPACE, "get", "-f", str(listed), "--ignore-not-found", "-o", "name"
+        )
+        assert left.strip() == "", f"left by helm uninstall: {left}"
+        remaining = {
+            kind: sorted(
+                o["metadata"]["name"]
+                for o in node.plane.request("GET", path.format(CHART_NAMESPACE))[1]["items"]
+            )
+            for kind, path in (
+                ("pods", "/api/v1/namespaces/{}/pods"),
+                ("leases", "/apis/coordination.k8s.io/v1/namespaces/{}/leases"),
+                ("secrets", "/api/v1/namespaces/{}/secrets"),
+                ("services", "/api/v1/namespaces/{}/services"),
+                ("serviceaccounts", "/api/v1/namespaces/{}/serviceaccounts"),
+            )
+        }
+        _, lease = node.plane.request(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/{CHART_NAMESPACE}/leases/{RELEASE}"
+        )
+        released = [line for text in said for line in text.splitlines() if '"lease_release' in line]
+        print(f"chart: helm uninstall removed {len(made)} objects ({', '.join(kinds)})")
+        print(f"chart: left after it {remaining}; the Lease's holder {lease['spec']}")
+        print("chart: " + "\n".join(released))
+        assert remaining == {
+            "pods": [f"{RELEASE}-check"],
+            "leases": [RELEASE],
+            "secrets": [],
+            "services": [],
+            "serviceaccounts": ["default"],
+        }, remaining
+        holder = lease["spec"].get("holderIdentity") or ""
+        assert holder in names | {""}, f"the Lease held by another: {lease['spec']}"
 
 
 # ---------------------------------------------------------------- standalone

@@ -77,7 +77,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def node() -> Iterator[Any]:
     """The node, the chart's CRDs to come, the operator's image in containerd."""
-    from tests.node.cluster import Node, host_state, one_node_per_machine
+    from tests.node.cluster import Binder, Node, host_state, one_node_per_machine
 
     problem = real.built()
     if problem is not None:
@@ -100,43 +100,6 @@ def node() -> Iterator[Any]:
             started.stop()
             after = host_state()
             assert after == before, f"the host differs after the node: {before} -> {after}"
-
-
-class Binder:
-    """kube-scheduler's part for a one-node cluster: every pod without a node is bound
-    to it (POST pods/NAME/binding)."""
-
-    def __init__(self, node: Any) -> None:
-        self.node = node
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="binder", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        plane = self.node.plane
-        while not self._stop.wait(0.5):  # a poll of the pods, bounded by stop()
-            status, body = plane.request("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3D")
-            if status != 200:
-                continue
-            for pod in body["items"]:
-                meta = pod["metadata"]
-                binding = {
-                    "apiVersion": "v1",
-                    "kind": "Binding",
-                    "metadata": {"name": meta["name"]},
-                    "target": {"apiVersion": "v1", "kind": "Node", "name": "localhost"},
-                }
-                plane.request(
-                    "POST",
-                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/binding",
-                    binding,
-                )
 
 
 def wait(check: Callable[[], Any], what: str, within: float, node: Any = None) -> Any:

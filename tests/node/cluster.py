@@ -12,7 +12,8 @@ What differs from ``make e2e``'s control plane, and why:
   root-CA publisher controllers (the ``default`` ServiceAccount, legacy tokens, the
   ``kube-root-ca.crt`` ConfigMap a projected token volume needs) and the Deployment
   and ReplicaSet controllers. There is no scheduler: pods name their node
-  (``spec.nodeName``), which the tests patch into the manifests.
+  (``spec.nodeName``), which the tests patch into the manifests, or ``Binder`` binds
+  them (a chart's pods, installed with ``helm install``).
 - There is no kube-proxy: the ``kubernetes`` Service's address (``SERVICE_IP``:443,
   what a pod's in-cluster configuration dials) is an address added to ``lo`` while
   the node runs, where the fault proxy of ``make e2e`` (tests/controlplane/faultproxy)
@@ -41,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -572,6 +574,50 @@ state = "{w / "containerd" / "state"}"
             check=check,
             timeout=timeout,
         )
+
+
+class Binder:
+    """kube-scheduler's part for a one-node cluster: every pod without a node is bound
+    to it (POST pods/NAME/binding)."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="binder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        plane = self.node.plane
+        while not self._stop.wait(0.5):  # a poll of the pods, bounded by stop()
+            try:
+                self._bind(plane)
+            except OSError:  # the API server not answering (a fault, or the node stopping)
+                continue
+
+    @staticmethod
+    def _bind(plane: Any) -> None:
+        status, body = plane.request("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3D")
+        if status != 200:
+            return
+        for pod in body["items"]:
+            meta = pod["metadata"]
+            binding = {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": meta["name"]},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": NODE},
+            }
+            plane.request(
+                "POST",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/binding",
+                binding,
+            )
 
 
 def _listening(port: int) -> bool:
