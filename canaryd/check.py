@@ -28,7 +28,7 @@ from canaryd.config import (
     nested_keys_why,
     nested_operator_keys,
 )
-from canaryd.daemon import check_kubeconfig
+from canaryd.daemon import check_kubeconfig, kube_client
 from canaryd.kube import (
     KubeClient,
     KubeError,
@@ -55,13 +55,7 @@ async def _client(settings: Settings) -> KubeClient:
     if problem is not None:
         raise ConfigError(f"kubeconfig {where}: {problem}")
     logs.register_secret(configuration.api_key.get("BearerToken"))
-    return KubeClient(
-        configuration,
-        request_timeout=settings.request_timeout,
-        connect_timeout=settings.connect_timeout,
-        keepalive_timeout=settings.keepalive_timeout,
-        reload=reload,
-    )
+    return kube_client(configuration, settings, reload)
 
 
 async def check(settings: Settings, out: TextIO) -> int:

@@ -72,6 +72,18 @@ def check_kubeconfig(value: str) -> str | None:
     return current
 
 
+def kube_client(configuration: Any, settings: Settings, reload: Any) -> KubeClient:
+    """The client, with the timings and the pool derived from the settings."""
+    return KubeClient(
+        configuration,
+        request_timeout=settings.request_timeout,
+        connect_timeout=settings.connect_timeout,
+        keepalive_timeout=settings.keepalive_timeout,
+        writes_in_flight=settings.max_bumps_in_flight,
+        reload=reload,
+    )
+
+
 def read_kubeconfig_file(path: str) -> dict[str, Any]:
     file = Path(path)
     try:
@@ -154,13 +166,7 @@ class Daemon:
             raised_from=open_files.raised_from,
             problem=open_files.problem,
         )
-        kube = KubeClient(
-            configuration,
-            request_timeout=settings.request_timeout,
-            connect_timeout=settings.connect_timeout,
-            keepalive_timeout=settings.keepalive_timeout,
-            reload=reload,
-        )
+        kube = kube_client(configuration, settings, reload)
         kube.note_credentials(loader)
         try:
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)

@@ -54,6 +54,9 @@ PROXY_VARIABLES = (
     "ALL_PROXY",
     "all_proxy",
 )
+RESERVED_CONNECTIONS = 64
+"""Request connections beyond the bumps' own, which bumps never take: lists (16 scopes
+at a time, canaryd.watcher), access reviews (8 at once, canaryd.access), the lease."""
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,7 @@ class KubeClient:
         request_timeout: float = 10.0,
         connect_timeout: float = 5.0,
         keepalive_timeout: float = 15.0,
+        writes_in_flight: int = 256,
         reload: Any = None,
     ) -> None:
         self._config = configuration
@@ -390,12 +394,16 @@ class KubeClient:
         self._tls: ssl.SSLContext | bool = self._ssl_context()
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
-        # connect covers the wait for the pool). As many as bumps may be in flight
-        # (Settings.max_bumps_in_flight), each holding one. aiohttp hands out the idle
+        # connect covers the wait for the pool). Bumps in flight hold at most
+        # ``writes_in_flight`` connections (Settings.max_bumps_in_flight); the pool has
+        # RESERVED_CONNECTIONS more, so that lists, access reviews and the lease never
+        # wait behind bumps that all hang in a brownout. aiohttp hands out the idle
         # connection released first, so a burst's connections take turns and all stay
         # alive while they are reused within keepalive_timeout (Settings.keepalive_timeout).
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=keepalive_timeout),
+            connector=aiohttp.TCPConnector(
+                limit=writes_in_flight + RESERVED_CONNECTIONS, keepalive_timeout=keepalive_timeout
+            ),
             trust_env=trust_env,
             headers=headers,
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none

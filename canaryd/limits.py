@@ -14,9 +14,10 @@ import resource  # Unix: canaryd runs on Linux (and macOS for development)
 from dataclasses import dataclass
 
 RESERVED = 512
-"""Descriptors canaryd needs besides its watches: the request pool (at most 256
-connections: bumps in flight when writes are slow), health-port clients, the event
-loop, logs and the interpreter's own files."""
+"""Descriptors canaryd needs besides its watches: the request pool (at most 320
+connections: 256 bumps in flight when writes are slow, 64 for lists, access reviews
+and the lease), health-port clients, the event loop, logs and the interpreter's own
+files."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kubernetes_asyncio.config import ConfigException
 from canaryd import kube as kube_module
 from canaryd import metrics
 from canaryd import writer as writer_module
+from canaryd.access import Permission, reviews
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
@@ -517,6 +519,57 @@ async def test_a_half_open_pool_costs_no_bump_per_idle_connection(kube, tmp_path
             assert timed_out <= 1, f"{timed_out:g} bumps timed out on frozen idle connections"
             canary = run.canary(namespace=namespaces[0])
             assert canary is not None and canary.state is not CanaryState.UNHEALTHY
+
+
+async def test_lists_and_the_lease_get_a_connection_while_every_bump_hangs(kube):
+    """A brownout: as many bumps as may be in flight (the shipped default) all hang for
+    their whole timeout, each holding a connection. A relist, an access review or a
+    lease renewal still gets one at once; on a pool of exactly the bumps' size it
+    waited for one until its connect timeout ("no connection within")."""
+    from canaryd.daemon import kube_client
+
+    canary = create_canary(kube)
+    settings = replace(Settings(), timeout=4.0)  # connect timeout 2 s
+    configuration = k8s_client.Configuration()
+    configuration.host = kube.url
+    configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
+    client = kube_client(configuration, settings, None)
+    hung: list[Any] = []
+    every_bump_hangs = asyncio.Event()
+
+    def hang(req: Any) -> Fault | None:
+        if req.verb != "patch":
+            return None
+        hung.append(req)
+        if len(hung) == settings.max_bumps_in_flight:
+            every_bump_hangs.set()
+        return Fault(latency=3600, code=0)  # until the client gives up
+
+    kube.hooks.append(hang)
+    path = KINDS["flinkdeployments"].object_path("default", canary["metadata"]["name"])
+    bumps = [
+        asyncio.create_task(
+            client.request(
+                "patch", "PATCH", path, body={"spec": {"restartNonce": n}}, time_limit=3600
+            )
+        )
+        for n in range(settings.max_bumps_in_flight)
+    ]
+    try:
+        try:
+            await asyncio.wait_for(every_bump_hangs.wait(), 30)
+        except TimeoutError:
+            raise AssertionError(f"only {len(hung)} bumps reached the API server in 30s") from None
+        kind = KINDS["flinkdeployments"]
+        listed = await client.request("list", "GET", kind.collection_path(None))
+        assert [item["metadata"]["name"] for item in listed["items"]] == ["canary"]
+        patch = Permission("patch", kind.plural, kind.group, "default")
+        assert await reviews(client, [patch] * 8) == [True] * 8
+    finally:
+        for bump in bumps:
+            bump.cancel()
+        await asyncio.gather(*bumps, return_exceptions=True)
+        await client.close()
 
 
 async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not_come():
