@@ -1,21 +1,28 @@
 """Access reviews: what canaryd will ask the API server to let it do, and whether it may.
 
 SelfSubjectAccessReviews (authorization.k8s.io/v1), which any authenticated user may
-ask about itself: ``canaryd check`` asks them all before a start; the watcher asks
-whether it may patch each canary scope it watches, at start and on each scope change,
-so that a missing ``patch`` is said in /readyz, the scope gauge and one warning, not
-only by canaries that stay ``unknown``.
+ask about itself: ``canaryd check`` asks them all before a start; ``PatchReviews``
+asks whether canaryd may patch in each canary scope the watcher watches, at start and
+on each scope change, so that a missing ``patch`` is said in /readyz, the scope gauge
+and one warning, not only by canaries that stay ``unknown``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+import structlog
+
+from canaryd import metrics
+from canaryd.backoff import Backoff
 from canaryd.config import Settings, lease_namespace
 from canaryd.kube import FLINK_GROUP, KubeClient, KubeError, kind_of
+
+log = structlog.get_logger("canaryd.access")
+ScopeT = TypeVar("ScopeT", bound=Hashable)
 
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 KIND_VERBS = ("list", "watch", "patch")
@@ -122,3 +129,54 @@ async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[b
     if failed is not None:
         raise failed  # as it was raised: its cause names why (refused, tls, ...)
     return [task.result() for task in tasks]
+
+
+class PatchReviews(Generic[ScopeT]):
+    """Whether canaryd may patch in each canary scope it watches: one review per scope,
+    asked at start and on each change of the scopes (``ask``), round after round until
+    they stop changing. Unanswered is not refused: what was known stays, and the round
+    is asked again after a backoff. ``denied`` holds the scopes refused."""
+
+    def __init__(self, settings: Settings, kube: KubeClient, on_answer: Callable[[], None]):
+        self._kube = kube
+        self._backoff = (settings.backoff_initial, settings.backoff_max)
+        self._on_answer = on_answer
+        """Called after each answered round (the watcher's coverage is said again)."""
+        self.denied: frozenset[ScopeT] = frozenset()
+        self._wanted: dict[ScopeT, Permission] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+
+    def ask(self, group: asyncio.TaskGroup, wanted: Mapping[ScopeT, Permission]) -> None:
+        """These scopes are watched now: forget the others, and ask about them all."""
+        self._wanted = dict(wanted)
+        self.denied &= self._wanted.keys()
+        self._again = True
+        if self._task is None or self._task.done():
+            self._task = group.create_task(self._rounds(), name="access reviews")
+
+    async def _rounds(self) -> None:
+        backoff = Backoff(*self._backoff)
+        while self._again:
+            self._again = False
+            wanted = self._wanted
+            try:
+                granted = await reviews(self._kube, list(wanted.values()))
+            except KubeError as err:
+                metrics.ERRORS.labels("access_review").inc()
+                log.info("access_review_unanswered", error=str(err), retry="after a backoff")
+                await self._later(backoff)
+                continue
+            except Exception:
+                # A bug must not stop the watches that share this task group.
+                metrics.ERRORS.labels("access_review").inc()
+                log.exception("access_review_failed_unexpectedly")
+                await self._later(backoff)
+                continue
+            refused = {scope for scope, ok in zip(wanted, granted, strict=True) if not ok}
+            self.denied = frozenset(refused & self._wanted.keys())
+            self._on_answer()
+
+    async def _later(self, backoff: Backoff) -> None:
+        await asyncio.sleep(backoff.next())
+        self._again = True

@@ -4,7 +4,9 @@ One ``ListWatch`` per scope (a canary kind in one namespace, or cluster-wide whe
 namespaces are watched, and one on Namespaces) runs the loop kubernetes-asyncio's
 ``Watch`` does not: list, watch from the list's resourceVersion with bookmarks,
 resume from the last event's resourceVersion when a stream ends, relist on 410
-Expired (and drop what the new list lacks), back off on errors.
+Expired (and drop what the new list lacks), back off on errors. ``Watcher`` keeps
+one per wanted scope, and has canaryd.access's ``PatchReviews`` ask whether canaryd
+may patch in each.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.access import Permission, reviews
+from canaryd.access import PatchReviews, Permission
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.discovery import KindDiscovery
@@ -418,10 +420,8 @@ class Watcher:
         self._uncovered: list[str] = []
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
-        self._patch_forbidden: set[Scope] = set()
+        self.patch_reviews: PatchReviews[Scope] = PatchReviews(settings, kube, self.check_coverage)
         """Watched scopes an access review says canaryd may not patch in."""
-        self._review: asyncio.Task[None] | None = None
-        self._review_again = False
         self.failures = watch_failures(settings)
         self.discovery = KindDiscovery(settings, kube, self._follow_kinds)
 
@@ -455,7 +455,7 @@ class Watcher:
                 continue
             if lw.sync.denied is not None:
                 counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
-            elif lw.scope in self._patch_forbidden:
+            elif lw.scope in self.patch_reviews.denied:
                 counts["patch_forbidden"] += 1
             else:
                 counts["listed" if lw.sync.ready else "waiting"] += 1
@@ -479,7 +479,7 @@ class Watcher:
                 phrases.append(f"{word}: {', '.join(scopes[:20])}")
         if denied := sorted(
             str(scope)
-            for scope in self._patch_forbidden
+            for scope in self.patch_reviews.denied
             if scope in self._watches and self._watches[scope][0].sync.denied is None
         ):
             phrases.append(f"patch forbidden: {', '.join(denied[:20])}")
@@ -576,50 +576,17 @@ class Watcher:
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
-        self._patch_forbidden &= set(self._watches)
-        self._review_patch()
+        self.patch_reviews.ask(
+            self._group,
+            {
+                scope: Permission("patch", scope.kind.plural, scope.kind.group, scope.namespace)
+                for scope in self._watches
+                if scope.kind is not None
+            },
+        )
         self._count_namespaces()
         self._check_open_files()
         self.check_coverage()
-
-    def _review_patch(self) -> None:
-        """Ask (again, as the scopes changed) whether canaryd may patch in each scope."""
-        assert self._group is not None
-        self._review_again = True
-        if self._review is None or self._review.done():
-            self._review = self._group.create_task(self._patch_reviews(), name="access reviews")
-
-    async def _patch_reviews(self) -> None:
-        """One SelfSubjectAccessReview for patch per watched canary scope, until the
-        scopes stop changing; an unanswered round is asked again after a backoff."""
-        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        while self._review_again:
-            self._review_again = False
-            scopes = [scope for scope in self._watches if scope.kind is not None]
-            wanted = [
-                Permission("patch", s.kind.plural, s.kind.group, s.namespace)
-                for s in scopes
-                if s.kind is not None
-            ]
-            try:
-                granted = await reviews(self.kube, wanted)
-            except KubeError as err:
-                # Unanswered is not refused: what was known stays; ask again later.
-                metrics.ERRORS.labels("access_review").inc()
-                log.info("access_review_unanswered", error=str(err), retry="after a backoff")
-                await asyncio.sleep(backoff.next())
-                self._review_again = True
-                continue
-            except Exception:
-                # A bug must not stop the watches that share this task group.
-                metrics.ERRORS.labels("access_review").inc()
-                log.exception("access_review_failed_unexpectedly")
-                await asyncio.sleep(backoff.next())
-                self._review_again = True
-                continue
-            denied = {scope for scope, ok in zip(scopes, granted, strict=True) if not ok}
-            self._patch_forbidden = denied & set(self._watches)
-            self.check_coverage()
 
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can
