@@ -152,7 +152,7 @@ class HttpApi(Watches):
                 raise ApiError(fault.code, REASONS.get(fault.code, "Unknown"), fault.message)
             return web.json_response(document)
         if request.path.rstrip("/") == SELF_SUBJECT_ACCESS_REVIEWS:
-            return self._access_review(request, record, raw)
+            return await self._access_review(request, record, raw)
         req = self._parse(request)
         record.verb, record.namespace, record.name = req.verb, req.namespace, req.name
         record.subresource = req.subresource
@@ -178,13 +178,18 @@ class HttpApi(Watches):
         created = req.verb == "create" or req.created
         return web.json_response(result, status=201 if created else 200)
 
-    def _access_review(
+    async def _access_review(
         self, request: web.Request, record: RequestRecord, raw: bytes
     ) -> web.StreamResponse:
         """POST a SelfSubjectAccessReview: may this client do what it describes? Any
-        authenticated user may ask (the system:basic-user ClusterRole grants it)."""
+        authenticated user may ask (the system:basic-user ClusterRole grants it).
+        ``Fault(verb="access_review")`` fails it (an API server that does not answer)."""
         record.verb, record.resource = "create", "selfsubjectaccessreviews"
         record.user = self._authenticate(request)
+        probe = Request(verb="access_review", rtype=None, user=record.user)
+        fault = choose(self.faults, (), probe)
+        if fault is not None and (answer := await meet(fault, request, probe)) is not None:
+            return answer
         if request.method != "POST":
             raise ApiError(
                 405,
