@@ -55,6 +55,8 @@ class Defer:
     why: str
     first: bool
     """The first deferral of this bump (counted and logged once)."""
+    at: float | None = None
+    """When to judge again, if sooner than ``until`` (the watch already resumed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +126,25 @@ def by_watch(
         )
     scope = scope_name((canary.key.kind, canary.key.namespace))
     if canary.deferred_until is None and (sync is None or sync.in_sync):
+        answered = canary.bump_answered_at
+        if (
+            sync is not None
+            and answered is not None
+            and answered < sync.resynced_at
+            and now < sync.resynced_at + settings.resume_grace
+        ):
+            # The watch resumed after this bump was answered and is still replaying
+            # what it missed (over several reads): the bump's event may be next. Judged
+            # once the replay is in, as a verdict deferred over the resume is.
+            deadline = canary.bump_deadline if canary.bump_deadline is not None else now
+            return Defer(
+                deadline + settings.timeout,
+                f"the watch of {scope} resumed {now - sync.resynced_at:.2f}s ago",
+                True,
+                at=sync.resynced_at + settings.resume_grace,
+            )
         if late and not canary.late_recheck:
             return Recheck(now + settings.judge_slack)
-        answered = canary.bump_answered_at
         if (
             sync is not None
             and answered is not None

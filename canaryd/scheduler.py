@@ -347,7 +347,7 @@ class Scheduler:
                     )
                     self.registry.deferred(canary, until)
                     self._deferred.add(canary)
-                self.push(until, canary)
+                self.push(until if judgement.at is None else min(judgement.at, until), canary)
                 return False
             case Suspect():
                 # The fresh stream's verdict comes from its own deadline: judged again

@@ -39,6 +39,10 @@ class ScopeSync:
     """Why nothing in this scope is ours for now (a 403 or 404 on its list or watch)."""
     last_delivery: float = -math.inf
     """Monotonic time of the last list, event or bookmark of this scope."""
+    resynced_at: float = -math.inf
+    """Monotonic time it last came back in sync (its first list, or the first delivery
+    of a resumed stream). A resumed stream replays what was missed over several reads:
+    a bump answered before that may still be on its way."""
     replace: Callable[[str], None] = field(default=lambda why: None)
     """Set by the scope's ListWatch: drop the current stream and resume from the last
     resourceVersion."""
@@ -95,6 +99,8 @@ class ScopeSync:
 
     def _resync(self) -> bool:
         was_behind = self.unsynced_since is not None
+        if was_behind:
+            self.resynced_at = self.last_delivery
         self.unsynced_since = None
         return was_behind
 

@@ -74,6 +74,27 @@ def test_a_watch_out_of_sync_defers_then_judges_on_the_watch():
     assert isinstance(away, NoVerdict) and away.counted == "unreachable"
 
 
+def test_a_bump_answered_before_the_watch_resumed_waits_for_the_replay():
+    """A resumed stream replays what it missed over several reads: the first delivery
+    puts the scope back in sync before the bump's own event is read. Judged then, a
+    healthy canary was called unhealthy (the soak saw it after a half-open watch was
+    replaced); it is judged once the replay is in, ``resume_grace`` after the resume."""
+    sync = in_sync()
+    sync.dropped(90.0, "it dropped")
+    sync.delivered(95.0)  # the resumed stream's first event
+    grace = 95.0 + SETTINGS.resume_grace
+    assert watch(canary(), sync) == Defer(
+        160.0, "the watch of flinkdeployments@ns resumed 5.00s ago", True, at=grace
+    )
+    assert isinstance(watch(canary(generation=3, deferred_until=160.0), sync, now=grace), Healthy)
+    verdict = watch(canary(deferred_until=160.0), sync, now=grace)
+    assert isinstance(verdict, Unhealthy) and "not observed within 60s" in verdict.reason
+    # Past the grace, or for a bump answered after the resume: judged at once.
+    assert isinstance(watch(canary(), sync, now=grace), Unhealthy)
+    sync.delivered(97.0)
+    assert isinstance(watch(canary(bump_answered_at=96.0), sync), Unhealthy)
+
+
 def test_observed_generation_reads_the_status():
     settings = Settings(timeout=60.0, reconciled_by="observed-generation")
     c = canary(generation=3, status_observed=2)
