@@ -304,6 +304,7 @@ class Registry:
         at the latest."""
         if self.owns(canary):
             canary.deferred_until = until
+            self._changed()
 
     def rechecking(self, canary: Canary) -> None:
         """The judge ran late (canaryd stalled): the pending bump is judged once more."""

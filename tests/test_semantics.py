@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+from typing import Any
 
 import pytest
 
@@ -142,6 +144,63 @@ async def test_a_half_open_watch_is_replaced_and_costs_no_verdict(kube, kubeconf
         )
         assert set(await health.stop()) == {200}
         assert canary.state is not CanaryState.UNHEALTHY
+
+
+async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_no_verdict(
+    kube, kubeconfig
+):
+    """The replacement of a half-open watch replays what the silent one missed, over
+    several reads. Its first event puts the scope back in sync; a canary whose deadline
+    falls before its own replayed event is read waits for the replay (judged a quarter
+    of the cycle after the resume), never unhealthy. The soak found it: 3 false
+    verdicts 18 ms after a replacement. 40 canaries on a 2 s cycle: some deadline falls
+    within that quarter."""
+    names = [f"c-{n:02}" for n in range(40)]
+    for name in names:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig, timeout=2.0) as run:
+        await run.until(
+            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
+            "every canary healthy",
+            within=10,
+        )
+        health = HealthWatch(run)
+        sync = run.registry.scopes.covering(run.tracked(names[0]).key)
+        kube.pause_replays()
+        kube.silence_watches()
+        await run.until(lambda: kube.replays_paused > 0, "a replay paused after its first event", 8)
+        await run.until(lambda: sync.in_sync, "the scope in sync at the replay's first event", 2)
+        resynced = sync.resynced_at
+
+        def behind() -> list[Any]:  # bumps answered before the resume, events unread
+            return [
+                c
+                for c in run.registry.canaries()
+                if c.bumped_generation is not None
+                and c.generation < c.bumped_generation
+                and (c.bump_answered_at or math.inf) < resynced
+            ]
+
+        def judged_while_replaying() -> bool:
+            unhealthy = [
+                str(c.key) for c in run.registry.canaries() if c.state is CanaryState.UNHEALTHY
+            ]
+            assert not unhealthy, f"judged before their replayed events were read: {unhealthy}"
+            return any(
+                c.deferred_until is not None and (c.bump_deadline or 0.0) > resynced
+                for c in behind()
+            )
+
+        try:
+            await run.until(judged_while_replaying, "a deadline while the replay waits", 2.0 / 4)
+        finally:
+            kube.resume_replays()
+        await run.until(
+            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
+            "every canary healthy after the replay",
+            within=3 * 2.0,
+        )
+        assert set(await health.stop()) == {200}
 
 
 async def test_a_fresh_watch_that_delivers_nothing_either_gives_the_verdict(kube, kubeconfig):

@@ -46,6 +46,9 @@ class Watches(Store):
         """Changes not yet dispatched to watches while delivery is held."""
         self._dispatched_rv = 0
         """The resourceVersion up to which changes went to the watches."""
+        self._replay_gate: asyncio.Event | None = None
+        self.replays_paused = 0
+        """Resumed watches that sent the first change of their replay and wait."""
 
     def _deliver(self, change: Change) -> None:
         if self._held is not None:
@@ -80,6 +83,18 @@ class Watches(Store):
         watches opened after this work."""
         for watcher in self.watchers:
             watcher.silent = True
+
+    def pause_replays(self) -> None:
+        """A watch resumed from a resourceVersion sends the first change it replays,
+        then the others only after ``resume_replays``: a replay that reaches the client
+        over several reads (kube-apiserver writes each event as it goes)."""
+        if self._replay_gate is None:
+            self._replay_gate = asyncio.Event()
+
+    def resume_replays(self) -> None:
+        gate, self._replay_gate = self._replay_gate, None
+        if gate is not None:
+            gate.set()
 
     def close_watches(self) -> None:
         """End every open watch stream, as an API server restart does."""
@@ -167,7 +182,11 @@ class Watches(Store):
         try:
             for obj in initial:
                 await send("ADDED", obj)
-            for change in backlog:
+            for n, change in enumerate(backlog):
+                if n == 1 and (gate := self._replay_gate) is not None:
+                    self.replays_paused += 1
+                    self._notify()
+                    await gate.wait()
                 await self._send_change(send, change, in_scope, matches)
             while True:
                 now = loop.time()
