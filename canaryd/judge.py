@@ -125,24 +125,26 @@ def by_watch(
             else f"generation {bumped} observed in time"
         )
     scope = scope_name((canary.key.kind, canary.key.namespace))
-    if canary.deferred_until is None and (sync is None or sync.in_sync):
-        answered = canary.bump_answered_at
-        if (
-            sync is not None
-            and answered is not None
-            and answered < sync.resynced_at
-            and now < sync.resynced_at + settings.resume_grace
-        ):
-            # The watch resumed after this bump was answered and is still replaying
-            # what it missed (over several reads): the bump's event may be next. Judged
-            # once the replay is in, as a verdict deferred over the resume is.
-            deadline = canary.bump_deadline if canary.bump_deadline is not None else now
-            return Defer(
-                deadline + settings.timeout,
-                f"the watch of {scope} resumed {now - sync.resynced_at:.2f}s ago",
-                True,
-                at=sync.resynced_at + settings.resume_grace,
-            )
+    answered = canary.bump_answered_at
+    if (
+        canary.deferred_until is None
+        and sync is not None
+        and sync.in_sync
+        and answered is not None
+        and answered < sync.resynced_at
+        and now < sync.resynced_at + settings.resume_grace
+    ):
+        # The watch resumed after this bump was answered and may still be replaying
+        # what it missed (over several reads): the bump's event may be next. Judged a
+        # quarter of the cycle after the resume, as a verdict deferred over it is.
+        deadline = canary.bump_deadline if canary.bump_deadline is not None else now
+        return Defer(
+            deadline + settings.timeout,
+            f"the watch of {scope} resumed {now - sync.resynced_at:.2f}s ago",
+            True,
+            at=sync.resynced_at + settings.resume_grace,
+        )
+    if sync is None or sync.in_sync:
         if late and not canary.late_recheck:
             return Recheck(now + settings.judge_slack)
         if (
@@ -151,11 +153,13 @@ def by_watch(
             and canary.generation < bumped  # its own event not seen (any mode)
             and sync.silent_since(answered)
         ):
-            # Not one event or bookmark on the scope since this bump was answered, though
-            # the bump is a change it must deliver: canaryd's own connection is the
-            # suspect (half-open). A fresh stream tells; the verdict waits for it.
+            # Nothing on the scope since this bump was answered (or since a resumed
+            # stream's first event, when the bump is in its replay), though the bump is
+            # a change it must deliver: canaryd's own connection is the suspect
+            # (half-open). A fresh stream tells; the verdict waits for it.
+            since = "a bump" if answered >= sync.resynced_at else "the watch resumed"
             silent = now - max(sync.last_delivery, answered)
-            return Suspect(f"nothing delivered in the {silent:.1f}s since a bump")
+            return Suspect(f"nothing delivered in the {silent:.1f}s since {since}")
     if sync is not None and sync.unsynced_since is not None:
         first = canary.deferred_until is None
         if first:

@@ -78,7 +78,11 @@ class ScopeSync:
     def silent_since(self, answered_at: float) -> bool:
         """Half-open, as far as canaryd can tell: not one event or bookmark since a bump
         of this scope was answered. A live stream delivers that bump's event (a stuck
-        server still sends bookmarks); a dead connection sends nothing at all."""
+        server still sends bookmarks); a dead connection sends nothing at all. For a
+        bump answered before the stream resumed, its event is in the replay: nothing
+        since the replay's first event is as silent (the replay stalled)."""
+        if answered_at < self.resynced_at:
+            return self.last_delivery <= self.resynced_at
         return self.last_delivery < answered_at
 
     def dropped(self, now: float, why: str = "it dropped") -> None:

@@ -78,7 +78,7 @@ def test_a_bump_answered_before_the_watch_resumed_waits_for_the_replay():
     """A resumed stream replays what it missed over several reads: the first delivery
     puts the scope back in sync before the bump's own event is read. Judged then, a
     healthy canary was called unhealthy (the soak saw it after a half-open watch was
-    replaced); it is judged once the replay is in, ``resume_grace`` after the resume."""
+    replaced); it is judged ``resume_grace`` after the resume."""
     sync = in_sync()
     sync.dropped(90.0, "it dropped")
     sync.delivered(95.0)  # the resumed stream's first event
@@ -86,6 +86,7 @@ def test_a_bump_answered_before_the_watch_resumed_waits_for_the_replay():
     assert watch(canary(), sync) == Defer(
         160.0, "the watch of flinkdeployments@ns resumed 5.00s ago", True, at=grace
     )
+    sync.delivered(96.0)  # the replay goes on
     assert isinstance(watch(canary(generation=3, deferred_until=160.0), sync, now=grace), Healthy)
     verdict = watch(canary(deferred_until=160.0), sync, now=grace)
     assert isinstance(verdict, Unhealthy) and "not observed within 60s" in verdict.reason
@@ -93,6 +94,22 @@ def test_a_bump_answered_before_the_watch_resumed_waits_for_the_replay():
     assert isinstance(watch(canary(), sync, now=grace), Unhealthy)
     sync.delivered(97.0)
     assert isinstance(watch(canary(bump_answered_at=96.0), sync), Unhealthy)
+
+
+def test_a_replay_that_stalls_after_its_first_event_is_the_suspect():
+    """Nothing since the resumed stream's first event, while a bump answered before the
+    resume is still unseen: its replay stalled (half-open again), canaryd's own delay,
+    not the cluster's. Deferred or not, and also for a judge that ran late."""
+    sync = in_sync()
+    sync.dropped(90.0, "it dropped")
+    sync.delivered(95.0)
+    grace = 95.0 + SETTINGS.resume_grace
+    stalled = watch(canary(deferred_until=160.0), sync, now=grace)
+    assert stalled == Suspect("nothing delivered in the 15.0s since the watch resumed")
+    assert isinstance(watch(canary(), sync, now=grace + 1.0), Suspect)
+    # A late judge after the deferral re-checks once, as any late judge does.
+    late = watch(canary(deferred_until=160.0), sync, now=grace + 2.0, late=True)
+    assert late == Recheck(grace + 2.0 + SETTINGS.judge_slack)
 
 
 def test_observed_generation_reads_the_status():

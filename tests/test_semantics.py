@@ -203,6 +203,47 @@ async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_n
         assert set(await health.stop()) == {200}
 
 
+async def test_a_replay_that_stalls_after_its_first_event_is_suspected_not_judged(kube, kubeconfig):
+    """The replacement stream itself goes silent after the first event of its replay:
+    nothing arrives since the resume, so a bump answered before it is not judged on
+    that stream: it is replaced again (no verdict in the meantime), and the verdicts
+    come once a stream delivers the replay."""
+    names = [f"c-{n:02}" for n in range(40)]
+    for name in names:
+        create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig, timeout=2.0) as run:
+        await run.until(
+            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
+            "every canary healthy",
+            within=10,
+        )
+        health = HealthWatch(run)
+        sync = run.registry.scopes.covering(run.tracked(names[0]).key)
+        suspected = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
+        kube.pause_replays()  # until resumed, every resumed stream stalls after 1 event
+        kube.silence_watches()
+
+        def replaced_again() -> bool:
+            unhealthy = [
+                str(c.key) for c in run.registry.canaries() if c.state is CanaryState.UNHEALTHY
+            ]
+            assert not unhealthy, f"judged on a stalled replay: {unhealthy}"
+            return counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected") >= suspected + 2
+
+        try:
+            await run.until(lambda: kube.replays_paused > 0, "a replay paused", 8)
+            await run.until(lambda: sync.in_sync, "the scope in sync at its first event", 2)
+            await run.until(replaced_again, "the stalled replacement to be replaced", 2.0)
+        finally:
+            kube.resume_replays()
+        await run.until(
+            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
+            "every canary healthy after the replay",
+            within=3 * 2.0,
+        )
+        assert set(await health.stop()) == {200}
+
+
 async def test_a_fresh_watch_that_delivers_nothing_either_gives_the_verdict(kube, kubeconfig):
     """Nothing at all arrives, not even bookmarks, on the old stream or the new one: the
     replacement did not help, so the verdict stands (within two cycles of the bump)."""
