@@ -7,8 +7,10 @@ wait is event-driven and bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -146,6 +148,21 @@ async def test_a_half_open_watch_is_replaced_and_costs_no_verdict(kube, kubeconf
         assert canary.state is not CanaryState.UNHEALTHY
 
 
+def healthy(run: Running) -> int:
+    return sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries())
+
+
+@contextlib.asynccontextmanager
+async def replaying(kube: FakeKube, kubeconfig: Any) -> AsyncIterator[tuple[Running, Any]]:
+    """40 healthy canaries on a 2 s cycle (some deadline falls within any quarter of
+    it), and the sync model of their watch scope."""
+    for n in range(40):
+        create_canary(kube, f"c-{n:02}")
+    async with running_daemon(kube, kubeconfig, timeout=2.0) as run:
+        await run.until(lambda: healthy(run) == 40, "every canary healthy", within=10)
+        yield run, run.registry.scopes.covering(run.tracked("c-00").key)
+
+
 async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_no_verdict(
     kube, kubeconfig
 ):
@@ -153,19 +170,9 @@ async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_n
     several reads. Its first event puts the scope back in sync; a canary whose deadline
     falls before its own replayed event is read waits for the replay (judged a quarter
     of the cycle after the resume), never unhealthy. The soak found it: 3 false
-    verdicts 18 ms after a replacement. 40 canaries on a 2 s cycle: some deadline falls
-    within that quarter."""
-    names = [f"c-{n:02}" for n in range(40)]
-    for name in names:
-        create_canary(kube, name)
-    async with running_daemon(kube, kubeconfig, timeout=2.0) as run:
-        await run.until(
-            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
-            "every canary healthy",
-            within=10,
-        )
+    verdicts 18 ms after a replacement."""
+    async with replaying(kube, kubeconfig) as (run, sync):
         health = HealthWatch(run)
-        sync = run.registry.scopes.covering(run.tracked(names[0]).key)
         kube.pause_replays()
         kube.silence_watches()
         await run.until(lambda: kube.replays_paused > 0, "a replay paused after its first event", 8)
@@ -195,11 +202,7 @@ async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_n
             await run.until(judged_while_replaying, "a deadline while the replay waits", 2.0 / 4)
         finally:
             kube.resume_replays()
-        await run.until(
-            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
-            "every canary healthy after the replay",
-            within=3 * 2.0,
-        )
+        await run.until(lambda: healthy(run) == 40, "every canary healthy after the replay", 6)
         assert set(await health.stop()) == {200}
 
 
@@ -208,17 +211,8 @@ async def test_a_replay_that_stalls_after_its_first_event_is_suspected_not_judge
     nothing arrives since the resume, so a bump answered before it is not judged on
     that stream: it is replaced again (no verdict in the meantime), and the verdicts
     come once a stream delivers the replay."""
-    names = [f"c-{n:02}" for n in range(40)]
-    for name in names:
-        create_canary(kube, name)
-    async with running_daemon(kube, kubeconfig, timeout=2.0) as run:
-        await run.until(
-            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
-            "every canary healthy",
-            within=10,
-        )
+    async with replaying(kube, kubeconfig) as (run, sync):
         health = HealthWatch(run)
-        sync = run.registry.scopes.covering(run.tracked(names[0]).key)
         suspected = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "suspected")
         kube.pause_replays()  # until resumed, every resumed stream stalls after 1 event
         kube.silence_watches()
@@ -236,11 +230,7 @@ async def test_a_replay_that_stalls_after_its_first_event_is_suspected_not_judge
             await run.until(replaced_again, "the stalled replacement to be replaced", 2.0)
         finally:
             kube.resume_replays()
-        await run.until(
-            lambda: sum(c.state is CanaryState.HEALTHY for c in run.registry.canaries()) == 40,
-            "every canary healthy after the replay",
-            within=3 * 2.0,
-        )
+        await run.until(lambda: healthy(run) == 40, "every canary healthy after the replay", 6)
         assert set(await health.stop()) == {200}
 
 
