@@ -119,6 +119,10 @@ def _rv(obj: Mapping[str, Any]) -> str:
 
 LISTS_AT_ONCE = 16
 """Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``)."""
+DROP_READS_AT_ONCE = 8
+"""GETs in flight at once that tell a dropped canary's deletion from a label removal:
+a mass deletion takes no more of the request pool's connections beyond the bumps'
+(kube.RESERVED_CONNECTIONS), which lists and the lease need."""
 
 
 class ListWatch:
@@ -414,6 +418,7 @@ class Watcher:
         self.namespaces = settings.namespaces
         self._watches: dict[Scope, tuple[ListWatch, asyncio.Task[None]]] = {}
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
+        self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
         self._seen_namespaces: set[str] = set()
         self._namespaces_known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
@@ -676,7 +681,8 @@ class Watcher:
 
     async def _tell_drop(self, kind: Kind, key: CanaryKey) -> None:
         try:
-            await self._classify_drop(kind, key)
+            async with self._drop_reads:
+                await self._classify_drop(kind, key)
         except Exception:
             # A bug here must not cancel the watches that share this task group.
             metrics.ERRORS.labels("watch").inc()

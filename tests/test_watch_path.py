@@ -14,6 +14,7 @@ import resource
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -21,10 +22,11 @@ import pytest
 from canaryd import metrics
 from canaryd.kube import KubeError
 from canaryd.registry import CanaryState
-from canaryd.testing.apiserver import FakeKube, Fault
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from canaryd.testing.process import canaryd_argv, free_port
 from tests.harness import (
     CYCLE,
+    LABEL,
     TEST_SETTINGS,
     black_hole,
     counter,
@@ -409,6 +411,45 @@ async def test_lists_come_in_pages_of_500_and_an_expired_continue_lists_whole(ku
         )
         kube.hooks.remove(compact_between_pages)
         assert len(run.registry) == len(names)
+
+
+async def test_a_mass_label_removal_reads_back_at_most_eight_canaries_at_once(kube, kubeconfig):
+    """Each canary whose label is removed is read back once to tell a deletion from a
+    label removal; 40 at once (slow reads) hold at most DROP_READS_AT_ONCE connections,
+    so the request pool keeps room for lists and the lease."""
+    from canaryd.watcher import DROP_READS_AT_ONCE
+
+    names = [f"c-{n:02}" for n in range(40)]
+    for name in names:
+        create_canary(kube, name)
+
+    def slow_reads(req: Any) -> Fault | None:
+        return Fault(latency=0.05, code=0) if req.verb == "get" else None
+
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until(lambda: len(run.registry) == 40, "every canary tracked")
+        kube.hooks.append(slow_reads)
+        for name in names:
+            kube.update(FLINK_DEPLOYMENTS, "default", name, without_label)
+        await run.until(
+            lambda: (
+                sum(r.ended_at is not None for r in kube.requests_for("get", "flinkdeployments"))
+                == 40
+            ),
+            "every dropped canary read back",
+            10,
+        )
+        kube.hooks.remove(slow_reads)
+        reads = kube.requests_for("get", "flinkdeployments")
+        edges = sorted([(r.at, 1) for r in reads] + [(r.ended_at or 0.0, -1) for r in reads])
+        at_once = max(itertools.accumulate(step for _, step in edges))
+        assert 1 < at_once <= DROP_READS_AT_ONCE, at_once
+        assert len(run.registry) == 0
+
+
+def without_label(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"]["labels"].pop(LABEL)
+    return obj
 
 
 async def test_an_open_files_limit_too_low_is_said_but_does_not_withhold_ready(
