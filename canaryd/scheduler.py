@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import structlog
 
-from canaryd import judge, logs, metrics
+from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
@@ -42,9 +42,6 @@ from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
-# Looked up once: one or two per bump.
-WRITTEN = metrics.BUMPS.labels("written")
-HEALTHY = metrics.VERDICTS.labels("healthy")
 
 
 class Scheduler:
@@ -269,14 +266,13 @@ class Scheduler:
             return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
-        WRITTEN.inc()
+        metrics.BUMPS.labels("written").inc()
         deadline = outcome.answered + self.settings.timeout
         self.registry.bumped(
             canary, outcome.generation, outcome.sent, outcome.answered, deadline, time.time()
         )
         self.failures.recovered(canary.key)
-        if logs.debug_enabled():  # an event built for nothing costs as much as the rest
-            log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
+        log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
         return deadline
 
     def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
@@ -308,7 +304,7 @@ class Scheduler:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
             case Healthy():
-                HEALTHY.inc()
+                metrics.VERDICTS.labels("healthy").inc()
                 self._deferred.discard(canary)
                 self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, now)
             case Unhealthy():

@@ -109,11 +109,7 @@ def backing_off(delay: float, then: State, rv: str = "") -> Next:
 
 def _rv(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata")
-    value = (
-        metadata.get("resourceVersion")
-        if (type(metadata) is dict or isinstance(metadata, Mapping))
-        else None
-    )
+    value = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
     return str(value) if value else ""
 
 
@@ -291,7 +287,7 @@ class ListWatch:
                     on_connected=self._opened,
                 ):
                     kind, obj = event.get("type"), event.get("object")
-                    if not (type(obj) is dict or isinstance(obj, Mapping)):
+                    if not isinstance(obj, Mapping):
                         metrics.ERRORS.labels("watch_decode").inc()
                         log.warning(
                             "watch_event_without_object", scope=str(self.scope), type=str(kind)
