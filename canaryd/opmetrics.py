@@ -14,9 +14,11 @@ the deadline. A new operator process starts its counters at zero, so a counter t
 went down, a new process start time, or an endpoint that answers again after it
 refused, is a restarted operator: its verdicts are checked afresh.
 
-Only the lines canaryd needs are parsed (a scrape of an operator with thousands of
-resources is tens of thousands of lines); the metric names are matched by their
-suffix, so a reporter scope format of the user's own keeps working.
+Only the lines canaryd needs are read (a scrape of an operator with thousands of
+resources is tens of thousands of lines, every scrape interval): regular expressions
+find them in the bytes, matching metric names by their suffix (so a reporter scope
+format of the user's own keeps working), and prometheus_client's parser reads each
+label set not seen before (whole answers through it would take seconds each).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
 """The per-resource counter of reconciles JOSDK finished (the operator's
 ``OperatorJosdkMetrics.finishedReconciliation``)."""
-RESOURCE_LABELS = ("resourcetype", "resourcens", "resourcename")
 MAX_ANSWER = 256 * 1024 * 1024
 """The largest answer read (bytes): an operator with 10,000 resources answers about
 11 MB. It is read in chunks and never held whole, so this bounds time, not memory."""
@@ -53,8 +55,6 @@ _PROCESS = re.compile(
 _START = re.compile(rb"process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
 """A process start time, when a reporter exports one (Flink's Prometheus reporter does
 not: its registry holds Flink's metrics only)."""
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 ResourceKey = tuple[str, str, str]
 """(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
@@ -69,12 +69,6 @@ def reporter_label(value: str) -> str:
     every character outside ``[a-zA-Z0-9:_]`` becomes ``_``, so namespace ``team-a``
     is ``team_a`` and name ``my.canary`` is ``my_canary``."""
     return _NOT_IN_LABELS.sub("_", value)
-
-
-def _unescape(value: str) -> str:
-    if "\\" not in value:
-        return value
-    return re.sub(r"\\[\\\"n]", lambda m: _ESCAPES[m.group(0)], value)
 
 
 def _number(raw: bytes) -> float | None:
@@ -100,17 +94,14 @@ class Scrape:
     and labels."""
     start_time: float | None
     """The operator process's start time (Unix seconds), when the reporter exports it."""
-    size: int = 0
-    """Bytes read."""
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
         are, or as the reporter filters them by default."""
         found = self.reconciled.get(key)
         if found is None:
-            found = self.reconciled.get(
-                (reporter_label(key[0]), reporter_label(key[1]), reporter_label(key[2]))
-            )
+            kind, namespace, name = map(reporter_label, key)
+            found = self.reconciled.get((kind, namespace, name))
         return found
 
     @property
@@ -142,20 +133,16 @@ class Parser:
         self._rest = data[cut + 1 :] if len(data) - cut <= MAX_LINE else b""
         self._scan(data[: cut + 1])
 
-    def close(self) -> None:
-        if self._rest:
-            self._scan(self._rest + b"\n")
-            self._rest = b""
-
     def _key(self, labels: bytes) -> ResourceKey | None:
         key = self._keys.get(labels, False)
         if key is False:
-            found = {k: _unescape(v) for k, v in _LABEL.findall(labels.decode("utf-8", "replace"))}
-            key = (
-                (found["resourcetype"], found["resourcens"], found["resourcename"])
-                if all(label in found for label in RESOURCE_LABELS)
-                else None
-            )
+            sample = f"x{{{labels.decode('utf-8', 'replace')}}} 0\n"
+            try:
+                (family,) = text_string_to_metric_families(sample)
+                found = family.samples[0].labels
+                key = (found["resourcetype"], found["resourcens"], found["resourcename"])
+            except (ValueError, KeyError, IndexError):  # malformed, or not a resource's
+                key = None
             if len(self._keys) > 200_000:
                 self._keys.clear()
             self._keys[labels] = key
@@ -179,10 +166,10 @@ class Parser:
                 self.start_time = value if EARLIEST_START < value < LATEST_START else None
 
     def scrape(self, sent_at: float, answered_at: float) -> Scrape:
-        self.close()
-        return Scrape(
-            sent_at, answered_at, self.reconciled, self.process, self.start_time, self.size
-        )
+        if self._rest:
+            self._scan(self._rest + b"\n")
+            self._rest = b""
+        return Scrape(sent_at, answered_at, self.reconciled, self.process, self.start_time)
 
 
 def parse(text: str | bytes, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
@@ -211,15 +198,6 @@ class ScrapeFailed(Exception):
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
         self.cause = cause
-
-
-def _refused(err: BaseException) -> bool:
-    os_error = getattr(err, "os_error", None)
-    return isinstance(os_error, OSError) and os_error.errno in (
-        errno.ECONNREFUSED,
-        errno.ENETUNREACH,
-        errno.EHOSTUNREACH,
-    )
 
 
 @dataclass(slots=True)
@@ -260,10 +238,6 @@ class OperatorMetrics:
         self.last: Scrape | None = None
         """The last usable answer."""
         self.instance = Instance()
-        self.failing_since: float | None = None
-        """Monotonic time since which scrapes fail (None: the last one answered)."""
-        self.failure: ScrapeFailed | None = None
-        """The last failure, while scrapes fail."""
         self._refused_since_answer = False
 
     async def close(self) -> None:
@@ -304,7 +278,7 @@ class OperatorMetrics:
         except ScrapeFailed:
             raise
         except aiohttp.ClientConnectorError as err:
-            if _refused(err):
+            if err.os_error.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
                 raise ScrapeFailed("refused", f"{self.url} refused the connection") from None
             raise ScrapeFailed("bad_answer", f"cannot connect to {self.url}: {err}") from None
         except aiohttp.ConnectionTimeoutError:
@@ -335,17 +309,12 @@ class OperatorMetrics:
         try:
             scrape = await self._fetch()
         except ScrapeFailed as failed:
-            if self.failing_since is None:
-                self.failing_since = self._clock()
-            self.failure = failed
-            if failed.cause == "refused":
-                self._refused_since_answer = True
+            self._refused_since_answer |= failed.cause == "refused"
             raise
         restarted = self.restart_seen(scrape)
         if restarted is not None:
             self.instance = Instance(self.instance.number + 1, restarted)
-        self.last, self.failing_since, self.failure = scrape, None, None
-        self._refused_since_answer = False
+        self.last, self._refused_since_answer = scrape, False
         return scrape
 
     def restart_seen(self, scrape: Scrape) -> float | None:
