@@ -105,9 +105,6 @@ class OperatorJudge:
         """A deadline: judged at the next read of the operator's metrics."""
         self.awaiting.append((due, canary))
 
-    def waiting(self, key: CanaryKey) -> int:
-        return sum(1 for _, canary in self.awaiting if canary.key == key)
-
     def forget(self, key: CanaryKey) -> None:
         self._missing_series.discard(key)
         self._realign.discard(key)
@@ -128,8 +125,17 @@ class OperatorJudge:
                 try:
                     while not read.done():
                         await asyncio.wait({read}, timeout=self.settings.scrape_interval)
-                        if not read.done():
-                            self._still_unanswered(started)
+                        if not read.done() and self.schedule.active:
+                            # Unanswered for a read interval: the verdicts that waited a
+                            # whole cycle for an answer need not wait for this one to
+                            # time out (a frozen JVM holds a read for the whole cycle);
+                            # one with nothing to judge waits for the read: its baseline.
+                            silent = ScrapeFailed(
+                                "unanswered",
+                                f"{self.operator.url} has not answered a read sent "
+                                f"{self._clock() - started:.1f}s ago",
+                            )
+                            self._judge_due(started, None, silent, bumped_only=True)
                     scrape = read.result()
                 except ScrapeFailed as err:
                     failed = err
@@ -149,43 +155,46 @@ class OperatorJudge:
             raise
 
     def _read(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
-        operator = self.operator
+        url = self.operator.url
         if failed is not None:
             metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
-            self.read_failed(failed)
+            self.problem = str(failed)  # /readyz names it; the log tells an episode
+            self.failures.failed(url, failed.cause, str(failed))
         else:
             assert scrape is not None
             metrics.OPERATOR_SCRAPES.labels("ok").inc()
             self.problem = None
-            self.failures.recovered(operator.url)
+            self.failures.recovered(url)
             if not scrape.has_operator_series:
                 self.problem = (
-                    f"{operator.url} answered without the operator's metrics (is Flink's "
+                    f"{url} answered without the operator's metrics (is Flink's "
                     "Prometheus reporter configured on this port?)"
                 )
-            if operator.instance.number != self._instance_judged:
+            if self.operator.instance.number != self._instance_judged:
                 if self.schedule.active:
                     self._operator_restarted(started)
                 else:  # a follower judges nothing; it starts fresh when it leads
-                    self._instance_judged = operator.instance.number
+                    self._instance_judged = self.operator.instance.number
             self._note_reconciles(scrape)
-        if not self.schedule.active:
-            return
-        self._judge_due(started, scrape, failed, lambda canary: True)
+        if self.schedule.active:
+            self._judge_due(started, scrape, failed)
 
     def _judge_due(
         self,
         started: float,
         scrape: Scrape | None,
         failed: ScrapeFailed | None,
-        judged_now: Callable[[Canary], bool],
+        *,
+        bumped_only: bool = False,
     ) -> None:
-        """Judge every canary that fell due before ``started`` (and ``judged_now``)."""
+        """Judge every canary that fell due before ``started`` (``bumped_only``: those
+        with a bump to judge)."""
         now = self._clock()
         due_now: list[tuple[float, Canary]] = []
         later: list[tuple[float, Canary]] = []
-        for entry in self.awaiting:
-            (due_now if entry[0] <= started and judged_now(entry[1]) else later).append(entry)
+        for due, canary in self.awaiting:
+            judged = due <= started and (not bumped_only or canary.bumped_generation is not None)
+            (due_now if judged else later).append((due, canary))
         self.awaiting = later
         for due, canary in due_now:
             try:
@@ -234,7 +243,12 @@ class OperatorJudge:
             if place - now > self.settings.scrape_interval:
                 self.schedule.push(place, canary)
                 return
-        self.registry.baseline(canary, self._baseline(canary))
+        # The baseline: the operator instance and the canary's count in the last answer
+        # read (before the bump about to be sent), if one was ever read.
+        count = last.count(self._resource(canary)) if last is not None else None
+        self.registry.baseline(
+            canary, (self.operator.instance.number, count) if last is not None else None
+        )
         # The bump's own retry window runs from now: the verdict may have waited.
         self.schedule.start_bump(now, canary)
 
@@ -259,24 +273,6 @@ class OperatorJudge:
         offset = self._epoch + phase(canary) * timeout
         return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
 
-    def _still_unanswered(self, started: float) -> None:
-        """A read has not been answered for a read interval: the verdicts that have
-        waited a whole cycle for an answer need not wait for this one to time out (a
-        frozen JVM holds a read for the whole cycle)."""
-        now = self._clock()
-        silent = ScrapeFailed(
-            "unanswered",
-            f"{self.operator.url} has not answered a read sent {now - started:.1f}s ago",
-        )
-        if self.schedule.active:
-            # One with nothing to judge waits for the read: its baseline.
-            self._judge_due(started, None, silent, lambda c: c.bumped_generation is not None)
-
-    def read_failed(self, failed: ScrapeFailed) -> None:
-        """A read failed: an episode in the log, the cause in /readyz."""
-        self.problem = str(failed)
-        self.failures.failed(self.operator.url, failed.cause, str(failed))
-
     def _operator_restarted(self, started: float) -> None:
         """A new operator process answers: verdicts were about the one that is gone. Every
         canary is checked afresh: ``pending``, and a bump from now on, the first at once
@@ -300,28 +296,17 @@ class OperatorJudge:
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
 
-    def _baseline(self, canary: Canary) -> tuple[int, float | None] | None:
-        """The operator instance and the canary's count of finished reconciles in the
-        last answer read (before the bump about to be sent), if one was ever read."""
-        last = self.operator.last
-        if last is None:
-            return None
-        return self.operator.instance.number, last.count(self._resource(canary))
-
     def _note_reconciles(self, scrape: Scrape) -> None:
         """The ``reconciled`` stage of bumps the operator reconciled since the last read
         (its time is an upper bound: the read's answer)."""
-        number = self._instance_judged
         for canary in self.registry.tracked():
-            sent = canary.bump_sent_at
-            baseline = canary.reconcile_baseline
+            sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
             if (
-                sent is None
-                or canary.bumped_generation is None
-                or baseline is None
-                or baseline[0] != number
-                or "reconciled" in canary.stages
+                sent is not None
+                and canary.bumped_generation is not None
+                and baseline is not None
+                and baseline[0] == self._instance_judged
+                and "reconciled" not in canary.stages
+                and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
             ):
-                continue
-            if judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]:
                 self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
