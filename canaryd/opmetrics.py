@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -79,21 +79,27 @@ def _number(raw: bytes) -> float | None:
     return None if value != value else value  # NaN: no value
 
 
-@dataclass(frozen=True, slots=True)
 class Scrape:
-    """What one answer of the operator's metrics endpoint says."""
+    """What one answer of the operator's metrics endpoint says, read chunk by chunk
+    (``feed``, then ``end``): only what canaryd needs is kept, and a line of interest
+    that is malformed is skipped. ``keys`` caches the label texts already seen (the
+    same every read), so a read of 10,000 resources parses few label sets."""
 
-    sent_at: float
-    """Monotonic time the request was sent: a reconcile counted in it finished before
-    the answer, and one that finished before ``sent_at`` is in it."""
-    answered_at: float
-    reconciled: Mapping[ResourceKey, float]
-    """Finished reconciles per resource."""
-    process: Mapping[bytes, float]
-    """The process-wide series that only grow within one operator process, by name
-    and labels."""
-    start_time: float | None
-    """The operator process's start time (Unix seconds), when the reporter exports it."""
+    def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
+        self.answered_at = 0.0
+        """Monotonic time the answer ended: a reconcile counted in it finished before,
+        and one that finished before the request was sent is in it."""
+        self.reconciled: dict[ResourceKey, float] = {}
+        """Finished reconciles per resource."""
+        self.process: dict[bytes, float] = {}
+        """The process-wide series that only grow within one operator process, by name
+        and labels."""
+        self.start_time: float | None = None
+        """The operator process's start time (Unix seconds), when the reporter exports it."""
+        self.size = 0
+        """Bytes read."""
+        self._rest = b""
+        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
@@ -109,20 +115,6 @@ class Scrape:
         """Does the answer come from the operator's reporter at all?"""
         return bool(self.process) or bool(self.reconciled)
 
-
-class Parser:
-    """Reads an exposition chunk by chunk, keeping only what canaryd needs; a line of
-    interest that is malformed is skipped. ``keys`` caches label texts already seen
-    (the same every read), so a read of 10,000 resources parses few labels."""
-
-    def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
-        self.reconciled: dict[ResourceKey, float] = {}
-        self.process: dict[bytes, float] = {}
-        self.start_time: float | None = None
-        self.size = 0
-        self._rest = b""
-        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
-
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
         data = self._rest + chunk if self._rest else chunk
@@ -132,6 +124,13 @@ class Parser:
             return
         self._rest = data[cut + 1 :] if len(data) - cut <= MAX_LINE else b""
         self._scan(data[: cut + 1])
+
+    def end(self, answered_at: float) -> Scrape:
+        if self._rest:
+            self._scan(self._rest + b"\n")
+            self._rest = b""
+        self.answered_at = answered_at
+        return self
 
     def _key(self, labels: bytes) -> ResourceKey | None:
         key = self._keys.get(labels, False)
@@ -165,18 +164,12 @@ class Parser:
             if (at == 0 or block[at - 1] == 10) and value is not None:
                 self.start_time = value if EARLIEST_START < value < LATEST_START else None
 
-    def scrape(self, sent_at: float, answered_at: float) -> Scrape:
-        if self._rest:
-            self._scan(self._rest + b"\n")
-            self._rest = b""
-        return Scrape(sent_at, answered_at, self.reconciled, self.process, self.start_time)
 
-
-def parse(text: str | bytes, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
+def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
     """A whole exposition at once (tests, the e2e suite)."""
-    parser = Parser()
-    parser.feed(text.encode() if isinstance(text, str) else text)
-    return parser.scrape(sent_at, answered_at)
+    scrape = Scrape()
+    scrape.feed(text.encode() if isinstance(text, str) else text)
+    return scrape.end(answered_at)
 
 
 class ScrapeFailed(Exception):
@@ -261,8 +254,7 @@ class OperatorMetrics:
         return self._session
 
     async def _fetch(self) -> Scrape:
-        sent = self._clock()
-        parser = Parser(self._keys)
+        scrape = Scrape(self._keys)
         answered = False
         try:
             async with self._client().get(self.url, allow_redirects=False) as response:
@@ -270,8 +262,8 @@ class OperatorMetrics:
                 if response.status != 200:
                     raise ScrapeFailed("bad_answer", f"{self.url} answered HTTP {response.status}")
                 async for chunk in response.content.iter_chunked(CHUNK):
-                    parser.feed(chunk)
-                    if parser.size > MAX_ANSWER:
+                    scrape.feed(chunk)
+                    if scrape.size > MAX_ANSWER:
                         raise ScrapeFailed(
                             "bad_answer", f"{self.url} answered more than {MAX_ANSWER} bytes"
                         )
@@ -301,7 +293,7 @@ class OperatorMetrics:
             raise ScrapeFailed(
                 "bad_answer", f"{self.url}: {type(err).__name__} {err}".strip()
             ) from None
-        return parser.scrape(sent, self._clock())
+        return scrape.end(self._clock())
 
     async def scrape(self) -> Scrape:
         """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
