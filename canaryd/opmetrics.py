@@ -173,19 +173,18 @@ def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
 
 
 class ScrapeFailed(Exception):
-    """The endpoint gave no usable answer. ``cause`` is a short fixed word:
+    """The endpoint gave no usable answer (what that means for a verdict:
+    canaryd.judge.by_operator). ``cause`` is a short fixed word:
 
     - ``refused``: nothing listens on the port (connection refused, or the host is
-      unreachable): the operator is starting, or gone: no verdict, canaries are
-      ``pending``, and the next answer comes from a new process;
+      unreachable): the operator is starting, or gone, and the next answer comes from
+      a new process;
     - ``unanswered``: the port is held but no whole answer comes: a connection
       accepted and nothing (or not all of it) answered within the read limit (a frozen
       JVM still accepts into its listen backlog), or, once that backlog is full, a
-      connect that times out: counts against the operator once it lasts a whole cycle;
-    - ``bad_answer``: anything else: an HTTP status other than 200, a broken or
-      truncated answer, a connection cut mid-answer, TLS or name resolution failing,
-      an answer too large: no verdict either way (``unknown``; an unhealthy verdict
-      stands), and no sign of a restart.
+      connect that times out;
+    - ``bad_answer``: anything else (an HTTP status other than 200, a broken, cut or
+      too large answer, TLS or name resolution failing): no sign of a restart either.
     """
 
     def __init__(self, cause: str, detail: str) -> None:
@@ -220,11 +219,10 @@ class OperatorMetrics:
     ) -> None:
         self.url = url
         self.connect_timeout = connect_timeout
-        """How long connecting may take: a held port that accepts nothing (a frozen
-        process's full backlog) fails here, and is tried again."""
+        """How long connecting may take (a frozen process's full backlog fails here)."""
         self.read_timeout = read_timeout
-        """How long one answer may take once connected: the cycle. A slow operator is
-        not a frozen one; an answer that has not come in a whole cycle is none."""
+        """How long one answer may take once connected (the cycle: a slow operator is
+        not a frozen one)."""
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._keys: dict[bytes, ResourceKey | None] = {}
@@ -253,7 +251,9 @@ class OperatorMetrics:
             )
         return self._session
 
-    async def _fetch(self) -> Scrape:
+    async def scrape(self) -> Scrape:
+        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
+        (``instance`` changes)."""
         scrape = Scrape(self._keys)
         answered = False
         try:
@@ -271,11 +271,10 @@ class OperatorMetrics:
             raise
         except aiohttp.ClientConnectorError as err:
             if err.os_error.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+                self._refused_since_answer = True
                 raise ScrapeFailed("refused", f"{self.url} refused the connection") from None
             raise ScrapeFailed("bad_answer", f"cannot connect to {self.url}: {err}") from None
         except aiohttp.ConnectionTimeoutError:
-            # Not refused: something holds the port and accepts nothing. A frozen JVM's
-            # listen backlog fills after a few reads, and then its SYNs go unanswered.
             raise ScrapeFailed(
                 "unanswered",
                 f"{self.url}: no connection within {self.connect_timeout:g}s (the port is "
@@ -288,22 +287,10 @@ class OperatorMetrics:
                 f"{self.url} accepted the connection but {what} within {self.read_timeout:g}s",
             ) from None
         except aiohttp.ClientError as err:
-            # A broken answer, or a connection cut without one: no verdict, and no sign
-            # of a restart either (a process that went away refuses the next read).
             raise ScrapeFailed(
                 "bad_answer", f"{self.url}: {type(err).__name__} {err}".strip()
             ) from None
-        return scrape.end(self._clock())
-
-    async def scrape(self) -> Scrape:
-        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
-        (``instance`` changes)."""
-        try:
-            scrape = await self._fetch()
-        except ScrapeFailed as failed:
-            self._refused_since_answer |= failed.cause == "refused"
-            raise
-        restarted = self.restart_seen(scrape)
+        restarted = self.restart_seen(scrape.end(self._clock()))
         if restarted is not None:
             self.instance = Instance(self.instance.number + 1, restarted)
         self.last, self._refused_since_answer = scrape, False
@@ -318,16 +305,8 @@ class OperatorMetrics:
         if last is None:
             return None
         if scrape.start_time is not None and last.start_time is not None:
-            if scrape.start_time != last.start_time:
-                return scrape.start_time
-            return None
-        now = time.time()
-        if self._refused_since_answer:
-            return now
-        for key, value in scrape.process.items():
-            if value < last.process.get(key, 0.0):
-                return now
-        for resource, count in scrape.reconciled.items():
-            if count < last.reconciled.get(resource, 0.0):
-                return now
-        return None
+            return scrape.start_time if scrape.start_time != last.start_time else None
+        went_down = any(n < last.process.get(k, 0.0) for k, n in scrape.process.items()) or any(
+            n < last.reconciled.get(k, 0.0) for k, n in scrape.reconciled.items()
+        )
+        return time.time() if self._refused_since_answer or went_down else None
