@@ -76,7 +76,6 @@ class LeaderElector:
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
         self._clock = clock
-        self._rng = random.Random()
         self.leading = False
         self.leader: str | None = None
         """The holder this replica last saw (None: nobody)."""
@@ -112,11 +111,9 @@ class LeaderElector:
         return f"{self.namespace}/{self.name}"
 
     async def write_permit(self) -> float | None:
-        """The client timeout of a write sent now (the write timeout), waiting for it if
-        need be; None once this replica no longer leads: the write is not sent. A write
-        is sent no later than ``renew_deadline - write_timeout`` after the last
-        successful renew, so that it ends by the renew deadline; one the fence holds back
-        (a slow or failed renewal) waits for the next successful renewal."""
+        """The client timeout of a write sent now, once the fence lets it through (a
+        write it holds back waits for the next successful renewal); None once this
+        replica no longer leads: the write is not sent."""
         timeout = self.settings.write_timeout
         while self.leading:
             if self._clock() + timeout <= self._renewed_at + self.settings.renew_deadline:
@@ -153,7 +150,7 @@ class LeaderElector:
 
     def _pause(self) -> float:
         # Jittered below the retry period, so that a released lease is taken in under one.
-        return self.settings.retry_period * self._rng.uniform(0.75, 1.0)
+        return self.settings.retry_period * random.uniform(0.75, 1.0)
 
     async def _acquire(self) -> None:
         while True:  # polling the Lease on the API server: there is no event to await
@@ -219,7 +216,7 @@ class LeaderElector:
             # The fast path: one request per renew when nothing changed. A 409 (someone
             # else wrote the Lease) or any failure falls back to a read and an update.
             with contextlib.suppress(KubeError):
-                update = self._update(self._written)
+                update = self._lease(self._written)
                 await self._write("update", self._path, update, time_limit, started, "optimistic_")
                 return True
             time_limit -= self._clock() - started
@@ -230,9 +227,7 @@ class LeaderElector:
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
                 raise
-            metadata = {"name": self.name, "namespace": self.namespace}
-            create = self._lease(metadata, 0, micro_time())
-            await self._write("create", self._collection, create, time_limit, started)
+            await self._write("create", self._collection, self._lease(None), time_limit, started)
             return True
         # Seen when the answer came back, not when the read was sent: a renew the holder
         # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
@@ -245,7 +240,7 @@ class LeaderElector:
             # Held, and not yet seen unchanged for its lease duration.
             self._expires_at = self._observed_at + duration
             return False
-        await self._write("update", self._path, self._update(current), time_limit, started)
+        await self._write("update", self._path, self._lease(current), time_limit, started)
         return True
 
     def _observe(self, lease: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -265,14 +260,24 @@ class LeaderElector:
             self.on_new_leader(holder)
         return spec
 
-    def _lease(
-        self, metadata: Mapping[str, Any], transitions: int, acquired: str
-    ) -> dict[str, Any]:
-        """The Lease held by this replica, renewed now."""
+    def _lease(self, current: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The Lease held by this replica, renewed now: a new one (``current`` None),
+        ``current`` renewed (this replica's: read, or as it last wrote it), or taken
+        over (a new acquire time, one more transition). Its resourceVersion, if any, is
+        the write's precondition."""
+        spec = spec_of(current or {})
+        transitions = spec.get("leaseTransitions")
+        transitions = transitions if isinstance(transitions, int) else 0
+        acquired = str(spec.get("acquireTime") or micro_time())
+        if current is None:
+            current = {"metadata": {"name": self.name, "namespace": self.namespace}}
+        elif spec.get("holderIdentity") != self.identity:
+            transitions, acquired = transitions + 1, micro_time()
+        metadata = current.get("metadata")
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": metadata,  # its resourceVersion (if any) is the precondition
+            "metadata": dict(metadata) if isinstance(metadata, Mapping) else {},
             "spec": {
                 "holderIdentity": self.identity,
                 "leaseDurationSeconds": lease_seconds(self.settings.lease_duration),
@@ -281,21 +286,6 @@ class LeaderElector:
                 "leaseTransitions": transitions,
             },
         }
-
-    def _update(self, current: Mapping[str, Any]) -> dict[str, Any]:
-        """``current`` renewed (this replica holds it: read, or as it last wrote it) or
-        taken over (a new acquire time, one more transition)."""
-        spec = spec_of(current)
-        transitions = spec.get("leaseTransitions")
-        transitions = transitions if isinstance(transitions, int) else 0
-        if spec.get("holderIdentity") == self.identity:
-            acquired = str(spec.get("acquireTime") or micro_time())
-        else:
-            transitions, acquired = transitions + 1, micro_time()
-        metadata = current.get("metadata")
-        return self._lease(
-            dict(metadata) if isinstance(metadata, Mapping) else {}, transitions, acquired
-        )
 
     async def _write(
         self,
@@ -321,12 +311,10 @@ class LeaderElector:
         self._renewal_changed()
 
     async def _release(self) -> None:
-        """Clear the holder so that a follower takes over at its next look (client-go's
-        ReleaseOnCancel). The daemon has finished or cancelled every bump before this.
-        Bounded by one write timeout in all (so that a stop takes at most two: the
+        """client-go's ReleaseOnCancel, once the daemon has finished or cancelled every
+        bump. Bounded by one write timeout in all (so that a stop takes at most two: the
         bumps in flight, then this); a failure is only logged."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.write_timeout
+        deadline = self._clock() + self.settings.write_timeout
         try:
             current = await self.kube.request(
                 "get", "GET", self._path, time_limit=self.settings.write_timeout
@@ -344,7 +332,7 @@ class LeaderElector:
                     "leaseTransitions": spec.get("leaseTransitions", 0),
                 },
             }
-            left = deadline - loop.time()
+            left = deadline - self._clock()
             if left <= 0:
                 raise KubeError(ErrorKind.TRANSIENT, "no time left to release it", reason="Timeout")
             await self.kube.request("update", "PUT", self._path, body=released, time_limit=left)
