@@ -2,11 +2,12 @@
 
 The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
 never per canary. A canary whose deadline passed waits here for the next read, which
-judges every canary due before it started (canaryd.judge.by_operator); a read
-unanswered for a whole interval judges those that waited a cycle (a frozen JVM holds
-a read that long). A new operator process (counters reset, a new start time) gets a
-fresh check of every canary. What to do with a judgement (the registry's transition,
-the next bump) is the scheduler's: ``Schedule``.
+judges every canary due before it started (canaryd.judge.by_operator) and notes the
+``reconciled`` stage of the bumps the operator reconciled since; a read unanswered for
+a whole interval judges those that waited a cycle (a frozen JVM holds a read that
+long). A new operator process (counters reset, a new start time) gets a fresh check of
+every canary. What to do with a judgement (the registry's transition, the next bump)
+is the scheduler's: ``Schedule``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class OperatorJudge:
         """Canaries past their deadline, waiting for the next read: one read judges
         every canary due before it."""
         self._instance_judged = 0
-        """The operator instance (opmetrics.Instance.number) the verdicts are about."""
+        """The operator instance (OperatorMetrics.instance) the verdicts are about."""
         self._missing_series: set[CanaryKey] = set()
         """Canaries whose counter the operator's metrics lack (warned once each)."""
         self._realign: set[CanaryKey] = set()
@@ -99,7 +100,6 @@ class OperatorJudge:
             logger_name="canaryd.opjudge",
             clock=clock,
         )
-        """Failed reads of the operator's metrics, logged as an episode."""
 
     def due(self, due: float, canary: Canary) -> None:
         """A deadline: judged at the next read of the operator's metrics."""
@@ -113,9 +113,6 @@ class OperatorJudge:
         await self.operator.close()
 
     async def run(self) -> None:
-        """Read the operator's metrics every scrape interval (never per canary): judge
-        every canary whose deadline passed before the read started, note the bumps the
-        operator reconciled since, and see a restarted operator."""
         try:
             while True:
                 started = self._clock()
@@ -140,8 +137,7 @@ class OperatorJudge:
                 except ScrapeFailed as err:
                     failed = err
                 finally:
-                    if not read.done():
-                        read.cancel()
+                    read.cancel()  # the reader is stopping (once done, a no-op)
                 try:
                     self._read(started, scrape, failed)
                 except Exception:
@@ -170,11 +166,11 @@ class OperatorJudge:
                     f"{url} answered without the operator's metrics (is Flink's "
                     "Prometheus reporter configured on this port?)"
                 )
-            if self.operator.instance.number != self._instance_judged:
+            if self.operator.instance != self._instance_judged:
                 if self.schedule.active:
                     self._operator_restarted(started)
                 else:  # a follower judges nothing; it starts fresh when it leads
-                    self._instance_judged = self.operator.instance.number
+                    self._instance_judged = self.operator.instance
             self._note_reconciles(scrape)
         if self.schedule.active:
             self._judge_due(started, scrape, failed)
@@ -247,7 +243,7 @@ class OperatorJudge:
         # read (before the bump about to be sent), if one was ever read.
         count = last.count(self._resource(canary)) if last is not None else None
         self.registry.baseline(
-            canary, (self.operator.instance.number, count) if last is not None else None
+            canary, (self.operator.instance, count) if last is not None else None
         )
         # The bump's own retry window runs from now: the verdict may have waited.
         self.schedule.start_bump(now, canary)
@@ -278,9 +274,8 @@ class OperatorJudge:
         canary is checked afresh: ``pending``, and a bump from now on, the first at once
         and the rest over half a cycle in their order in the cycle (twice the steady
         rate, not N writes at once); each goes back to its place once that is judged."""
-        instance = self.operator.instance
-        self._instance_judged = instance.number
-        at = wall_time(instance.since)
+        self._instance_judged = self.operator.instance
+        at = wall_time(self.operator.instance_since)
         metrics.OPERATOR_RESTARTS.inc()
         log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
         reason = f"operator restarted at {at}: re-checking"

@@ -27,7 +27,6 @@ import errno
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -192,18 +191,6 @@ class ScrapeFailed(Exception):
         self.cause = cause
 
 
-@dataclass(slots=True)
-class Instance:
-    """The operator process canaryd currently judges, as far as its metrics tell."""
-
-    number: int = 0
-    """Grows by one each time a restart is seen; a bump's baseline from another
-    instance is not comparable."""
-    since: float = field(default_factory=time.time)
-    """Wall-clock time from which this instance is known (its start time when exported,
-    else when canaryd saw it)."""
-
-
 class OperatorMetrics:
     """Scrapes the operator's metrics endpoint and tells restarts apart.
 
@@ -228,7 +215,12 @@ class OperatorMetrics:
         self._keys: dict[bytes, ResourceKey | None] = {}
         self.last: Scrape | None = None
         """The last usable answer."""
-        self.instance = Instance()
+        self.instance = 0
+        """The operator process judged now, as far as its metrics tell: grows by one at
+        each restart seen (a bump's baseline from another is not comparable)."""
+        self.instance_since = time.time()
+        """Wall-clock time from which it is known (its start time when exported, else
+        when canaryd saw it)."""
         self._refused_since_answer = False
 
     async def close(self) -> None:
@@ -292,7 +284,7 @@ class OperatorMetrics:
             ) from None
         restarted = self.restart_seen(scrape.end(self._clock()))
         if restarted is not None:
-            self.instance = Instance(self.instance.number + 1, restarted)
+            self.instance, self.instance_since = self.instance + 1, restarted
         self.last, self._refused_since_answer = scrape, False
         return scrape
 

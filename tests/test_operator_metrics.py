@@ -590,10 +590,10 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
         async with operator_for(kube, port):
             reader = run.daemon.scheduler.operator.operator
             await run.until(lambda: reader.last is not None, "a first answer read")
-        restarted = run.daemon.scheduler.operator.operator.instance.number
+        restarted = run.daemon.scheduler.operator.operator.instance
         async with operator_for(kube, port):
             await run.until(
-                lambda: run.daemon.scheduler.operator.operator.instance.number > restarted,
+                lambda: run.daemon.scheduler.operator.operator.instance > restarted,
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
