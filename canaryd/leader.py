@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -68,8 +67,7 @@ class LeaderElector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings, self.kube, self.identity = settings, kube, identity
-        self.namespace = lease_namespace(settings)
-        self.name = settings.lease_name
+        self.namespace, self.name = lease_namespace(settings), settings.lease_name
         base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
         self.on_started_leading = on_started_leading
@@ -79,7 +77,7 @@ class LeaderElector:
         self.leading = False
         self.leader: str | None = None
         """The holder this replica last saw (None: nobody)."""
-        self._observed_spec: str | None = None
+        self._observed_spec: Mapping[str, Any] | None = None
         """The record as this replica last saw it (None: none seen yet, so the first
         holder seen is no transition)."""
         self._observed_at = 0.0
@@ -126,8 +124,6 @@ class LeaderElector:
         self._renewed.set()
         self._renewed = asyncio.Event()
 
-    # ------------------------------------------------------------------ the loop
-
     async def run(self) -> None:
         log.info("leader_election_started", lease=str(self), identity=self.identity)
         try:
@@ -156,10 +152,9 @@ class LeaderElector:
         while True:  # polling the Lease on the API server: there is no event to await
             if await self._attempt(self.settings.request_timeout):
                 return
-            # Look again at the next retry, or the moment the holder's lease runs out
-            # (as this replica measures it), whichever comes first.
-            until_expiry = self._expires_at - self._clock()
-            await asyncio.sleep(max(0.0, min(self._pause(), until_expiry)))
+            # Again at the next retry, or when the holder's lease runs out (as this
+            # replica measures it) if that is sooner.
+            await asyncio.sleep(max(0.0, min(self._pause(), self._expires_at - self._clock())))
 
     async def _renew(self) -> None:
         """Renew every retry period; returns when the renew deadline passed without one."""
@@ -190,8 +185,6 @@ class LeaderElector:
         log.warning("stopped_leading", lease=str(self), identity=self.identity, why=why)
         self.on_stopped_leading(self.leader if self.leader != self.identity else None)
 
-    # ------------------------------------------------------------ one round
-
     async def _attempt(self, time_limit: float) -> bool:
         """One round, and what it says about canaryd's access to the lease."""
         try:
@@ -207,14 +200,11 @@ class LeaderElector:
         return held
 
     async def _try(self, time_limit: float) -> bool:
-        """client-go's tryAcquireOrRenew: True when this replica holds the lease now.
-        Raises KubeError: a 409 means another replica wrote first (read again next
-        round, never overwrite)."""
+        """client-go's tryAcquireOrRenew: True when this replica holds the lease now;
+        raises KubeError."""
         started = self._clock()
         self._expires_at = float("inf")  # known again only if the lease is held
         if self.leading and self._written is not None:
-            # The fast path: one request per renew when nothing changed. A 409 (someone
-            # else wrote the Lease) or any failure falls back to a read and an update.
             with contextlib.suppress(KubeError):
                 update = self._lease(self._written)
                 await self._write("update", self._path, update, time_limit, started, "optimistic_")
@@ -246,10 +236,9 @@ class LeaderElector:
     def _observe(self, lease: Mapping[str, Any]) -> Mapping[str, Any]:
         """Note the record read or written, as of now (its answer's arrival)."""
         spec = spec_of(lease)
-        raw = json.dumps(spec, sort_keys=True)
         seen_before = self._observed_spec is not None
-        if raw != self._observed_spec:
-            self._observed_spec, self._observed_at = raw, self._clock()
+        if spec != self._observed_spec:
+            self._observed_spec, self._observed_at = dict(spec), self._clock()
         holder = str(spec.get("holderIdentity") or "") or None
         if holder != self.leader:
             if holder is not None and seen_before:
