@@ -213,10 +213,10 @@ class OperatorJudge:
         if not self.registry.owns(canary):
             return
         judged = canary.bumped_generation is not None
-        last = self.operator.last
+        last, resource = self.operator.last, self._resource(canary)
         judgement = judge.by_operator(
             canary,
-            self._resource(canary),
+            resource,
             scrape,
             failed,
             now,
@@ -239,12 +239,9 @@ class OperatorJudge:
             if place - now > self.settings.scrape_interval:
                 self.schedule.push(place, canary)
                 return
-        # The baseline: the operator instance and the canary's count in the last answer
-        # read (before the bump about to be sent), if one was ever read.
-        count = last.count(self._resource(canary)) if last is not None else None
-        self.registry.baseline(
-            canary, (self.operator.instance, count) if last is not None else None
-        )
+        # The baseline: the canary's count in the last answer read, before this bump.
+        baseline = None if last is None else (self.operator.instance, last.count(resource))
+        self.registry.baseline(canary, baseline)
         # The bump's own retry window runs from now: the verdict may have waited.
         self.schedule.start_bump(now, canary)
 

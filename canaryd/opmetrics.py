@@ -41,8 +41,8 @@ MAX_LINE = 1024 * 1024
 """The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
 CHUNK = 256 * 1024
 
-# Matched on bytes, chunk by chunk: a literal the regex engine finds fast, so the tens
-# of thousands of lines canaryd does not need cost a scan, not a Python loop each.
+# A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
+# their bytes, not a Python loop each.
 _RECONCILED = re.compile(re.escape(RECONCILED_SUFFIX).encode() + rb"\{([^}\n]*)\}[ \t]+([^ \t\n]+)")
 # Series that only grow within one operator process: the Kubernetes client's request
 # count and the JVM's CPU time (and, per resource, the counter above). One that went
@@ -116,13 +116,10 @@ class Scrape:
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
-        data = self._rest + chunk if self._rest else chunk
-        cut = data.rfind(b"\n")
-        if cut == -1:
-            self._rest = data if len(data) <= MAX_LINE else b""
-            return
-        self._rest = data[cut + 1 :] if len(data) - cut <= MAX_LINE else b""
-        self._scan(data[: cut + 1])
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1  # the whole lines (none: 0)
+        self._rest = data[cut:] if len(data) - cut <= MAX_LINE else b""
+        self._scan(data[:cut])
 
     def end(self, answered_at: float) -> Scrape:
         if self._rest:
@@ -192,9 +189,8 @@ class ScrapeFailed(Exception):
 
 
 class OperatorMetrics:
-    """Scrapes the operator's metrics endpoint and tells restarts apart.
-
-    Only the scheduler calls it (once per scrape interval, never per canary)."""
+    """Scrapes the operator's metrics endpoint (once per scrape interval, never per
+    canary: canaryd.opjudge) and tells restarts apart."""
 
     def __init__(
         self,
