@@ -206,8 +206,8 @@ class LeaderElector:
         self._expires_at = float("inf")  # known again only if the lease is held
         if self.leading and self._written is not None:
             with contextlib.suppress(KubeError):
-                update = self._lease(self._written)
-                await self._write("update", self._path, update, time_limit, started, "optimistic_")
+                renewed = self._lease(self._written)  # the fast path: one request
+                await self._write("update", renewed, time_limit, started, "optimistic_")
                 return True
             time_limit -= self._clock() - started
             if time_limit <= 0:
@@ -217,7 +217,7 @@ class LeaderElector:
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
                 raise
-            await self._write("create", self._collection, self._lease(None), time_limit, started)
+            await self._write("create", self._lease(None), time_limit, started)
             return True
         # Seen when the answer came back, not when the read was sent: a renew the holder
         # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
@@ -230,7 +230,7 @@ class LeaderElector:
             # Held, and not yet seen unchanged for its lease duration.
             self._expires_at = self._observed_at + duration
             return False
-        await self._write("update", self._path, self._lease(current), time_limit, started)
+        await self._write("update", self._lease(current), time_limit, started)
         return True
 
     def _observe(self, lease: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -277,17 +277,11 @@ class LeaderElector:
         }
 
     async def _write(
-        self,
-        verb: str,
-        path: str,
-        body: Mapping[str, Any],
-        time_limit: float,
-        started: float,
-        how: str = "",
+        self, verb: str, body: Mapping[str, Any], time_limit: float, started: float, how: str = ""
     ) -> None:
         """Create (POST) or update (PUT) the Lease, which is this replica's as of
         ``started``; raises KubeError."""
-        method = "POST" if verb == "create" else "PUT"
+        method, path = ("POST", self._collection) if verb == "create" else ("PUT", self._path)
         try:
             written = await self.kube.request(verb, method, path, body=body, time_limit=time_limit)
         except KubeError as err:
