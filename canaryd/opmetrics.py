@@ -95,8 +95,7 @@ class Scrape:
         and labels."""
         self.start_time: float | None = None
         """The operator process's start time (Unix seconds), when the reporter exports it."""
-        self.size = 0
-        """Bytes read."""
+        self.size = 0  # bytes read
         self._rest = b""
         self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
 
