@@ -89,8 +89,7 @@ class LeaderElector:
         self._renewed = asyncio.Event()
         """Set (and replaced) at every successful renewal and when leading ends."""
         self._written: Mapping[str, Any] | None = None
-        """The Lease as this replica last wrote it: a leader renews from it without
-        reading first (client-go's optimistic update)."""
+        """The Lease as this replica last wrote it: the optimistic update's base."""
         self.problem: str | None = None
         """Why the last round could not read or write the lease (not a lost race): a
         warning episode, and /readyz names it."""

@@ -32,8 +32,6 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
-"""The per-resource counter of reconciles JOSDK finished (the operator's
-``OperatorJosdkMetrics.finishedReconciliation``)."""
 MAX_ANSWER = 256 * 1024 * 1024
 """The largest answer read (bytes): an operator with 10,000 resources answers about
 11 MB. It is read in chunks and never held whole, so this bounds time, not memory."""
@@ -223,7 +221,9 @@ class OperatorMetrics:
             await self._session.close()
             self._session = None
 
-    def _client(self) -> aiohttp.ClientSession:
+    async def scrape(self) -> Scrape:
+        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
+        (``instance`` changes)."""
         if self._session is None:
             # A new connection per scrape (force_close): a kept-alive connection to a
             # process that was killed fails in ways that say nothing of the new one.
@@ -236,15 +236,10 @@ class OperatorMetrics:
                 ),
                 trust_env=False,
             )
-        return self._session
-
-    async def scrape(self) -> Scrape:
-        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
-        (``instance`` changes)."""
         scrape = Scrape(self._keys)
         answered = False
         try:
-            async with self._client().get(self.url, allow_redirects=False) as response:
+            async with self._session.get(self.url, allow_redirects=False) as response:
                 answered = True
                 if response.status != 200:
                     raise ScrapeFailed("bad_answer", f"{self.url} answered HTTP {response.status}")
