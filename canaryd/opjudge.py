@@ -123,10 +123,9 @@ class OperatorJudge:
                     while not read.done():
                         await asyncio.wait({read}, timeout=self.settings.scrape_interval)
                         if not read.done() and self.schedule.active:
-                            # Unanswered for a read interval: the verdicts that waited a
-                            # whole cycle for an answer need not wait for this one to
-                            # time out (a frozen JVM holds a read for the whole cycle);
-                            # one with nothing to judge waits for the read: its baseline.
+                            # Those that waited a cycle need not wait for this read to
+                            # time out (a frozen JVM holds it a cycle); those with no
+                            # bump to judge wait for it: it is their baseline.
                             silent = ScrapeFailed(
                                 "unanswered",
                                 f"{self.operator.url} has not answered a read sent "
