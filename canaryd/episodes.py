@@ -25,8 +25,6 @@ from collections.abc import Callable, Hashable
 
 import structlog
 
-from canaryd import logs
-
 SHOWN = 10
 """How many failing subjects a summary names."""
 
@@ -55,7 +53,6 @@ class Episodes:
         self._failing: dict[Hashable, str] = {}
         """Each failing subject's cause (errors are not kept: one example is)."""
         self._example = ""
-        self._by_cause: Counter[str] = Counter()
         self._announced: set[str] = set()
         self._affected = 0
         """Subjects that started failing in this episode (counted, not kept: an episode
@@ -74,20 +71,13 @@ class Episodes:
     def failed(self, subject: Hashable, cause: str, error: str) -> None:
         """``subject`` failed (again) with ``cause``; ``error`` says how."""
         now = self._clock()
-        if logs.debug_enabled():
-            self._log.debug(
-                self.detail_event, **{self.subject: str(subject)}, cause=cause, error=error
-            )
+        self._log.debug(self.detail_event, **{self.subject: str(subject)}, cause=cause, error=error)
         if self._started_at is None:
             self._started_at = self._summarised_at = now
-        previous = self._failing.get(subject)
-        if previous is not None:
-            self._by_cause[previous] -= 1
-        else:
+        if subject not in self._failing:
             self._affected += 1
         self._failing[subject] = cause
         self._example = error
-        self._by_cause[cause] += 1
         if cause not in self._announced:
             self._announced.add(cause)
             self._log.warning(
@@ -98,10 +88,8 @@ class Episodes:
 
     def recovered(self, subject: Hashable) -> None:
         """``subject`` works again, or is no longer tracked."""
-        cause = self._failing.pop(subject, None)
-        if cause is None:
+        if self._failing.pop(subject, None) is None:
             return
-        self._by_cause[cause] -= 1
         if self._failing:
             self._summarise(self._clock())
             return
@@ -112,7 +100,7 @@ class Episodes:
             affected=self._affected,
             causes=sorted(self._announced),
         )
-        self._reset()
+        self._end()
 
     def stopped(self, why: str) -> None:
         """Nothing is tried any more (canaryd stops, or the task that tried restarts):
@@ -124,17 +112,15 @@ class Episodes:
             f"{self.name}_still_failing",
             why=why,
             failing=len(self._failing),
-            causes={cause: n for cause, n in sorted(self._by_cause.items()) if n > 0},
+            causes=dict(sorted(Counter(self._failing.values()).items())),
             **{self.subjects: sorted(str(subject) for subject in self._failing)[:SHOWN]},
             lasted=round(self._clock() - self._started_at, 3),
             affected=self._affected,
         )
-        self._failing.clear()
-        self._reset()
+        self._end()
 
-    def _reset(self) -> None:
-        self._by_cause.clear()
-        self._example = ""
+    def _end(self) -> None:
+        self._failing.clear()
         self._announced.clear()
         self._affected = 0
         self._started_at = None
@@ -148,7 +134,7 @@ class Episodes:
         self._log.warning(
             f"{self.name}_ongoing",
             failing=len(self._failing),
-            causes={cause: n for cause, n in sorted(self._by_cause.items()) if n > 0},
+            causes=dict(sorted(Counter(self._failing.values()).items())),
             **{self.subjects: names[:SHOWN]},
             more=max(0, len(names) - SHOWN),
             example=self._example,

@@ -27,7 +27,7 @@ up on it and applies later still: see docs/CONFIGURATION.md, "Replicas behind a 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -44,9 +44,14 @@ from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 log = structlog.get_logger("canaryd.leader")
 
 
-def micro_time(at: datetime | None = None) -> str:
-    """metav1.MicroTime's RFC 3339 form with microseconds."""
-    return (at or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def micro_time() -> str:
+    """metav1.MicroTime's RFC 3339 form with microseconds, now."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def spec_of(lease: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = lease.get("spec")
+    return spec if isinstance(spec, Mapping) else {}
 
 
 class LeaderElector:
@@ -62,19 +67,19 @@ class LeaderElector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings, self.kube, self.identity = settings, kube, identity
-        self.namespace = lease_namespace(settings)
-        self.name = settings.lease_name
+        self.namespace, self.name = lease_namespace(settings), settings.lease_name
         base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
         self.on_started_leading = on_started_leading
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
         self._clock = clock
-        self._rng = random.Random()
         self.leading = False
         self.leader: str | None = None
         """The holder this replica last saw (None: nobody)."""
-        self._observed_spec: str | None = None
+        self._observed_spec: Mapping[str, Any] | None = None
+        """The record as this replica last saw it (None: none seen yet, so the first
+        holder seen is no transition)."""
         self._observed_at = 0.0
         """When (our clock) the record last changed as we saw it."""
         self._expires_at = float("inf")
@@ -83,15 +88,11 @@ class LeaderElector:
         """When the last successful acquire or renew started (our clock)."""
         self._renewed = asyncio.Event()
         """Set (and replaced) at every successful renewal and when leading ends."""
-        self._seen_a_record = False
-        """Whether any Lease record was seen yet: the first holder seen is no transition."""
         self._written: Mapping[str, Any] | None = None
-        """The Lease as this replica last wrote it: a leader renews from it without
-        reading first (client-go's optimistic update)."""
+        """The Lease as this replica last wrote it: the optimistic update's base."""
         self.problem: str | None = None
         """Why the last round could not read or write the lease (not a lost race): a
         warning episode, and /readyz names it."""
-        self._round_problem: tuple[str, str] | None = None
         self.failures = Episodes(
             "lease_failures",
             subject="lease",
@@ -106,26 +107,14 @@ class LeaderElector:
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def write_time_limit(self) -> float | None:
-        """The client timeout of a write sent now, or None when none may be sent: while
-        leading, no later than ``renew_deadline - write_timeout`` after the last
-        successful renew, so that it ends by the renew deadline."""
-        if not self.leading:
-            return None
-        timeout = self.settings.write_timeout
-        if self._clock() + timeout > self._renewed_at + self.settings.renew_deadline:
-            return None
-        return timeout
-
     async def write_permit(self) -> float | None:
-        """The client timeout of a write sent now, waiting for it if need be: a write
-        the fence holds back (a slow or failed renewal left too little of the renew
-        deadline) waits for the next successful renewal. None once this replica no
-        longer leads: the write is not sent."""
+        """The client timeout of a write sent now, once the fence lets it through (a
+        write it holds back waits for the next successful renewal); None once this
+        replica no longer leads: the write is not sent."""
+        timeout = self.settings.write_timeout
         while self.leading:
-            limit = self.write_time_limit()
-            if limit is not None:
-                return limit
+            if self._clock() + timeout <= self._renewed_at + self.settings.renew_deadline:
+                return timeout
             await self._renewed.wait()
         return None
 
@@ -133,8 +122,6 @@ class LeaderElector:
         """Wake the writes waiting for the fence (a renewal, or the end of leading)."""
         self._renewed.set()
         self._renewed = asyncio.Event()
-
-    # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
         log.info("leader_election_started", lease=str(self), identity=self.identity)
@@ -158,16 +145,15 @@ class LeaderElector:
 
     def _pause(self) -> float:
         # Jittered below the retry period, so that a released lease is taken in under one.
-        return self.settings.retry_period * self._rng.uniform(0.75, 1.0)
+        return self.settings.retry_period * random.uniform(0.75, 1.0)
 
     async def _acquire(self) -> None:
         while True:  # polling the Lease on the API server: there is no event to await
             if await self._attempt(self.settings.request_timeout):
                 return
-            # Look again at the next retry, or the moment the holder's lease runs out
-            # (as this replica measures it), whichever comes first.
-            until_expiry = self._expires_at - self._clock()
-            await asyncio.sleep(max(0.0, min(self._pause(), until_expiry)))
+            # Again at the next retry, or when the holder's lease runs out (as this
+            # replica measures it) if that is sooner.
+            await asyncio.sleep(max(0.0, min(self._pause(), self._expires_at - self._clock())))
 
     async def _renew(self) -> None:
         """Renew every retry period; returns when the renew deadline passed without one."""
@@ -183,7 +169,7 @@ class LeaderElector:
                             break
                 except TimeoutError:
                     return
-                await asyncio.sleep(min(self._pause(), max(0.0, left)))
+                await asyncio.sleep(min(self._pause(), left))
 
     def _start_leading(self) -> None:
         self.leading = True
@@ -198,18 +184,61 @@ class LeaderElector:
         log.warning("stopped_leading", lease=str(self), identity=self.identity, why=why)
         self.on_stopped_leading(self.leader if self.leader != self.identity else None)
 
-    # ------------------------------------------------------------ one round
+    async def _attempt(self, time_limit: float) -> bool:
+        """One round, and what it says about canaryd's access to the lease."""
+        try:
+            held = await self._try(time_limit)
+        except KubeError as err:
+            if err.kind is not ErrorKind.CONFLICT:  # a 409 is another replica writing first
+                self.problem = str(err)
+                self.failures.failed(str(self), err.kind.value, str(err))
+                return False
+            held = False
+        self.problem = None
+        self.failures.recovered(str(self))
+        return held
 
-    def _observe(self, lease: Mapping[str, Any], at: float) -> Mapping[str, Any]:
-        """Note the record read or written; ``at`` is when its answer arrived."""
-        spec = lease.get("spec")
-        spec = spec if isinstance(spec, Mapping) else {}
-        raw = json.dumps(spec, sort_keys=True)
-        if raw != self._observed_spec:
-            self._observed_spec, self._observed_at = raw, at
-        holder = spec.get("holderIdentity") or None
-        holder = str(holder) if holder is not None else None
-        seen_before, self._seen_a_record = self._seen_a_record, True
+    async def _try(self, time_limit: float) -> bool:
+        """client-go's tryAcquireOrRenew: True when this replica holds the lease now;
+        raises KubeError."""
+        started = self._clock()
+        self._expires_at = float("inf")  # known again only if the lease is held
+        if self.leading and self._written is not None:
+            with contextlib.suppress(KubeError):
+                renewed = self._lease(self._written)  # the fast path: one request
+                await self._write("update", renewed, time_limit, started, "optimistic_")
+                return True
+            time_limit -= self._clock() - started
+            if time_limit <= 0:
+                return False
+        try:
+            current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
+        except KubeError as err:
+            if err.kind is not ErrorKind.GONE:
+                raise
+            await self._write("create", self._lease(None), time_limit, started)
+            return True
+        # Seen when the answer came back, not when the read was sent: a renew the holder
+        # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
+        spec = self._observe(current)
+        holder = spec.get("holderIdentity") or ""
+        duration = spec.get("leaseDurationSeconds")
+        if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
+            duration = self.settings.lease_duration
+        if holder and holder != self.identity and self._observed_at + duration > started:
+            # Held, and not yet seen unchanged for its lease duration.
+            self._expires_at = self._observed_at + duration
+            return False
+        await self._write("update", self._lease(current), time_limit, started)
+        return True
+
+    def _observe(self, lease: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Note the record read or written, as of now (its answer's arrival)."""
+        spec = spec_of(lease)
+        seen_before = self._observed_spec is not None
+        if spec != self._observed_spec:
+            self._observed_spec, self._observed_at = dict(spec), self._clock()
+        holder = str(spec.get("holderIdentity") or "") or None
         if holder != self.leader:
             if holder is not None and seen_before:
                 # A passing this replica saw; the holder found at start is none.
@@ -219,154 +248,60 @@ class LeaderElector:
             self.on_new_leader(holder)
         return spec
 
-    def _record(self, transitions: int, acquired: str) -> dict[str, Any]:
-        return {
-            "holderIdentity": self.identity,
-            "leaseDurationSeconds": lease_seconds(self.settings.lease_duration),
-            "acquireTime": acquired,
-            "renewTime": micro_time(),
-            "leaseTransitions": transitions,
-        }
-
-    async def _attempt(self, time_limit: float) -> bool:
-        """One round, and what it says about canaryd's access to the lease."""
-        ok = await self._try(time_limit)
-        if self._round_problem is None:
-            self.problem = None
-            self.failures.recovered(str(self))
-        else:
-            cause, error = self._round_problem
-            self.problem = error
-            self.failures.failed(str(self), cause, error)
-        return ok
-
-    def _failed(self, err: KubeError) -> None:
-        """A failure that is not a lost race (a 409 is another replica writing first)."""
-        if err.kind is not ErrorKind.CONFLICT:
-            self._round_problem = (err.kind.value, str(err))
-
-    async def _try(self, time_limit: float) -> bool:
-        """client-go's tryAcquireOrRenew: True when this replica holds the lease now."""
-        started = self._clock()
-        self._expires_at = float("inf")  # known again only if the lease is held
-        self._round_problem = None
-        if self.leading and self._written is not None:
-            # The fast path: one request per renew when nothing changed. A 409 (someone
-            # else wrote the Lease) or any failure falls back to a read and an update.
-            if await self._renew_optimistically(time_limit, started):
-                return True
-            time_limit -= self._clock() - started
-            if time_limit <= 0:
-                return False
-        try:
-            current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
-        except KubeError as err:
-            if err.kind is not ErrorKind.GONE:
-                self._failed(err)
-                return False
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace},
-                "spec": self._record(0, micro_time()),
-            }
-            # 409 AlreadyExists: another candidate created it first.
-            return await self._write("create", "POST", self._collection, body, time_limit, started)
-        # Seen when the answer came back, not when the read was sent: a renew the holder
-        # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
-        spec = self._observe(current, self._clock())
-        holder = spec.get("holderIdentity") or ""
-        duration = spec.get("leaseDurationSeconds")
-        if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
-            duration = self.settings.lease_duration
-        mine = holder == self.identity
-        if holder and not mine and self._observed_at + duration > started:
-            # Held, and not yet seen unchanged for its lease duration.
-            self._expires_at = self._observed_at + duration
-            return False
+    def _lease(self, current: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The Lease held by this replica, renewed now: a new one (``current`` None),
+        ``current`` renewed (this replica's: read, or as it last wrote it), or taken
+        over (a new acquire time, one more transition). Its resourceVersion, if any, is
+        the write's precondition."""
+        spec = spec_of(current or {})
         transitions = spec.get("leaseTransitions")
         transitions = transitions if isinstance(transitions, int) else 0
-        if mine:
-            acquired = str(spec.get("acquireTime") or micro_time())
-        else:
+        acquired = str(spec.get("acquireTime") or micro_time())
+        if current is None:
+            current = {"metadata": {"name": self.name, "namespace": self.namespace}}
+        elif spec.get("holderIdentity") != self.identity:
             transitions, acquired = transitions + 1, micro_time()
         metadata = current.get("metadata")
-        metadata = dict(metadata) if isinstance(metadata, Mapping) else {}
-        update = {
+        return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": metadata,  # its resourceVersion is the precondition
-            "spec": self._record(transitions, acquired),
+            "metadata": dict(metadata) if isinstance(metadata, Mapping) else {},
+            "spec": {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": lease_seconds(self.settings.lease_duration),
+                "acquireTime": acquired,
+                "renewTime": micro_time(),
+                "leaseTransitions": transitions,
+            },
         }
-        # 409: another replica wrote first; read again next round, never overwrite.
-        return await self._write("update", "PUT", self._path, update, time_limit, started)
-
-    async def _renew_optimistically(self, time_limit: float, started: float) -> bool:
-        """Update the Lease from the copy this replica last wrote, its resourceVersion as
-        the precondition (client-go: "fast path for the leader to update optimistically
-        assuming that the record observed last time is the current version")."""
-        assert self._written is not None
-        spec = self._written.get("spec")
-        spec = spec if isinstance(spec, Mapping) else {}
-        transitions = spec.get("leaseTransitions")
-        update = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": self._written.get("metadata") or {},
-            "spec": self._record(
-                transitions if isinstance(transitions, int) else 0,
-                str(spec.get("acquireTime") or micro_time()),
-            ),
-        }
-        try:
-            written = await self.kube.request(
-                "update", "PUT", self._path, body=update, time_limit=time_limit
-            )
-        except KubeError as err:
-            self._written = None
-            log.debug("lease_optimistic_update_failed", lease=str(self), error=str(err))
-            return False
-        self._observe(written, self._clock())
-        self._renewed_at = started
-        self._written = written
-        self._renewal_changed()
-        return True
 
     async def _write(
-        self,
-        verb: str,
-        method: str,
-        path: str,
-        body: Mapping[str, Any],
-        time_limit: float,
-        started: float,
-    ) -> bool:
-        """Create or update the Lease; True when it is ours as of ``started``."""
+        self, verb: str, body: Mapping[str, Any], time_limit: float, started: float, how: str = ""
+    ) -> None:
+        """Create (POST) or update (PUT) the Lease, which is this replica's as of
+        ``started``; raises KubeError."""
+        method, path = ("POST", self._collection) if verb == "create" else ("PUT", self._path)
         try:
             written = await self.kube.request(verb, method, path, body=body, time_limit=time_limit)
         except KubeError as err:
-            log.debug(f"lease_{verb}_failed", lease=str(self), error=str(err))
-            self._failed(err)
-            return False
-        self._observe(written, self._clock())
+            self._written = None
+            log.debug(f"lease_{how}{verb}_failed", lease=str(self), error=str(err))
+            raise
+        self._observe(written)
         self._renewed_at = started  # the deadline runs from the write's start: early, safe
         self._written = written
         self._renewal_changed()
-        return True
 
     async def _release(self) -> None:
-        """Clear the holder so that a follower takes over at its next look (client-go's
-        ReleaseOnCancel). The daemon has finished or cancelled every bump before this.
-        Bounded by one write timeout in all (so that a stop takes at most two: the
+        """client-go's ReleaseOnCancel, once the daemon has finished or cancelled every
+        bump. Bounded by one write timeout in all (so that a stop takes at most two: the
         bumps in flight, then this); a failure is only logged."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.write_timeout
+        deadline = self._clock() + self.settings.write_timeout
         try:
             current = await self.kube.request(
-                "get", "GET", self._path, time_limit=deadline - loop.time()
+                "get", "GET", self._path, time_limit=self.settings.write_timeout
             )
-            spec = current.get("spec")
-            spec = spec if isinstance(spec, Mapping) else {}
+            spec = spec_of(current)
             if spec.get("holderIdentity") != self.identity:
                 return
             now = micro_time()
@@ -379,7 +314,7 @@ class LeaderElector:
                     "leaseTransitions": spec.get("leaseTransitions", 0),
                 },
             }
-            left = deadline - loop.time()
+            left = deadline - self._clock()
             if left <= 0:
                 raise KubeError(ErrorKind.TRANSIENT, "no time left to release it", reason="Timeout")
             await self.kube.request("update", "PUT", self._path, body=released, time_limit=left)

@@ -2,11 +2,12 @@
 
 The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
 never per canary. A canary whose deadline passed waits here for the next read, which
-judges every canary due before it started (canaryd.judge.by_operator); a read
-unanswered for a whole interval judges those that waited a cycle (a frozen JVM holds
-a read that long). A new operator process (counters reset, a new start time) gets a
-fresh check of every canary. What to do with a judgement (the registry's transition,
-the next bump) is the scheduler's: ``Schedule``.
+judges every canary due before it started (canaryd.judge.by_operator) and notes the
+``reconciled`` stage of the bumps the operator reconciled since; a read unanswered for
+a whole interval judges those that waited a cycle (a frozen JVM holds a read that
+long). A new operator process (counters reset, a new start time) gets a fresh check of
+every canary. What to do with a judgement (the registry's transition, the next bump)
+is the scheduler's: ``Schedule``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class OperatorJudge:
         """Canaries past their deadline, waiting for the next read: one read judges
         every canary due before it."""
         self._instance_judged = 0
-        """The operator instance (opmetrics.Instance.number) the verdicts are about."""
+        """The operator instance (OperatorMetrics.instance) the verdicts are about."""
         self._missing_series: set[CanaryKey] = set()
         """Canaries whose counter the operator's metrics lack (warned once each)."""
         self._realign: set[CanaryKey] = set()
@@ -99,14 +100,10 @@ class OperatorJudge:
             logger_name="canaryd.opjudge",
             clock=clock,
         )
-        """Failed reads of the operator's metrics, logged as an episode."""
 
     def due(self, due: float, canary: Canary) -> None:
         """A deadline: judged at the next read of the operator's metrics."""
         self.awaiting.append((due, canary))
-
-    def waiting(self, key: CanaryKey) -> int:
-        return sum(1 for _, canary in self.awaiting if canary.key == key)
 
     def forget(self, key: CanaryKey) -> None:
         self._missing_series.discard(key)
@@ -116,9 +113,6 @@ class OperatorJudge:
         await self.operator.close()
 
     async def run(self) -> None:
-        """Read the operator's metrics every scrape interval (never per canary): judge
-        every canary whose deadline passed before the read started, note the bumps the
-        operator reconciled since, and see a restarted operator."""
         try:
             while True:
                 started = self._clock()
@@ -128,14 +122,21 @@ class OperatorJudge:
                 try:
                     while not read.done():
                         await asyncio.wait({read}, timeout=self.settings.scrape_interval)
-                        if not read.done():
-                            self._still_unanswered(started)
+                        if not read.done() and self.schedule.active:
+                            # Those that waited a cycle need not wait for this read to
+                            # time out (a frozen JVM holds it a cycle); those with no
+                            # bump to judge wait for it: it is their baseline.
+                            silent = ScrapeFailed(
+                                "unanswered",
+                                f"{self.operator.url} has not answered a read sent "
+                                f"{self._clock() - started:.1f}s ago",
+                            )
+                            self._judge_due(started, None, silent, bumped_only=True)
                     scrape = read.result()
                 except ScrapeFailed as err:
                     failed = err
                 finally:
-                    if not read.done():
-                        read.cancel()
+                    read.cancel()  # the reader is stopping (once done, a no-op)
                 try:
                     self._read(started, scrape, failed)
                 except Exception:
@@ -149,43 +150,46 @@ class OperatorJudge:
             raise
 
     def _read(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
-        operator = self.operator
+        url = self.operator.url
         if failed is not None:
             metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
-            self.read_failed(failed)
+            self.problem = str(failed)  # /readyz names it; the log tells an episode
+            self.failures.failed(url, failed.cause, str(failed))
         else:
             assert scrape is not None
             metrics.OPERATOR_SCRAPES.labels("ok").inc()
             self.problem = None
-            self.failures.recovered(operator.url)
+            self.failures.recovered(url)
             if not scrape.has_operator_series:
                 self.problem = (
-                    f"{operator.url} answered without the operator's metrics (is Flink's "
+                    f"{url} answered without the operator's metrics (is Flink's "
                     "Prometheus reporter configured on this port?)"
                 )
-            if operator.instance.number != self._instance_judged:
+            if self.operator.instance != self._instance_judged:
                 if self.schedule.active:
                     self._operator_restarted(started)
                 else:  # a follower judges nothing; it starts fresh when it leads
-                    self._instance_judged = operator.instance.number
+                    self._instance_judged = self.operator.instance
             self._note_reconciles(scrape)
-        if not self.schedule.active:
-            return
-        self._judge_due(started, scrape, failed, lambda canary: True)
+        if self.schedule.active:
+            self._judge_due(started, scrape, failed)
 
     def _judge_due(
         self,
         started: float,
         scrape: Scrape | None,
         failed: ScrapeFailed | None,
-        judged_now: Callable[[Canary], bool],
+        *,
+        bumped_only: bool = False,
     ) -> None:
-        """Judge every canary that fell due before ``started`` (and ``judged_now``)."""
+        """Judge every canary that fell due before ``started`` (``bumped_only``: those
+        with a bump to judge)."""
         now = self._clock()
         due_now: list[tuple[float, Canary]] = []
         later: list[tuple[float, Canary]] = []
-        for entry in self.awaiting:
-            (due_now if entry[0] <= started and judged_now(entry[1]) else later).append(entry)
+        for due, canary in self.awaiting:
+            judged = due <= started and (not bumped_only or canary.bumped_generation is not None)
+            (due_now if judged else later).append((due, canary))
         self.awaiting = later
         for due, canary in due_now:
             try:
@@ -208,10 +212,10 @@ class OperatorJudge:
         if not self.registry.owns(canary):
             return
         judged = canary.bumped_generation is not None
-        last = self.operator.last
+        last, resource = self.operator.last, self._resource(canary)
         judgement = judge.by_operator(
             canary,
-            self._resource(canary),
+            resource,
             scrape,
             failed,
             now,
@@ -234,7 +238,9 @@ class OperatorJudge:
             if place - now > self.settings.scrape_interval:
                 self.schedule.push(place, canary)
                 return
-        self.registry.baseline(canary, self._baseline(canary))
+        # The baseline: the canary's count in the last answer read, before this bump.
+        baseline = None if last is None else (self.operator.instance, last.count(resource))
+        self.registry.baseline(canary, baseline)
         # The bump's own retry window runs from now: the verdict may have waited.
         self.schedule.start_bump(now, canary)
 
@@ -259,32 +265,13 @@ class OperatorJudge:
         offset = self._epoch + phase(canary) * timeout
         return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
 
-    def _still_unanswered(self, started: float) -> None:
-        """A read has not been answered for a read interval: the verdicts that have
-        waited a whole cycle for an answer need not wait for this one to time out (a
-        frozen JVM holds a read for the whole cycle)."""
-        now = self._clock()
-        silent = ScrapeFailed(
-            "unanswered",
-            f"{self.operator.url} has not answered a read sent {now - started:.1f}s ago",
-        )
-        if self.schedule.active:
-            # One with nothing to judge waits for the read: its baseline.
-            self._judge_due(started, None, silent, lambda c: c.bumped_generation is not None)
-
-    def read_failed(self, failed: ScrapeFailed) -> None:
-        """A read failed: an episode in the log, the cause in /readyz."""
-        self.problem = str(failed)
-        self.failures.failed(self.operator.url, failed.cause, str(failed))
-
     def _operator_restarted(self, started: float) -> None:
         """A new operator process answers: verdicts were about the one that is gone. Every
         canary is checked afresh: ``pending``, and a bump from now on, the first at once
         and the rest over half a cycle in their order in the cycle (twice the steady
         rate, not N writes at once); each goes back to its place once that is judged."""
-        instance = self.operator.instance
-        self._instance_judged = instance.number
-        at = wall_time(instance.since)
+        self._instance_judged = self.operator.instance
+        at = wall_time(self.operator.instance_since)
         metrics.OPERATOR_RESTARTS.inc()
         log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
         reason = f"operator restarted at {at}: re-checking"
@@ -300,28 +287,17 @@ class OperatorJudge:
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
 
-    def _baseline(self, canary: Canary) -> tuple[int, float | None] | None:
-        """The operator instance and the canary's count of finished reconciles in the
-        last answer read (before the bump about to be sent), if one was ever read."""
-        last = self.operator.last
-        if last is None:
-            return None
-        return self.operator.instance.number, last.count(self._resource(canary))
-
     def _note_reconciles(self, scrape: Scrape) -> None:
         """The ``reconciled`` stage of bumps the operator reconciled since the last read
         (its time is an upper bound: the read's answer)."""
-        number = self._instance_judged
         for canary in self.registry.tracked():
-            sent = canary.bump_sent_at
-            baseline = canary.reconcile_baseline
+            sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
             if (
-                sent is None
-                or canary.bumped_generation is None
-                or baseline is None
-                or baseline[0] != number
-                or "reconciled" in canary.stages
+                sent is not None
+                and canary.bumped_generation is not None
+                and baseline is not None
+                and baseline[0] == self._instance_judged
+                and "reconciled" not in canary.stages
+                and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
             ):
-                continue
-            if judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]:
                 self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))

@@ -14,9 +14,11 @@ the deadline. A new operator process starts its counters at zero, so a counter t
 went down, a new process start time, or an endpoint that answers again after it
 refused, is a restarted operator: its verdicts are checked afresh.
 
-Only the lines canaryd needs are parsed (a scrape of an operator with thousands of
-resources is tens of thousands of lines); the metric names are matched by their
-suffix, so a reporter scope format of the user's own keeps working.
+Only the lines canaryd needs are read (a scrape of an operator with thousands of
+resources is tens of thousands of lines, every scrape interval): regular expressions
+find them in the bytes, matching metric names by their suffix (so a reporter scope
+format of the user's own keeps working), and prometheus_client's parser reads each
+label set not seen before (whole answers through it would take seconds each).
 """
 
 from __future__ import annotations
@@ -24,15 +26,12 @@ from __future__ import annotations
 import errno
 import re
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
-"""The per-resource counter of reconciles JOSDK finished (the operator's
-``OperatorJosdkMetrics.finishedReconciliation``)."""
-RESOURCE_LABELS = ("resourcetype", "resourcens", "resourcename")
 MAX_ANSWER = 256 * 1024 * 1024
 """The largest answer read (bytes): an operator with 10,000 resources answers about
 11 MB. It is read in chunks and never held whole, so this bounds time, not memory."""
@@ -40,8 +39,8 @@ MAX_LINE = 1024 * 1024
 """The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
 CHUNK = 256 * 1024
 
-# Matched on bytes, chunk by chunk: a literal the regex engine finds fast, so the tens
-# of thousands of lines canaryd does not need cost a scan, not a Python loop each.
+# A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
+# their bytes, not a Python loop each.
 _RECONCILED = re.compile(re.escape(RECONCILED_SUFFIX).encode() + rb"\{([^}\n]*)\}[ \t]+([^ \t\n]+)")
 # Series that only grow within one operator process: the Kubernetes client's request
 # count and the JVM's CPU time (and, per resource, the counter above). One that went
@@ -53,8 +52,6 @@ _PROCESS = re.compile(
 _START = re.compile(rb"process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
 """A process start time, when a reporter exports one (Flink's Prometheus reporter does
 not: its registry holds Flink's metrics only)."""
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 ResourceKey = tuple[str, str, str]
 """(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
@@ -71,12 +68,6 @@ def reporter_label(value: str) -> str:
     return _NOT_IN_LABELS.sub("_", value)
 
 
-def _unescape(value: str) -> str:
-    if "\\" not in value:
-        return value
-    return re.sub(r"\\[\\\"n]", lambda m: _ESCAPES[m.group(0)], value)
-
-
 def _number(raw: bytes) -> float | None:
     try:
         value = float(raw)
@@ -85,32 +76,34 @@ def _number(raw: bytes) -> float | None:
     return None if value != value else value  # NaN: no value
 
 
-@dataclass(frozen=True, slots=True)
 class Scrape:
-    """What one answer of the operator's metrics endpoint says."""
+    """What one answer of the operator's metrics endpoint says, read chunk by chunk
+    (``feed``, then ``end``): only what canaryd needs is kept, and a line of interest
+    that is malformed is skipped. ``keys`` caches the label texts already seen (the
+    same every read), so a read of 10,000 resources parses few label sets."""
 
-    sent_at: float
-    """Monotonic time the request was sent: a reconcile counted in it finished before
-    the answer, and one that finished before ``sent_at`` is in it."""
-    answered_at: float
-    reconciled: Mapping[ResourceKey, float]
-    """Finished reconciles per resource."""
-    process: Mapping[bytes, float]
-    """The process-wide series that only grow within one operator process, by name
-    and labels."""
-    start_time: float | None
-    """The operator process's start time (Unix seconds), when the reporter exports it."""
-    size: int = 0
-    """Bytes read."""
+    def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
+        self.answered_at = 0.0
+        """Monotonic time the answer ended: a reconcile counted in it finished before,
+        and one that finished before the request was sent is in it."""
+        self.reconciled: dict[ResourceKey, float] = {}
+        """Finished reconciles per resource."""
+        self.process: dict[bytes, float] = {}
+        """The process-wide series that only grow within one operator process, by name
+        and labels."""
+        self.start_time: float | None = None
+        """The operator process's start time (Unix seconds), when the reporter exports it."""
+        self.size = 0  # bytes read
+        self._rest = b""
+        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
         are, or as the reporter filters them by default."""
         found = self.reconciled.get(key)
         if found is None:
-            found = self.reconciled.get(
-                (reporter_label(key[0]), reporter_label(key[1]), reporter_label(key[2]))
-            )
+            kind, namespace, name = map(reporter_label, key)
+            found = self.reconciled.get((kind, namespace, name))
         return found
 
     @property
@@ -118,44 +111,30 @@ class Scrape:
         """Does the answer come from the operator's reporter at all?"""
         return bool(self.process) or bool(self.reconciled)
 
-
-class Parser:
-    """Reads an exposition chunk by chunk, keeping only what canaryd needs; a line of
-    interest that is malformed is skipped. ``keys`` caches label texts already seen
-    (the same every read), so a read of 10,000 resources parses few labels."""
-
-    def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
-        self.reconciled: dict[ResourceKey, float] = {}
-        self.process: dict[bytes, float] = {}
-        self.start_time: float | None = None
-        self.size = 0
-        self._rest = b""
-        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
-
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
-        data = self._rest + chunk if self._rest else chunk
-        cut = data.rfind(b"\n")
-        if cut == -1:
-            self._rest = data if len(data) <= MAX_LINE else b""
-            return
-        self._rest = data[cut + 1 :] if len(data) - cut <= MAX_LINE else b""
-        self._scan(data[: cut + 1])
+        data = self._rest + chunk
+        cut = data.rfind(b"\n") + 1  # the whole lines (none: 0)
+        self._rest = data[cut:] if len(data) - cut <= MAX_LINE else b""
+        self._scan(data[:cut])
 
-    def close(self) -> None:
+    def end(self, answered_at: float) -> Scrape:
         if self._rest:
             self._scan(self._rest + b"\n")
             self._rest = b""
+        self.answered_at = answered_at
+        return self
 
     def _key(self, labels: bytes) -> ResourceKey | None:
         key = self._keys.get(labels, False)
         if key is False:
-            found = {k: _unescape(v) for k, v in _LABEL.findall(labels.decode("utf-8", "replace"))}
-            key = (
-                (found["resourcetype"], found["resourcens"], found["resourcename"])
-                if all(label in found for label in RESOURCE_LABELS)
-                else None
-            )
+            sample = f"x{{{labels.decode('utf-8', 'replace')}}} 0\n"
+            try:
+                (family,) = text_string_to_metric_families(sample)
+                found = family.samples[0].labels
+                key = (found["resourcetype"], found["resourcens"], found["resourcename"])
+            except (ValueError, KeyError, IndexError):  # malformed, or not a resource's
+                key = None
             if len(self._keys) > 200_000:
                 self._keys.clear()
             self._keys[labels] = key
@@ -178,34 +157,27 @@ class Parser:
             if (at == 0 or block[at - 1] == 10) and value is not None:
                 self.start_time = value if EARLIEST_START < value < LATEST_START else None
 
-    def scrape(self, sent_at: float, answered_at: float) -> Scrape:
-        self.close()
-        return Scrape(
-            sent_at, answered_at, self.reconciled, self.process, self.start_time, self.size
-        )
 
-
-def parse(text: str | bytes, sent_at: float = 0.0, answered_at: float = 0.0) -> Scrape:
+def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
     """A whole exposition at once (tests, the e2e suite)."""
-    parser = Parser()
-    parser.feed(text.encode() if isinstance(text, str) else text)
-    return parser.scrape(sent_at, answered_at)
+    scrape = Scrape()
+    scrape.feed(text.encode() if isinstance(text, str) else text)
+    return scrape.end(answered_at)
 
 
 class ScrapeFailed(Exception):
-    """The endpoint gave no usable answer. ``cause`` is a short fixed word:
+    """The endpoint gave no usable answer (what that means for a verdict:
+    canaryd.judge.by_operator). ``cause`` is a short fixed word:
 
     - ``refused``: nothing listens on the port (connection refused, or the host is
-      unreachable): the operator is starting, or gone: no verdict, canaries are
-      ``pending``, and the next answer comes from a new process;
+      unreachable): the operator is starting, or gone, and the next answer comes from
+      a new process;
     - ``unanswered``: the port is held but no whole answer comes: a connection
       accepted and nothing (or not all of it) answered within the read limit (a frozen
       JVM still accepts into its listen backlog), or, once that backlog is full, a
-      connect that times out: counts against the operator once it lasts a whole cycle;
-    - ``bad_answer``: anything else: an HTTP status other than 200, a broken or
-      truncated answer, a connection cut mid-answer, TLS or name resolution failing,
-      an answer too large: no verdict either way (``unknown``; an unhealthy verdict
-      stands), and no sign of a restart.
+      connect that times out;
+    - ``bad_answer``: anything else (an HTTP status other than 200, a broken, cut or
+      too large answer, TLS or name resolution failing): no sign of a restart either.
     """
 
     def __init__(self, cause: str, detail: str) -> None:
@@ -213,31 +185,9 @@ class ScrapeFailed(Exception):
         self.cause = cause
 
 
-def _refused(err: BaseException) -> bool:
-    os_error = getattr(err, "os_error", None)
-    return isinstance(os_error, OSError) and os_error.errno in (
-        errno.ECONNREFUSED,
-        errno.ENETUNREACH,
-        errno.EHOSTUNREACH,
-    )
-
-
-@dataclass(slots=True)
-class Instance:
-    """The operator process canaryd currently judges, as far as its metrics tell."""
-
-    number: int = 0
-    """Grows by one each time a restart is seen; a bump's baseline from another
-    instance is not comparable."""
-    since: float = field(default_factory=time.time)
-    """Wall-clock time from which this instance is known (its start time when exported,
-    else when canaryd saw it)."""
-
-
 class OperatorMetrics:
-    """Scrapes the operator's metrics endpoint and tells restarts apart.
-
-    Only the scheduler calls it (once per scrape interval, never per canary)."""
+    """Scrapes the operator's metrics endpoint (once per scrape interval, never per
+    canary: canaryd.opjudge) and tells restarts apart."""
 
     def __init__(
         self,
@@ -249,21 +199,21 @@ class OperatorMetrics:
     ) -> None:
         self.url = url
         self.connect_timeout = connect_timeout
-        """How long connecting may take: a held port that accepts nothing (a frozen
-        process's full backlog) fails here, and is tried again."""
+        """How long connecting may take (a frozen process's full backlog fails here)."""
         self.read_timeout = read_timeout
-        """How long one answer may take once connected: the cycle. A slow operator is
-        not a frozen one; an answer that has not come in a whole cycle is none."""
+        """How long one answer may take once connected (the cycle: a slow operator is
+        not a frozen one)."""
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._keys: dict[bytes, ResourceKey | None] = {}
         self.last: Scrape | None = None
         """The last usable answer."""
-        self.instance = Instance()
-        self.failing_since: float | None = None
-        """Monotonic time since which scrapes fail (None: the last one answered)."""
-        self.failure: ScrapeFailed | None = None
-        """The last failure, while scrapes fail."""
+        self.instance = 0
+        """The operator process judged now, as far as its metrics tell: grows by one at
+        each restart seen (a bump's baseline from another is not comparable)."""
+        self.instance_since = time.time()
+        """Wall-clock time from which it is known (its start time when exported, else
+        when canaryd saw it)."""
         self._refused_since_answer = False
 
     async def close(self) -> None:
@@ -271,7 +221,9 @@ class OperatorMetrics:
             await self._session.close()
             self._session = None
 
-    def _client(self) -> aiohttp.ClientSession:
+    async def scrape(self) -> Scrape:
+        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
+        (``instance`` changes)."""
         if self._session is None:
             # A new connection per scrape (force_close): a kept-alive connection to a
             # process that was killed fails in ways that say nothing of the new one.
@@ -284,32 +236,27 @@ class OperatorMetrics:
                 ),
                 trust_env=False,
             )
-        return self._session
-
-    async def _fetch(self) -> Scrape:
-        sent = self._clock()
-        parser = Parser(self._keys)
+        scrape = Scrape(self._keys)
         answered = False
         try:
-            async with self._client().get(self.url, allow_redirects=False) as response:
+            async with self._session.get(self.url, allow_redirects=False) as response:
                 answered = True
                 if response.status != 200:
                     raise ScrapeFailed("bad_answer", f"{self.url} answered HTTP {response.status}")
                 async for chunk in response.content.iter_chunked(CHUNK):
-                    parser.feed(chunk)
-                    if parser.size > MAX_ANSWER:
+                    scrape.feed(chunk)
+                    if scrape.size > MAX_ANSWER:
                         raise ScrapeFailed(
                             "bad_answer", f"{self.url} answered more than {MAX_ANSWER} bytes"
                         )
         except ScrapeFailed:
             raise
         except aiohttp.ClientConnectorError as err:
-            if _refused(err):
+            if err.os_error.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+                self._refused_since_answer = True
                 raise ScrapeFailed("refused", f"{self.url} refused the connection") from None
             raise ScrapeFailed("bad_answer", f"cannot connect to {self.url}: {err}") from None
         except aiohttp.ConnectionTimeoutError:
-            # Not refused: something holds the port and accepts nothing. A frozen JVM's
-            # listen backlog fills after a few reads, and then its SYNs go unanswered.
             raise ScrapeFailed(
                 "unanswered",
                 f"{self.url}: no connection within {self.connect_timeout:g}s (the port is "
@@ -322,30 +269,13 @@ class OperatorMetrics:
                 f"{self.url} accepted the connection but {what} within {self.read_timeout:g}s",
             ) from None
         except aiohttp.ClientError as err:
-            # A broken answer, or a connection cut without one: no verdict, and no sign
-            # of a restart either (a process that went away refuses the next read).
             raise ScrapeFailed(
                 "bad_answer", f"{self.url}: {type(err).__name__} {err}".strip()
             ) from None
-        return parser.scrape(sent, self._clock())
-
-    async def scrape(self) -> Scrape:
-        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
-        (``instance`` changes)."""
-        try:
-            scrape = await self._fetch()
-        except ScrapeFailed as failed:
-            if self.failing_since is None:
-                self.failing_since = self._clock()
-            self.failure = failed
-            if failed.cause == "refused":
-                self._refused_since_answer = True
-            raise
-        restarted = self.restart_seen(scrape)
+        restarted = self.restart_seen(scrape.end(self._clock()))
         if restarted is not None:
-            self.instance = Instance(self.instance.number + 1, restarted)
-        self.last, self.failing_since, self.failure = scrape, None, None
-        self._refused_since_answer = False
+            self.instance, self.instance_since = self.instance + 1, restarted
+        self.last, self._refused_since_answer = scrape, False
         return scrape
 
     def restart_seen(self, scrape: Scrape) -> float | None:
@@ -357,16 +287,8 @@ class OperatorMetrics:
         if last is None:
             return None
         if scrape.start_time is not None and last.start_time is not None:
-            if scrape.start_time != last.start_time:
-                return scrape.start_time
-            return None
-        now = time.time()
-        if self._refused_since_answer:
-            return now
-        for key, value in scrape.process.items():
-            if value < last.process.get(key, 0.0):
-                return now
-        for resource, count in scrape.reconciled.items():
-            if count < last.reconciled.get(resource, 0.0):
-                return now
-        return None
+            return scrape.start_time if scrape.start_time != last.start_time else None
+        went_down = any(n < last.process.get(k, 0.0) for k, n in scrape.process.items()) or any(
+            n < last.reconciled.get(k, 0.0) for k, n in scrape.reconciled.items()
+        )
+        return time.time() if self._refused_since_answer or went_down else None

@@ -37,7 +37,6 @@ class Role:
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self._verdicts_kept = False
-        """A replica that stepped down without seeing another holder keeps its verdicts."""
         self._aging: asyncio.TimerHandle | None = None
 
     @property
@@ -93,6 +92,7 @@ class Role:
         turn unknown."""
         self.stop()
         now, ttl = self._clock(), self.verdict_ttl()
+        why = f"no bump written: {self.standby_reason or 'none could be sent'}"
         unhealthy = False
         for canary in self.registry.canaries():
             verdict = canary.verdict
@@ -103,8 +103,7 @@ class Role:
                 and not self._failing(canary.key)
                 and now - verdict.at >= ttl
             ):
-                why = self.standby_reason or "none could be sent"
-                self.registry.no_verdict(canary, f"no bump written: {why}", now, ttl)
+                self.registry.no_verdict(canary, why, now, ttl)
             unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
         if unhealthy:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to age

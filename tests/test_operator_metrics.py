@@ -56,7 +56,7 @@ def judged_by(operator: FakeOperator) -> dict[str, object]:
 def test_the_real_reporters_answer_is_read_as_recorded():
     """Recorded from release-1.15.0 (Flink 1.20.0's Prometheus reporter) on the real
     control plane: the names and labels canaryd relies on, pinned."""
-    scrape = parse(FIXTURE.read_text(), 1.0, 2.0)
+    scrape = parse(FIXTURE.read_text())
     assert scrape.reconciled == {CANARY: 7.0}
     assert scrape.has_operator_series
     assert scrape.start_time is None  # Flink's reporter exports no process start time
@@ -590,10 +590,10 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
         async with operator_for(kube, port):
             reader = run.daemon.scheduler.operator.operator
             await run.until(lambda: reader.last is not None, "a first answer read")
-        restarted = run.daemon.scheduler.operator.operator.instance.number
+        restarted = run.daemon.scheduler.operator.operator.instance
         async with operator_for(kube, port):
             await run.until(
-                lambda: run.daemon.scheduler.operator.operator.instance.number > restarted,
+                lambda: run.daemon.scheduler.operator.operator.instance > restarted,
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
