@@ -1,5 +1,6 @@
-"""Kubernetes access: credentials from kubernetes-asyncio, every request and watch over
-aiohttp, and the one place where API errors are classified.
+"""Kubernetes access: the resource types canaryd names, credentials from
+kubernetes-asyncio, every request and watch over aiohttp, and the one place where API
+errors are classified (ErrorKind; failure_cause for people).
 
 kubernetes-asyncio loads kubeconfig and in-cluster credentials and refreshes
 service-account tokens; canaryd builds the TLS context from what it loaded. Requests
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import json
 import math
 import os
@@ -34,7 +34,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import structlog
-import yarl
+from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
@@ -57,6 +57,8 @@ PROXY_VARIABLES = (
 RESERVED_CONNECTIONS = 64
 """Request connections beyond the bumps' own, which bumps never take: lists (16 scopes
 at a time, canaryd.watcher), access reviews (8 at once, canaryd.access), the lease."""
+MAX_WATCH_LINE = 2**24
+"""A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,35 @@ class Kind:
         return f"{self.collection_path(namespace)}/{segment(name)}"
 
 
+KINDS = {
+    "flinkdeployments": Kind("flinkdeployments", "FlinkDeployment"),
+    "flinksessionjobs": Kind("flinksessionjobs", "FlinkSessionJob"),
+}
+NAMESPACES_PATH = "/api/v1/namespaces"
+KIND_NAMES: dict[str, str] = {}
+"""The Kind names discovery found for kinds given as PLURAL.GROUP/VERSION."""
+
+
+def kind_of(key: str) -> Kind:
+    """The Kind a registry key names (see ``Kind.key``)."""
+    known = KINDS.get(key)
+    if known is not None:
+        return known
+    resource, _, version = key.partition("/")
+    plural, _, group = resource.partition(".")
+    return Kind(plural, KIND_NAMES.get(key, plural), group, version)
+
+
+def object_path(kind: str, namespace: str, name: str) -> str:
+    """The path of a registry kind's object."""
+    return kind_of(kind).object_path(namespace, name)
+
+
+def segment(value: str) -> str:
+    """One path segment, percent-encoded: a name never adds a segment or a query."""
+    return quote(value, safe="")
+
+
 def server_url_problem(host: str) -> str | None:
     """What is wrong with a kubeconfig's cluster server, or None when it can be used."""
     try:
@@ -109,34 +140,7 @@ def decode_json(data: bytes) -> Any:
         raise ValueError(f"JSON nested too deeply: {err}") from err
 
 
-@functools.lru_cache(maxsize=2**14)
-def object_path(kind: str, namespace: str, name: str) -> str:
-    """The path of a registry kind's object, made once per canary (the bump's hot path)."""
-    return kind_of(kind).object_path(namespace, name)
-
-
-def segment(value: str) -> str:
-    """One path segment, percent-encoded: a name never adds a segment or a query."""
-    return quote(value, safe="")
-
-
-KINDS = {
-    "flinkdeployments": Kind("flinkdeployments", "FlinkDeployment"),
-    "flinksessionjobs": Kind("flinksessionjobs", "FlinkSessionJob"),
-}
-NAMESPACES_PATH = "/api/v1/namespaces"
-KIND_NAMES: dict[str, str] = {}
-"""The Kind names discovery found for kinds given as PLURAL.GROUP/VERSION."""
-
-
-def kind_of(key: str) -> Kind:
-    """The Kind a registry key names (see ``Kind.key``)."""
-    known = KINDS.get(key)
-    if known is not None:
-        return known
-    resource, _, version = key.partition("/")
-    plural, _, group = resource.partition(".")
-    return Kind(plural, KIND_NAMES.get(key, plural), group, version)
+# -------------------------------------------------------------------- errors
 
 
 class ErrorKind(enum.Enum):
@@ -146,7 +150,7 @@ class ErrorKind(enum.Enum):
     GONE = "gone"  # 404: the object (or its type) does not exist
     FORBIDDEN = "forbidden"  # 403: not ours to touch
     EXPIRED = "expired"  # 410: the resourceVersion was compacted; relist
-    TRANSIENT = "transient"  # 5xx, 429, 401, timeouts, connection failures: retry later
+    TRANSIENT = "transient"  # 5xx, 401, 408, 429, timeouts, connection failures: retry later
     INVALID = "invalid"  # any other 4xx: the request itself is wrong; retrying won't help
 
 
@@ -171,72 +175,64 @@ class KubeError(Exception):
         return f"{code}{self.reason or self.kind.value}: {self.args[0]}"
 
 
+_STATUS_KINDS = {
+    409: ErrorKind.CONFLICT,
+    404: ErrorKind.GONE,
+    403: ErrorKind.FORBIDDEN,
+    410: ErrorKind.EXPIRED,
+    401: ErrorKind.TRANSIENT,
+    408: ErrorKind.TRANSIENT,
+    429: ErrorKind.TRANSIENT,
+}
+
+
 def classify_status(status: int) -> ErrorKind:
-    if status == 409:
-        return ErrorKind.CONFLICT
-    if status == 404:
-        return ErrorKind.GONE
-    if status == 403:
-        return ErrorKind.FORBIDDEN
-    if status == 410:
-        return ErrorKind.EXPIRED
-    if status >= 500 or status in (401, 408, 429):
+    if status >= 500:
         return ErrorKind.TRANSIENT
-    return ErrorKind.INVALID
-
-
-def too_large_resource_version(status: int, decoded: Mapping[str, Any]) -> bool:
-    """kube-apiserver's "Too large resource version" (a 504 Timeout with the cause
-    ResourceVersionTooLarge): the API server this request reached is behind the
-    resourceVersion canaryd resumes from (another replica served it). Retrying with the
-    same resourceVersion waits for that replica; client-go relists (reflector.go,
-    isTooLargeResourceVersionError, which also accepts the message of older servers)."""
-    if status != 504:
-        return False
-    details = decoded.get("details")
-    causes = details.get("causes") if isinstance(details, Mapping) else None
-    if isinstance(causes, list) and any(
-        isinstance(c, Mapping) and c.get("reason") == "ResourceVersionTooLarge" for c in causes
-    ):
-        return True
-    return "too large resource version" in str(decoded.get("message") or "").lower()
+    return _STATUS_KINDS.get(status, ErrorKind.INVALID)
 
 
 def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
-    """classify_status, reading the Status object where the code alone does not tell."""
-    if too_large_resource_version(status, decoded):
-        return ErrorKind.EXPIRED
+    """classify_status, reading the Status object where the code alone does not tell:
+    kube-apiserver's "Too large resource version" (a 504 Timeout with the cause
+    ResourceVersionTooLarge) means the API server this request reached is behind the
+    resourceVersion canaryd resumes from (another replica served it). Retrying with the
+    same resourceVersion waits for that replica; client-go relists (reflector.go,
+    isTooLargeResourceVersionError, which also accepts the message of older servers):
+    EXPIRED."""
+    if status == 504:
+        details = decoded.get("details")
+        causes = details.get("causes") if isinstance(details, Mapping) else None
+        if isinstance(causes, list) and any(
+            isinstance(c, Mapping) and c.get("reason") == "ResourceVersionTooLarge" for c in causes
+        ):
+            return ErrorKind.EXPIRED
+        if "too large resource version" in str(decoded.get("message") or "").lower():
+            return ErrorKind.EXPIRED
     return classify_status(status)
 
 
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None  # an HTTP-date: Kubernetes sends seconds, so treat as absent
-    return seconds if seconds >= 0 else None
-
-
-def error_from_response(status: int, body: bytes, retry_after: str | None) -> KubeError:
-    """A KubeError from a non-2xx answer, reading the Status object when there is one."""
-    reason, message = "", body[:300].decode("utf-8", "replace").strip()
+def error_from_response(
+    status: int, body: bytes, retry_after: str | None, note: str = ""
+) -> KubeError:
+    """A KubeError from a non-2xx answer, reading the Status object when there is one
+    (``note`` is said after its message)."""
     try:
         decoded = decode_json(body)
     except ValueError:
         decoded = None
-    kind = classify_status(status)
-    if isinstance(decoded, dict):
-        reason = str(decoded.get("reason") or "")
-        message = str(decoded.get("message") or message)
-        kind = classify_answer(status, decoded)
+    answer = decoded if isinstance(decoded, dict) else {}
+    message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
+    try:
+        seconds: float | None = float(retry_after or "")
+    except ValueError:
+        seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
     return KubeError(
-        kind,
-        message or "(no message)",
+        classify_answer(status, answer),
+        (message or "(no message)") + note,
         status=status,
-        reason=reason,
-        retry_after=_retry_after(retry_after),
+        reason=str(answer.get("reason") or ""),
+        retry_after=seconds if seconds is not None and seconds >= 0 else None,
     )
 
 
@@ -244,8 +240,7 @@ def error_from_exception(err: BaseException, reason: str = "ConnectionError") ->
     """Transport failures (timeouts, resets, refused connections, a malformed answer)
     and credential failures are transient: the next attempt may well work."""
     name = type(err).__name__
-    text = logs.scrub(str(err)) or name
-    return KubeError(ErrorKind.TRANSIENT, f"{name}: {text}", reason=reason)
+    return KubeError(ErrorKind.TRANSIENT, f"{name}: {logs.scrub(str(err)) or name}", reason=reason)
 
 
 def failure_cause(err: KubeError) -> str:
@@ -259,9 +254,7 @@ def failure_cause(err: KubeError) -> str:
             return "unauthorized"
         if err.status == 403:
             return "forbidden"
-        if err.status >= 500 or err.status == 429:
-            return "server_error"
-        return f"http_{err.status}"
+        return "server_error" if err.status >= 500 or err.status == 429 else f"http_{err.status}"
     if err.reason == "Credentials":
         return "credentials"
     if err.reason == "ConnectTimeout":
@@ -286,63 +279,12 @@ def failure_cause(err: KubeError) -> str:
     return "connection"
 
 
-# -------------------------------------------------------------------- client
-
-
-def _failed(verb: str, err: BaseException) -> KubeError:
-    """An exchange that ended without an answer, counted: the KubeError it is."""
-    count_request(verb, "error")
-    if isinstance(err, (TimeoutError, aiohttp.ClientError, OSError)):
-        return error_from_exception(err)
-    # The boundary: all else is a KubeError too.
-    metrics.ERRORS.labels("request").inc()
-    log.warning("request_failed_unexpectedly", verb=verb, error=type(err).__name__)
-    return error_from_exception(err, "ClientError")
-
-
-def _result(status: int, payload: bytes, retry_after: str | None, reloaded: bool) -> dict[str, Any]:
-    """An answer's decoded object, or the KubeError it is (``reloaded``: a 401 that
-    came after the credentials were reloaded for it)."""
-    if status >= 300:
-        error = error_from_response(status, payload, retry_after)
-        if status == 401 and reloaded:
-            error.args = (f"{error.args[0]} (also after reloading the credentials)",)
-        raise error
-    try:
-        decoded = decode_json(payload)
-    except ValueError as err:
-        raise KubeError(
-            ErrorKind.TRANSIENT, "the API server sent a body that is not JSON", status=status
-        ) from err
-    if not isinstance(decoded, dict):
-        raise KubeError(
-            ErrorKind.TRANSIENT, "the API server sent JSON that is not an object", status=status
-        )
-    return decoded
-
-
-@functools.lru_cache(maxsize=256)
-def _request_counter(verb: str, code: int | str) -> Any:
-    return metrics.API_REQUESTS.labels(verb, str(code))
-
-
 def count_request(verb: str, code: int | str) -> None:
-    """canaryd_api_requests_total{verb,code} (its children looked up once: a few per
-    bump)."""
-    _request_counter(verb, code).inc()
+    """canaryd_api_requests_total{verb,code}: ``code`` is the answer's, or 'error'."""
+    metrics.API_REQUESTS.labels(verb, str(code)).inc()
 
 
-def tls_files_stamp(*paths: str | None) -> tuple[object, ...]:
-    """What tells a rotated TLS file (its path, modification time and size): a
-    changed stamp means a new TLS context."""
-    stamp: list[object] = []
-    for path in paths:
-        try:
-            info = os.stat(path) if path else None
-        except OSError:
-            info = None
-        stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
-    return tuple(stamp)
+# -------------------------------------------------------------------- client
 
 
 class KubeClient:
@@ -364,8 +306,10 @@ class KubeClient:
         self.host = str(configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         self._connect_timeout = min(connect_timeout, request_timeout)
-        trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         self._proxy = configuration.proxy or None
+        self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
+        """A request's own bound on its connection (the wait for the pool included); the
+        whole call is bounded by its deadline (asyncio.timeout_at)."""
         self._last_authorization: str | None = None
         self._reload_lock = asyncio.Lock()
         self._reload_ok = True
@@ -385,13 +329,9 @@ class KubeClient:
         self.last_answer = -math.inf
         """time.monotonic() of the last HTTP answer of any status, a watch's included:
         whether the API server was reachable at all since some moment."""
-        self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
-        """The whole call is bounded by its deadline (asyncio.timeout_at); this is the
-        connection's own bound (the wait for the pool included)."""
-        self._url = functools.lru_cache(maxsize=2**14)(self._parse_url)
-        """Each object's URL parsed once (the bump's path is the same every cycle)."""
         self._tls_stamp = self._tls_files()
         self._tls: ssl.SSLContext | bool = self._ssl_context()
+        trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
         # connect covers the wait for the pool). Bumps in flight hold at most
@@ -412,18 +352,20 @@ class KubeClient:
         # limit, so that every scope always gets one however many namespaces are watched
         # and no watch ever waits behind another, or behind a bump.
         self._watch_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            trust_env=trust_env,
-            read_bufsize=2**21,  # how much of a stream is read ahead (lines are split after)
-            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
         )
 
-    def _parse_url(self, path: str) -> yarl.URL:
-        return yarl.URL(self.host + path)
-
     def _tls_files(self) -> tuple[object, ...]:
-        cfg = self._config
-        return tls_files_stamp(cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file)
+        """What tells rotated TLS files (CA bundle, client certificate and key): each
+        one's path, modification time and size."""
+        stamp: list[object] = []
+        for path in (self._config.ssl_ca_cert, self._config.cert_file, self._config.key_file):
+            try:
+                info = os.stat(path) if path else None
+            except OSError:
+                info = None
+            stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
+        return tuple(stamp)
 
     def _ssl_context(self) -> ssl.SSLContext | bool:
         if not self.host.startswith("https"):
@@ -462,21 +404,19 @@ class KubeClient:
         await self._watch_session.close()
 
     async def _headers(self) -> dict[str, str]:
-        """The credential headers. Raises KubeError (transient) when they cannot be had:
-        kubernetes-asyncio's in-cluster refresh hook raises ConfigException ("Token file
-        exists but empty") or FileNotFoundError while the kubelet rotates the token."""
+        """The credential headers (auth_settings() calls the in-cluster token refresh
+        hook). Raises KubeError (transient) when they cannot be had: that hook raises
+        ConfigException ("Token file exists but empty") or FileNotFoundError while the
+        kubelet rotates the token."""
         try:
-            return self._credential_headers(await self._config.auth_settings())
+            headers = {
+                str(s["key"]): str(s["value"])
+                for s in (await self._config.auth_settings()).values()
+                if s.get("in") == "header" and s.get("value")
+            }
         except Exception as err:  # any loader failure; the next try may work
             metrics.ERRORS.labels("credentials").inc()
             raise error_from_exception(err, "Credentials") from err
-
-    def _credential_headers(self, settings: Mapping[str, Any]) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        # auth_settings() called the token refresh hook (in-cluster token rotation).
-        for setting in settings.values():
-            if setting.get("in") == "header" and setting.get("value"):
-                headers[str(setting["key"])] = str(setting["value"])
         authorization = headers.get("authorization")
         if authorization is not None and authorization != self._last_authorization:
             self._last_authorization = authorization
@@ -490,6 +430,25 @@ class KubeClient:
         if self._config.tls_server_name:
             kwargs["server_hostname"] = self._config.tls_server_name
         return kwargs
+
+    def _no_answer(self, verb: str, path: str, err: BaseException) -> KubeError:
+        """An exchange that ended without an answer, counted: the KubeError it is."""
+        count_request(verb, "error")
+        if isinstance(err, aiohttp.ConnectionTimeoutError):
+            # A black-holed address: no connection (or none from the pool) in time.
+            return KubeError(
+                ErrorKind.TRANSIENT,
+                f"no connection within {self._connect_timeout:g}s",
+                reason="ConnectTimeout",
+            )
+        if isinstance(err, (TimeoutError, aiohttp.ClientError, OSError)):
+            return error_from_exception(err)
+        # The boundary: all else is a KubeError too.
+        watch = verb == "watch"
+        metrics.ERRORS.labels("watch_request" if watch else "request").inc()
+        event = "watch_failed_unexpectedly" if watch else "request_failed_unexpectedly"
+        log.warning(event, verb=verb, path=path, error=type(err).__name__)
+        return error_from_exception(err, "ClientError")
 
     async def request(
         self,
@@ -518,16 +477,15 @@ class KubeClient:
         deadline = asyncio.get_running_loop().time() + (time_limit or self._request_timeout)
         for attempt in (1, 2):
             version = self._credentials_version
-            stage = "credentials"
+            headers: dict[str, str] | None = None
             try:
                 async with asyncio.timeout_at(deadline):
                     headers = await self._headers()
                     if data is not None:
                         headers["Content-Type"] = content_type
-                    stage = "exchange"
                     async with self._session.request(
                         method,
-                        self._url(path),
+                        self.host + path,
                         params=params,
                         data=data,
                         headers=headers,
@@ -538,20 +496,10 @@ class KubeClient:
                         retry_after = reply.headers.get("Retry-After")
             except KubeError:
                 raise  # the credentials could not be had
-            except aiohttp.ConnectionTimeoutError as err:
-                # A black-holed address: no connection (or none from the pool) in time.
-                count_request(verb, "error")
-                raise KubeError(
-                    ErrorKind.TRANSIENT,
-                    f"no connection within {self._connect_timeout:g}s",
-                    reason="ConnectTimeout",
-                ) from err
-            except TimeoutError as err:
-                if stage == "credentials":
-                    raise error_from_exception(err, "Credentials") from err
-                raise _failed(verb, err) from err
             except Exception as err:
-                raise _failed(verb, err) from err
+                if headers is None:  # the deadline passed while they were being had
+                    raise error_from_exception(err, "Credentials") from err
+                raise self._no_answer(verb, path, err) from err
             self.last_answer = time.monotonic()
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
@@ -566,19 +514,34 @@ class KubeClient:
                     )
                 continue
             if status == 401 and attempt == 2:
-                self._refused_after_reload()
+                # Freshly reloaded credentials were refused too: the next reload waits
+                # (an authentication webhook down would otherwise cost a reload, an exec
+                # plugin run, per refused request).
+                self._refused_reloaded = True
+                self._reload_not_before = time.monotonic() + self._reload_backoff.next()
             elif status < 300:
                 self._reload_backoff.reset()
                 self._refused_reloaded = False
-            return _result(status, payload, retry_after, self._refused_reloaded)
+            if status >= 300:
+                reloaded = status == 401 and self._refused_reloaded
+                note = " (also after reloading the credentials)" if reloaded else ""
+                raise error_from_response(status, payload, retry_after, note)
+            try:
+                decoded = decode_json(payload)
+            except ValueError as err:
+                raise KubeError(
+                    ErrorKind.TRANSIENT,
+                    "the API server sent a body that is not JSON",
+                    status=status,
+                ) from err
+            if not isinstance(decoded, dict):
+                raise KubeError(
+                    ErrorKind.TRANSIENT,
+                    "the API server sent JSON that is not an object",
+                    status=status,
+                )
+            return decoded
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _refused_after_reload(self) -> None:
-        """Freshly reloaded credentials were refused too: the next reload waits (an
-        authentication webhook down would otherwise cost a reload, an exec plugin run,
-        per refused request)."""
-        self._refused_reloaded = True
-        self._reload_not_before = time.monotonic() + self._reload_backoff.next()
 
     async def _reload_credentials(self, version: int | None = None) -> bool:
         """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
@@ -655,14 +618,13 @@ class KubeClient:
         idle_timeout: float,
         on_connected: Any = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yield decoded watch events; ends when the server ends the stream.
+        """Yield decoded watch events, one a line; ends when the server ends the stream.
 
         ``on_connected()`` is called once the server answered 200. Raises KubeError
         (TRANSIENT, reason ``Idle``) when nothing, not even a bookmark, arrives for
-        ``idle_timeout`` seconds: a silently dead connection; and KubeError for
-        anything else that goes wrong.
+        ``idle_timeout`` seconds: a silently dead connection; (reason ``LineTooLong``) for
+        a line longer than MAX_WATCH_LINE; and KubeError for anything else that goes wrong.
         """
-        query = {**params, "watch": "true"}
         version = self._credentials_version
         headers = await self._headers()
         timeout = aiohttp.ClientTimeout(
@@ -674,9 +636,10 @@ class KubeClient:
         try:
             async with self._watch_session.get(
                 self.host + path,
-                params=query,
+                params={**params, "watch": "true"},
                 headers=headers,
                 timeout=timeout,
+                read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
                 self.last_answer = time.monotonic()
@@ -689,72 +652,36 @@ class KubeClient:
                     )
                 if on_connected is not None:
                     on_connected()
-                # Lines are split from whatever arrived (a read can hold many events,
-                # or part of one): no await per line.
-                partial: list[bytes] = []
-                held = 0
-                async for chunk in response.content.iter_any():
-                    start = 0
-                    while (end := chunk.find(b"\n", start)) >= 0:
-                        line = chunk[start:end]
-                        start = end + 1
-                        if partial:
-                            partial.append(line)
-                            line, held = b"".join(partial), 0
-                            partial.clear()
-                        if len(line) > MAX_WATCH_LINE:
-                            raise _line_too_long()
-                        event = _watch_event(line, path)
-                        if event is not None:
-                            yield event
-                    if start < len(chunk):
-                        partial.append(chunk[start:])
-                        held += len(chunk) - start
-                        if held > MAX_WATCH_LINE:
-                            raise _line_too_long()
-                if partial and (event := _watch_event(b"".join(partial), path)) is not None:
-                    yield event  # the last line, without its newline
-        except aiohttp.ConnectionTimeoutError as err:
-            # A subclass of ServerTimeoutError: a black-holed address, not an idle stream.
-            count_request("watch", "error")
-            raise KubeError(
-                ErrorKind.TRANSIENT,
-                f"no connection within {self._connect_timeout:g}s",
-                reason="ConnectTimeout",
-            ) from err
+                while True:
+                    try:
+                        line = await response.content.readline()
+                    except (LineTooLong, ValueError) as err:  # ValueError: aiohttp < 3.14
+                        count_request("watch", "error")
+                        raise KubeError(
+                            ErrorKind.TRANSIENT,
+                            f"a watch line longer than {MAX_WATCH_LINE} bytes",
+                            reason="LineTooLong",
+                        ) from err
+                    if not line:
+                        break  # the end of the stream
+                    if (event := _watch_event(line, path)) is not None:
+                        yield event
+        except KubeError:
+            raise
         except aiohttp.ServerTimeoutError as err:
+            if isinstance(err, aiohttp.ConnectionTimeoutError):  # not an idle stream
+                raise self._no_answer("watch", path, err) from err
             raise KubeError(
                 ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
             ) from err
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
-            count_request("watch", "error")
-            raise error_from_exception(err) from err
-        except KubeError:
-            raise
-        except Exception as err:  # the boundary: all else is a KubeError
-            count_request("watch", "error")
-            metrics.ERRORS.labels("watch_request").inc()
-            log.warning("watch_failed_unexpectedly", path=path, error=type(err).__name__)
-            raise error_from_exception(err, "ClientError") from err
-
-
-MAX_WATCH_LINE = 2**24
-"""A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
-
-
-def _line_too_long() -> KubeError:
-    count_request("watch", "error")
-    return KubeError(
-        ErrorKind.TRANSIENT,
-        f"a watch line longer than {MAX_WATCH_LINE} bytes",
-        reason="LineTooLong",
-    )
+        except Exception as err:
+            raise self._no_answer("watch", path, err) from err
 
 
 def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
     """One watch line's event; None (counted and logged) for a blank line or one that is
     not a JSON object."""
-    if not line or line.isspace():
+    if line.isspace():
         return None
     try:
         event = decode_json(line)
