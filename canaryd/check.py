@@ -28,34 +28,8 @@ from canaryd.config import (
     nested_keys_why,
     nested_operator_keys,
 )
-from canaryd.daemon import check_kubeconfig, kube_client
-from canaryd.kube import (
-    KubeClient,
-    KubeError,
-    failure_cause,
-    kubeconfig_path,
-    load_configuration,
-    server_url_problem,
-)
-
-
-async def _client(settings: Settings) -> KubeClient:
-    """A client with the daemon's credentials, found as the daemon finds them."""
-    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-    where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
-    context = settings.context
-    if not in_cluster:
-        context = context or check_kubeconfig(where)
-    try:
-        configuration, reload, _ = await load_configuration(settings.kubeconfig, context)
-    except Exception as err:  # any loader failure is a configuration problem
-        detail = logs.scrub(str(err)) or type(err).__name__
-        raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
-    problem = server_url_problem(str(configuration.host or ""))
-    if problem is not None:
-        raise ConfigError(f"kubeconfig {where}: {problem}")
-    logs.register_secret(configuration.api_key.get("BearerToken"))
-    return kube_client(configuration, settings, reload)
+from canaryd.daemon import connect
+from canaryd.kube import KubeError, failure_cause
 
 
 async def check(settings: Settings, out: TextIO) -> int:
@@ -65,7 +39,7 @@ async def check(settings: Settings, out: TextIO) -> int:
         for key in nested:
             print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
     wanted = wanted_permissions(settings)
-    kube = await _client(settings)
+    kube = await connect(settings)
     try:
         granted = await reviews(kube, wanted)  # the first failure cancels the others
     except KubeError as failed:

@@ -51,6 +51,29 @@ from canaryd.watcher import Watcher
 log = structlog.get_logger("canaryd.daemon")
 
 
+async def connect(settings: Settings) -> KubeClient:
+    """A client with the credentials kubectl would use (in-cluster when no kubeconfig is
+    given and KUBERNETES_SERVICE_HOST is set), and the timings and the pool derived from
+    the settings. Credentials that cannot be loaded are a ``ConfigError``."""
+    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
+    context = settings.context
+    if not in_cluster:
+        context = context or check_kubeconfig(where)
+    try:
+        configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
+    except Exception as err:  # any loader failure is a configuration problem
+        detail = logs.scrub(str(err)) or type(err).__name__
+        raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
+    problem = server_url_problem(str(configuration.host or ""))
+    if problem is not None:
+        raise ConfigError(f"kubeconfig {where}: {problem}")
+    logs.register_secret(configuration.api_key.get("BearerToken"))
+    kube = kube_client(configuration, settings, reload)
+    kube.note_credentials(loader)
+    return kube
+
+
 def check_kubeconfig(value: str) -> str | None:
     """The kubeconfig's files as kubectl reads KUBECONFIG (several separated by ':',
     missing ones skipped), each checked: one that is unreadable or not a mapping, or
@@ -66,7 +89,18 @@ def check_kubeconfig(value: str) -> str | None:
         )
     current = None
     for path in present:
-        data = read_kubeconfig_file(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read kubeconfig {path}: {err}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"kubeconfig {path} is not valid YAML") from err
+        if not isinstance(data, dict):
+            shown = "empty" if data is None else f"a YAML {type(data).__name__}"
+            raise ConfigError(
+                f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
+                "users, contexts and current-context)"
+            )
         if current is None and data.get("current-context"):
             current = str(data["current-context"])
     return current
@@ -84,23 +118,6 @@ def kube_client(configuration: Any, settings: Settings, reload: Any) -> KubeClie
     )
 
 
-def read_kubeconfig_file(path: str) -> dict[str, Any]:
-    file = Path(path)
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read kubeconfig {path}: {err}") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"kubeconfig {path} is not valid YAML") from err
-    if not isinstance(data, dict):
-        shown = "empty" if data is None else f"a YAML {type(data).__name__}"
-        raise ConfigError(
-            f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
-            "users, contexts and current-context)"
-        )
-    return data
-
-
 class _Shutdown(Exception):
     """Raised inside the TaskGroup to stop it."""
 
@@ -110,7 +127,9 @@ class Daemon:
         self.settings = settings
         self.registry = Registry(settings.label)
         self._collector = metrics.StateCollector(
-            self.registry, lambda: self._not_ready(), lambda: self._coverage()
+            self.registry,
+            lambda: self._not_ready(),
+            lambda: self.watcher.coverage() if self.watcher is not None else {},
         )
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
@@ -144,31 +163,16 @@ class Daemon:
 
     async def _run(self) -> None:
         settings = self.settings
-        in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
-        context = settings.context
-        if not in_cluster:
-            context = context or check_kubeconfig(where)
+        kube = await connect(settings)
         try:
-            configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
-        except Exception as err:  # any loader failure is a configuration problem
-            detail = logs.scrub(str(err)) or type(err).__name__
-            raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
-        problem = server_url_problem(str(configuration.host or ""))
-        if problem is not None:
-            raise ConfigError(f"kubeconfig {where}: {problem}")
-        logs.register_secret(configuration.api_key.get("BearerToken"))
-        open_files = raise_open_files_limit()
-        log.info(
-            "open_files_limit",
-            soft=open_files.soft if open_files.soft is not None else "unlimited",
-            hard=open_files.hard if open_files.hard is not None else "unlimited",
-            raised_from=open_files.raised_from,
-            problem=open_files.problem,
-        )
-        kube = kube_client(configuration, settings, reload)
-        kube.note_credentials(loader)
-        try:
+            open_files = raise_open_files_limit()
+            log.info(
+                "open_files_limit",
+                soft=open_files.soft if open_files.soft is not None else "unlimited",
+                hard=open_files.hard if open_files.hard is not None else "unlimited",
+                raised_from=open_files.raised_from,
+                problem=open_files.problem,
+            )
             self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
             self.registry.attach(scheduler)
             self.watcher = Watcher(
@@ -197,7 +201,7 @@ class Daemon:
                 raise ConfigError(
                     f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
                 ) from err
-            self._install_signals()
+            self._signals(install=True)
             operator_config = self._say_operator_config()
             log.info(
                 "canaryd_started",
@@ -232,7 +236,7 @@ class Daemon:
                 pass
             log.info("canaryd_stopped", why="signal")
         finally:
-            self._remove_signals()
+            self._signals(install=False)
             await kube.close()
 
     def _say_operator_config(self) -> str | None:
@@ -316,9 +320,6 @@ class Daemon:
         if self.scheduler is not None and not self.scheduler.active:
             self.scheduler.standby(leader)
 
-    def _coverage(self) -> dict[str, int]:
-        return self.watcher.coverage() if self.watcher is not None else {}
-
     def _not_covered(self) -> list[str]:
         uncovered = self.watcher.not_covered() if self.watcher is not None else []
         operator = self.scheduler.operator if self.scheduler is not None else None
@@ -361,37 +362,34 @@ class Daemon:
             await self.scheduler.finish_writes()
         raise _Shutdown
 
-    def _install_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
-
-    def _remove_signals(self) -> None:
+    def _signals(self, install: bool) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+            if install:
+                loop.add_signal_handler(sig, self.reload if sig == signal.SIGHUP else self.stop)
+            else:
+                loop.remove_signal_handler(sig)
 
     async def _follow_operator_config(self) -> None:
         """Re-read the operator config every check interval and on SIGHUP; when it is not
         followed, only say so on SIGHUP."""
         try:
             while True:
-                if self.follows_operator_config:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.settings.config_check_interval):
-                            await self._reload.wait()
-                else:
-                    await self._reload.wait()
+                follows = self.follows_operator_config
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(
+                        self.settings.config_check_interval if follows else None
+                    ):
+                        await self._reload.wait()
                 self._reload.clear()
-                if not self.follows_operator_config:
-                    log.info(
-                        "sighup_ignored",
-                        why="the watched namespaces come from a flag or WATCH_NAMESPACES, "
-                        "or dynamic namespaces are off",
-                    )
+                if follows:
+                    self.apply_operator_config()
                     continue
-                self.apply_operator_config()
+                log.info(
+                    "sighup_ignored",
+                    why="the watched namespaces come from a flag or WATCH_NAMESPACES, "
+                    "or dynamic namespaces are off",
+                )
         except asyncio.CancelledError:
             log.info("config_follower_stopped", why="cancelled")
             raise
