@@ -99,13 +99,10 @@ class Settings:
 
     @property
     def write_timeout(self) -> float:
-        """One bump's PATCH: the request timeout; under --leader-elect at most the renew
-        deadline less two retry periods (6 s at the defaults). A leader sends a write
-        only while it has that much of its renew deadline left after its last renew,
-        so every write it sends is answered or abandoned by its renew deadline, before
-        any follower may take the lease; and a leader that renews every retry period
-        (plus the renew's own round trip, with one retry period to spare) is never
-        without that window."""
+        """One bump's PATCH: the request timeout; under --leader-elect at most
+        ``lease_write_budget`` (6 s at the defaults). A leader sends a write only while
+        that much of its renew deadline is left after its last renew, so every write is
+        answered or abandoned before any follower may take the lease."""
         if not self.leader_elect:
             return self.request_timeout
         return min(self.request_timeout, lease_write_budget(self))
@@ -113,11 +110,9 @@ class Settings:
     @property
     def keepalive_timeout(self) -> float:
         """How long a request connection may sit idle in the pool and still be reused:
-        aiohttp's 15 s, at most a quarter of the cycle. At the default cycle a canary's
-        connection is idle longer than that between its bumps, so a bump seldom goes
-        over a connection that went silent meanwhile (half-open: a crashed replica
-        behind a load balancer) and costs its request timeout; a short cycle keeps that
-        ratio instead of reusing every connection of a start-up burst for many cycles."""
+        aiohttp's 15 s, at most a quarter of the cycle, so a bump seldom goes over a
+        connection that went silent between bumps (half-open: a crashed replica behind
+        a load balancer) and costs its request timeout."""
         return min(15.0, self.timeout / 4)
 
     @property
@@ -160,13 +155,10 @@ class Settings:
 
     @property
     def scheduler_tick(self) -> float:
-        """The scheduler wakes at most once per tick and takes every deadline that fell
-        due within it together: a burst of bumps per wake of the event loop, not a wake
-        per canary (400 a second at 2,000 canaries on a 5 s cycle; the wakes, not the
-        bumps, were a third of canaryd's CPU). A deadline is met at most a tick late: an
-        eighth of the judge's slack, at most 25 ms. A 100 ms cap cost a fifth less CPU
-        per bump on a 5 s cycle, but a burst's work held /healthz back (p99 2.0-3.3 ms
-        at 10,000 canaries against 1.7-1.9; docs/PERFORMANCE.md)."""
+        """The scheduler wakes at most once per tick and takes every deadline due within
+        it together (a wake per canary was a third of canaryd's CPU), so a deadline is
+        met at most a tick late: an eighth of the judge's slack, at most 25 ms (a longer
+        tick's bursts held /healthz back: docs/PERFORMANCE.md)."""
         return min(0.025, self.judge_slack / 8)
 
     @property
@@ -191,10 +183,6 @@ class Settings:
         (a slow operator is not a frozen one). A verdict counts an endpoint that
         answered nothing against the operator once a whole cycle past its deadline."""
         return min(2.5, self.timeout / 8)
-
-    @property
-    def all_namespaces(self) -> bool:
-        return self.namespaces is None
 
 
 def default_identity() -> str:
