@@ -58,20 +58,6 @@ ANSWERING_GRACE = 1.0
 """At the cap, a connection whose request head ended less than this ago is being
 answered and is not closed to make room (answers take milliseconds)."""
 
-REGISTRY = web.AppKey("registry", Registry)
-NOT_READY: web.AppKey[Callable[[], list[str] | None]] = web.AppKey("not_ready")
-ROLE: web.AppKey[Callable[[], tuple[str, str | None]]] = web.AppKey("role")
-STUCK: web.AppKey[Callable[[], str | None]] = web.AppKey("stuck")
-NOT_COVERED: web.AppKey[Callable[[], list[str]]] = web.AppKey("not_covered")
-
-
-def single() -> tuple[str, str | None]:
-    return "single", None
-
-
-def never_stuck() -> str | None:
-    return None
-
 
 def _iso(timestamp: float | None) -> str | None:
     if timestamp is None:
@@ -97,81 +83,6 @@ def canary_json(canary: Canary) -> dict[str, object]:
         # The last written bump's time to each stage reached so far, from its PATCH.
         "bumpSeconds": {stage: round(s, 6) for stage, s in canary.stages.items()},
     }
-
-
-async def health(request: web.Request) -> web.Response:
-    registry = request.app[REGISTRY]
-    healthy = registry.healthy
-    status = 200 if healthy else 500
-    if "application/json" in request.headers.get("Accept", ""):
-        role, leader = request.app[ROLE]()
-        body = {
-            "healthy": healthy,
-            "role": role,
-            "leader": leader,
-            "canaries": [canary_json(c) for c in registry.canaries()],
-        }
-        return web.Response(status=status, text=json.dumps(body), content_type="application/json")
-    text = "OK" if healthy else "ERROR"
-    if "verbose" in request.query:
-        lines = [text]
-        for canary in registry.canaries():
-            lines.append(
-                f"{canary.state.value} {kind_of(canary.key.kind).kind} "
-                f"{canary.key.namespace}/{canary.key.name}: {canary.reason}"
-            )
-        text = "\n".join(lines) + "\n"
-    return web.Response(status=status, text=text)
-
-
-async def live(request: web.Request) -> web.Response:
-    """/livez: canaryd's own process, never the verdict. The loop answers (this reply),
-    and its tasks run and keep up with their deadlines (the systemd watchdog's test).
-    What a liveness probe of canaryd's own container reads: restarting canaryd repairs
-    canaryd, not what it monitors."""
-    why = request.app[STUCK]()
-    if why is None:
-        return web.Response(text="OK")
-    return web.Response(status=500, text=f"STUCK: {why}")
-
-
-async def ready(request: web.Request) -> web.Response:
-    """Ready: every scope canaryd can watch is listed and connected. What it cannot
-    check at all (a 403, a namespace or a kind that is missing) does not make it
-    unready — nothing there is its to wait for — but the body names it."""
-    waiting = request.app[NOT_READY]()
-    uncovered = request.app[NOT_COVERED]()
-    tail = f"\nnot checked: {'; '.join(uncovered)}" if uncovered else ""
-    if not waiting:
-        return web.Response(text=f"OK{tail}")
-    return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")
-
-
-async def metrics_page(request: web.Request) -> web.Response:
-    response = web.Response(body=generate_latest(metrics.REGISTRY))
-    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-    return response
-
-
-def build_app(
-    registry: Registry,
-    not_ready: Callable[[], list[str] | None],
-    role: Callable[[], tuple[str, str | None]] = single,
-    stuck: Callable[[], str | None] = never_stuck,
-    not_covered: Callable[[], list[str]] = list,
-) -> web.Application:
-    app = web.Application(client_max_size=1024)
-    app[REGISTRY] = registry
-    app[NOT_READY] = not_ready
-    app[ROLE] = role
-    app[STUCK] = stuck
-    app[NOT_COVERED] = not_covered
-    for path in ("/healthz", "/"):
-        app.router.add_get(path, health)
-    app.router.add_get("/livez", live)
-    app.router.add_get("/readyz", ready)
-    app.router.add_get("/metrics", metrics_page)
-    return app
 
 
 class ConnectionGuard:
@@ -467,16 +378,82 @@ class HealthServer:
         settings: Settings,
         registry: Registry,
         not_ready: Callable[[], list[str] | None],
-        role: Callable[[], tuple[str, str | None]] = single,
-        stuck: Callable[[], str | None] = never_stuck,
-        not_covered: Callable[[], list[str]] = list,
+        role: Callable[[], tuple[str, str | None]],
+        stuck: Callable[[], str | None],
+        not_covered: Callable[[], list[str]],
     ) -> None:
-        self.settings = settings
-        self.app = build_app(registry, not_ready, role, stuck, not_covered)
+        self.settings, self.registry = settings, registry
+        self.not_ready, self.role, self.stuck, self.not_covered = (
+            not_ready,
+            role,
+            stuck,
+            not_covered,
+        )
+        self.app = web.Application(client_max_size=1024)
+        for path, handler in (
+            ("/healthz", self.health),
+            ("/", self.health),
+            ("/livez", self.live),
+            ("/readyz", self.ready),
+            ("/metrics", self.metrics_page),
+        ):
+            self.app.router.add_get(path, handler)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
+
+    async def health(self, request: web.Request) -> web.Response:
+        registry = self.registry
+        healthy = registry.healthy
+        status = 200 if healthy else 500
+        if "application/json" in request.headers.get("Accept", ""):
+            role, leader = self.role()
+            body = {
+                "healthy": healthy,
+                "role": role,
+                "leader": leader,
+                "canaries": [canary_json(c) for c in registry.canaries()],
+            }
+            return web.Response(
+                status=status, text=json.dumps(body), content_type="application/json"
+            )
+        text = "OK" if healthy else "ERROR"
+        if "verbose" in request.query:
+            lines = [text]
+            for canary in registry.canaries():
+                lines.append(
+                    f"{canary.state.value} {kind_of(canary.key.kind).kind} "
+                    f"{canary.key.namespace}/{canary.key.name}: {canary.reason}"
+                )
+            text = "\n".join(lines) + "\n"
+        return web.Response(status=status, text=text)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """/livez: canaryd's own process, never the verdict. The loop answers (this reply),
+        and its tasks run and keep up with their deadlines (the systemd watchdog's test).
+        What a liveness probe of canaryd's own container reads: restarting canaryd repairs
+        canaryd, not what it monitors."""
+        why = self.stuck()
+        if why is None:
+            return web.Response(text="OK")
+        return web.Response(status=500, text=f"STUCK: {why}")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Ready: every scope canaryd can watch is listed and connected. What it cannot
+        check at all (a 403, a namespace or a kind that is missing) does not make it
+        unready — nothing there is its to wait for — but the body names it."""
+        waiting = self.not_ready()
+        uncovered = self.not_covered()
+        tail = f"\nnot checked: {'; '.join(uncovered)}" if uncovered else ""
+        if not waiting:
+            return web.Response(text=f"OK{tail}")
+        return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.REGISTRY))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
