@@ -26,6 +26,7 @@ import signal
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -157,13 +158,14 @@ class ControlPlane:
 
     def _start(self, name: str, args: list[str]) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen(
-            [str(self.bin_dir / name), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with _signals_held():
+            self.processes[name] = subprocess.Popen(
+                [str(self.bin_dir / name), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _check_running(self, name: str) -> None:
         process = self.processes[name]
@@ -448,6 +450,27 @@ def retarget(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
         if subject.get("kind") == "ServiceAccount":
             subject["namespace"] = namespace
     return obj
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the child being started is recorded. Popen waits
+    for the forked child's exec; the launcher's handler raising there would leave the
+    child running unrecorded, where stop() cannot reach it (in a session of its own, no
+    Ctrl-C reaches it either). Only the main thread handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    watched = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in watched]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(watched, previous, strict=True):
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in held:
+            signal.raise_signal(sig)
 
 
 class _Stop(Exception):
