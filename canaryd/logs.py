@@ -100,18 +100,8 @@ def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
     return structlog.PrintLogger(_Stderr())  # type: ignore[arg-type]
 
 
-_debug = True  # structlog's default, until configure() says otherwise
-
-
-def debug_enabled() -> bool:
-    """For hot paths: skip building a debug event that would be filtered out."""
-    return _debug
-
-
 def configure(log_format: str = "json", level: str = "info") -> None:
-    global _debug
     numeric = logging.getLevelNamesMapping()[level.upper()]
-    _debug = numeric <= logging.DEBUG
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
