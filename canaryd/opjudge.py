@@ -17,7 +17,6 @@ import math
 import time
 import zlib
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Protocol
 
 import structlog
@@ -28,17 +27,9 @@ from canaryd.episodes import Episodes
 from canaryd.judge import Judgement, NoVerdict
 from canaryd.kube import kind_of
 from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
-from canaryd.registry import Canary, CanaryKey, Registry
+from canaryd.registry import Canary, CanaryKey, Registry, wall_time
 
 log = structlog.get_logger("canaryd.opjudge")
-
-
-def wall_time(timestamp: float) -> str:
-    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
-    try:
-        return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    except (ValueError, OverflowError, OSError):
-        return repr(timestamp)
 
 
 def phase(canary: Canary) -> float:

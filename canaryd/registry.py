@@ -33,6 +33,15 @@ def is_canary(obj: Mapping[str, Any], label: str) -> bool:
     return isinstance(value, str) and value.lower() == "true"
 
 
+def wall_time(timestamp: float, fraction: bool = False) -> str:
+    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
+    try:
+        moment = datetime.fromtimestamp(timestamp, UTC)
+    except (ValueError, OverflowError, OSError):
+        return repr(timestamp)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if fraction else "%Y-%m-%dT%H:%M:%SZ")
+
+
 def one_line(text: str) -> str:
     """A reason as one line (an API error's message may hold newlines)."""
     return " ".join(text.split())
@@ -328,7 +337,7 @@ class Registry:
         elif now - verdict.at < verdict_ttl:
             self.set_state(canary, CanaryState.UNHEALTHY, f"{verdict.reason}; since then: {reason}")
         else:
-            at = datetime.fromtimestamp(verdict.wall_time, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            at = wall_time(verdict.wall_time)
             self.set_state(
                 canary,
                 CanaryState.UNKNOWN,

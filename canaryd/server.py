@@ -20,7 +20,6 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -31,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.kube import kind_of
-from canaryd.registry import Canary, Registry, one_line
+from canaryd.registry import Canary, Registry, one_line, wall_time
 
 log = structlog.get_logger("canaryd.server")
 
@@ -59,12 +58,6 @@ ANSWERING_GRACE = 1.0
 answered and is not closed to make room (answers take milliseconds)."""
 
 
-def _iso(timestamp: float | None) -> str | None:
-    if timestamp is None:
-        return None
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def canary_json(canary: Canary) -> dict[str, object]:
     return {
         "kind": kind_of(canary.key.kind).kind,
@@ -75,7 +68,7 @@ def canary_json(canary: Canary) -> dict[str, object]:
         "bumpedGeneration": canary.last_bumped_generation,
         "observedGeneration": canary.generation,
         "statusObservedGeneration": canary.status_observed,
-        "lastBumpAt": _iso(canary.last_bump_at),
+        "lastBumpAt": None if canary.last_bump_at is None else wall_time(canary.last_bump_at, True),
         # bumpedGeneration is the last bump written, judged or not; these two say
         # which one the reason is about and which one still waits for its deadline.
         "judgedGeneration": canary.judged_generation,
