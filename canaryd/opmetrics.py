@@ -38,6 +38,9 @@ MAX_ANSWER = 256 * 1024 * 1024
 MAX_LINE = 1024 * 1024
 """The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
 CHUNK = 256 * 1024
+MAX_KEYS = 200_000
+"""The most label sets one answer keeps parsed for the next (an operator with 10,000
+resources answers with 10,000)."""
 
 # A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
 # their bytes, not a Python loop each.
@@ -79,7 +82,7 @@ def _number(raw: bytes) -> float | None:
 class Scrape:
     """What one answer of the operator's metrics endpoint says, read chunk by chunk
     (``feed``, then ``end``): only what canaryd needs is kept, and a line of interest
-    that is malformed is skipped. ``keys`` caches the label texts already seen (the
+    that is malformed is skipped. ``keys``: the label sets the last answer parsed (the
     same every read), so a read of 10,000 resources parses few label sets."""
 
     def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
@@ -95,7 +98,11 @@ class Scrape:
         """The operator process's start time (Unix seconds), when the reporter exports it."""
         self.size = 0  # bytes read
         self._rest = b""
-        self._keys: dict[bytes, ResourceKey | None] = {} if keys is None else keys
+        self._known: dict[bytes, ResourceKey | None] = {} if keys is None else keys
+        self.keys: dict[bytes, ResourceKey | None] = {}
+        """The label sets of this answer, parsed: what the next answer's read starts
+        from (the label sets of resources gone, or of an operator pod replaced, are not
+        kept)."""
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
@@ -122,12 +129,16 @@ class Scrape:
         if self._rest:
             self._scan(self._rest + b"\n")
             self._rest = b""
+        self._known = {}  # the last answer's label sets are not held past this one
         self.answered_at = answered_at
         return self
 
     def _key(self, labels: bytes) -> ResourceKey | None:
-        key = self._keys.get(labels, False)
-        if key is False:
+        if labels in self.keys:
+            return self.keys[labels]
+        if labels in self._known:
+            key = self._known[labels]
+        else:
             sample = f"x{{{labels.decode('utf-8', 'replace')}}} 0\n"
             try:
                 (family,) = text_string_to_metric_families(sample)
@@ -135,10 +146,9 @@ class Scrape:
                 key = (found["resourcetype"], found["resourcens"], found["resourcename"])
             except (ValueError, KeyError, IndexError):  # malformed, or not a resource's
                 key = None
-            if len(self._keys) > 200_000:
-                self._keys.clear()
-            self._keys[labels] = key
-        return key  # type: ignore[return-value]
+        if len(self.keys) < MAX_KEYS:
+            self.keys[labels] = key
+        return key
 
     def _scan(self, block: bytes) -> None:
         reconciled = self.reconciled
@@ -276,6 +286,7 @@ class OperatorMetrics:
         if restarted is not None:
             self.instance, self.instance_since = self.instance + 1, restarted
         self.last, self._refused_since_answer = scrape, False
+        self._keys = scrape.keys
         return scrape
 
     def restart_seen(self, scrape: Scrape) -> float | None:

@@ -612,3 +612,48 @@ async def test_a_dropped_canary_leaves_nothing_behind(kube, kubeconfig):
         kube.delete(FLINK_DEPLOYMENTS, "elsewhere", "canary")
         await run.until_gone(namespace="elsewhere")
         assert canary.key not in run.daemon.scheduler.operator._missing_series
+
+
+async def test_the_label_sets_remembered_are_those_of_the_last_answer():
+    """The operator's per-resource counters carry every resource it manages (not only
+    canaries) and its pod's host name: resources created and deleted (CI session jobs),
+    and each replaced operator pod, give label sets never seen again. The reader keeps
+    what it parsed only for the label sets the operator still answers with; keeping
+    every one ever seen held ~530 bytes each up to 200,000 of them (~105 MB, past the
+    120 MB budget at 10,000 canaries)."""
+    served = {"answer": b""}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = served["answer"]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    def answer(host: str, names: range) -> bytes:
+        name = "flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished_Count"
+        return "".join(
+            f'{name}{{resourcename="job_{n}",resourcetype="FlinkSessionJob",'
+            f'resourcens="ci",name="flink_kubernetes_operator",host="{host}",'
+            f'namespace="flink",}} 3.0\n'
+            for n in names
+        ).encode()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    reader = OperatorMetrics(url, connect_timeout=1.0, read_timeout=5.0)
+    series = 500
+    try:
+        for read in range(20):
+            # Every 5th read a new operator pod; between, a fifth of the jobs replaced.
+            host = f"flink_kubernetes_operator_7d9f_{read // 5}"
+            first = read * series // 5
+            served["answer"] = answer(host, range(first, first + series))
+            scrape = await reader.scrape()
+            assert len(scrape.reconciled) == series
+    finally:
+        await reader.close()
+        server.close()
+    assert len(reader._keys) <= series, (
+        f"{len(reader._keys)} label sets remembered for an answer of {series} series"
+    )
