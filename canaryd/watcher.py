@@ -322,7 +322,11 @@ class ListWatch:
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
                 log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
                 return Next(State.LISTING)
-            if self._established(events) and err.kind is ErrorKind.TRANSIENT:
+            if (
+                self._established(events)
+                and err.kind is ErrorKind.TRANSIENT
+                and err.reason != "LineTooLong"  # the same line waits at the same rv
+            ):
                 # It worked, then dropped (a reset, an idle stream): resume at once.
                 why = "idle" if err.reason == "Idle" else "dropped"
                 metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()

@@ -101,6 +101,32 @@ async def test_idle_watch_is_replaced(kube, kubeconfig):
         kube.release_watch_events()
 
 
+async def test_a_watch_line_past_the_limit_backs_off_and_is_no_drop(kube, kubeconfig, monkeypatch):
+    """An event too long to read (a proxy's garbage; a real API server stores objects
+    of at most 1.5 MiB) is a failed watch, counted and backed off: the same line waits
+    at the same resourceVersion. Counted as a dropped stream, it was resumed at once, and
+    one that took long to read (more than short_watch) was met again and again."""
+    from canaryd import kube as kube_module
+
+    monkeypatch.setattr(kube_module, "MAX_WATCH_LINE", 64 * 1024)
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_bumps(2)  # the watch stream has delivered
+        errors = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error")
+        dropped = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "dropped")
+
+        def enlarge(obj: dict[str, Any]) -> dict[str, Any]:
+            obj["metadata"].setdefault("annotations", {})["big"] = "x" * 100_000
+            return obj
+
+        kube.update(FLINK_DEPLOYMENTS, "default", "canary", enlarge, require_rv=False)
+        await run.until(
+            lambda: counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error") > errors,
+            "the over-long line to count as a failed watch",
+        )
+        assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "dropped") == dropped
+
+
 async def test_flink_session_job_canary(kube, kubeconfig):
     create_canary(kube, "job", kind="flinksessionjobs")
     async with running_daemon(kube, kubeconfig) as run:
