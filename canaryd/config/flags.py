@@ -251,7 +251,7 @@ OPTIONS = {
         "--operator-config",
         "PATH",
         "CANARYD_OPERATOR_CONFIG",
-        Path,
+        lambda path: Path(path) if path else None,  # empty: read where it runs, not followed
         "none",
         "the operator's flink-conf.yaml or config.yaml, or its conf directory",
     ),
