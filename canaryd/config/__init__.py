@@ -13,7 +13,6 @@ contracts check it):
 from canaryd.config.flags import (
     CUSTOM_KIND,
     DURATION_FLAGS,
-    FLOORS,
     KNOWN_KINDS,
     LOG_LEVELS,
     MIN_TIMEOUT,
@@ -64,7 +63,6 @@ __all__ = [
     "DEFAULT_LABEL",
     "DEFAULT_REPORTER_PORT",
     "DURATION_FLAGS",
-    "FLOORS",
     "KEY_CHECK_INTERVAL",
     "KEY_DYNAMIC",
     "KEY_NAMESPACES",
