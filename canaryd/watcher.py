@@ -62,8 +62,7 @@ class Scope:
     namespace: str | None
 
     def __str__(self) -> str:
-        resource = self.kind.plural if self.kind else "namespaces"
-        return f"{resource}@{self.namespace}" if self.namespace else resource
+        return f"{self.resource}@{self.namespace}" if self.namespace else self.resource
 
     @property
     def resource(self) -> str:
@@ -105,6 +104,10 @@ class Next:
 
 def backing_off(delay: float, then: State, rv: str = "") -> Next:
     return Next(State.BACKING_OFF, rv, delay, then)
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name"))
 
 
 def _rv(obj: Mapping[str, Any]) -> str:
@@ -198,10 +201,6 @@ class ListWatch:
     def _down(self) -> None:
         self.sync.dropped(time.monotonic())  # the scheduler's clock
 
-    def _delivered(self) -> None:
-        if self.sync.delivered(time.monotonic()):
-            self.on_resumed()
-
     def _replace(self, why: str) -> None:
         """The judge suspects this stream (half-open): end it now and resume at once."""
         if self._stream is not None and not self._stream.expired():
@@ -231,7 +230,7 @@ class ListWatch:
         that expired (410: the snapshot was compacted) falls back to one whole list, as
         client-go's pager does (FullListIfExpired)."""
         items: list[Mapping[str, Any]] = []
-        params, rv, paged = {**self.params, "limit": str(LIST_PAGE)}, "", True
+        params, rv = {**self.params, "limit": str(LIST_PAGE)}, ""
         while True:
             try:
                 listed = await self.kube.request(
@@ -242,9 +241,9 @@ class ListWatch:
                     time_limit=self.settings.list_timeout,
                 )
             except KubeError as err:
-                if err.kind is not ErrorKind.EXPIRED or "continue" not in params or not paged:
+                if err.kind is not ErrorKind.EXPIRED or "continue" not in params:
                     raise
-                items, params, rv, paged = [], dict(self.params), "", False
+                items, params, rv = [], dict(self.params), ""  # one whole list, no limit
                 continue
             page = listed.get("items")
             if page is None:
@@ -255,9 +254,9 @@ class ListWatch:
             rv = rv or _rv(listed)  # every page is of the first page's snapshot
             metadata = listed.get("metadata")
             token = metadata.get("continue") if isinstance(metadata, Mapping) else None
-            if not paged or not isinstance(token, str) or not token:
+            if "limit" not in params or not isinstance(token, str) or not token:
                 return items, rv
-            params = {**self.params, "limit": str(LIST_PAGE), "continue": token}
+            params = {**params, "continue": token}
 
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
@@ -308,7 +307,8 @@ class ListWatch:
                         # The stream delivers: failures in a row are over.
                         self._backoff.reset()
                         self.failures.recovered(self.scope)
-                    self._delivered()
+                    if self.sync.delivered(time.monotonic()):
+                        self.on_resumed()
         except TimeoutError:
             if self._stream is None or not self._stream.expired():
                 raise
@@ -420,10 +420,10 @@ class Watcher:
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
         self._seen_namespaces: set[str] = set()
+        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._namespaces_known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
         self._uncovered: list[str] = []
-        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
         self.patch_reviews: PatchReviews[Scope] = PatchReviews(settings, kube, self.check_coverage)
         """Watched scopes an access review says canaryd may not patch in."""
@@ -455,15 +455,9 @@ class Watcher:
         empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces_missing()
-        for lw, _ in self._watches.values():
-            if lw.scope.kind is None or lw.scope.namespace in missing:
-                continue
-            if lw.sync.denied is not None:
-                counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
-            elif lw.scope in self.patch_reviews.denied:
-                counts["patch_forbidden"] += 1
-            else:
-                counts["listed" if lw.sync.ready else "waiting"] += 1
+        for scope, state in self._scope_states().items():
+            if scope.namespace not in missing:
+                counts[state] += 1
         per_kind = 1 if self.namespaces is None else len(self.namespaces)
         counts["kind_not_served"] = per_kind * len(self.discovery.not_served())
         counts["waiting"] += per_kind * len(self.discovery.failed)
@@ -473,26 +467,34 @@ class Watcher:
     def not_covered(self) -> list[str]:
         """The same, as phrases for /readyz: what canaryd cannot check."""
         phrases = []
-        for state in ("forbidden", "gone"):
-            scopes = sorted(
-                str(lw.scope)
-                for lw, _ in self._watches.values()
-                if lw.scope.kind is not None and lw.sync.denied == state
-            )
-            if scopes:
-                word = "forbidden (403)" if state == "forbidden" else "not found (404)"
-                phrases.append(f"{word}: {', '.join(scopes[:20])}")
-        if denied := sorted(
-            str(scope)
-            for scope in self.patch_reviews.denied
-            if scope in self._watches and self._watches[scope][0].sync.denied is None
+        states = self._scope_states()
+        for state, word in (
+            ("forbidden", "forbidden (403)"),
+            ("gone", "not found (404)"),
+            ("patch_forbidden", "patch forbidden"),
         ):
-            phrases.append(f"patch forbidden: {', '.join(denied[:20])}")
+            if scopes := sorted(str(scope) for scope, was in states.items() if was == state):
+                phrases.append(f"{word}: {', '.join(scopes[:20])}")
         if missing := self._namespaces_missing():
             phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
         if kinds := self.discovery.not_served():
             phrases.append(f"kind not served: {', '.join(kinds)}")
         return phrases
+
+    def _scope_states(self) -> dict[Scope, str]:
+        """Each canary scope's state: forbidden or gone (its list or watch was denied),
+        patch_forbidden, listed or waiting."""
+        states = {}
+        for scope, (lw, _) in self._watches.items():
+            if scope.kind is None:
+                continue
+            if lw.sync.denied is not None:
+                states[scope] = lw.sync.denied  # ErrorKind.FORBIDDEN or GONE's value
+            elif scope in self.patch_reviews.denied:
+                states[scope] = "patch_forbidden"
+            else:
+                states[scope] = "listed" if lw.sync.ready else "waiting"
+        return states
 
     def _namespaces_missing(self) -> set[str]:
         if self.namespaces is None or not self._namespaces_known:
@@ -615,11 +617,8 @@ class Watcher:
             self._files_problem = problem
 
     def _count_namespaces(self) -> None:
-        if self.namespaces is None:
-            watched = self._seen_namespaces - self.registry.closed_namespaces
-        else:
-            watched = set(self.namespaces) - self.registry.closed_namespaces
-        metrics.WATCHED_NAMESPACES.set(len(watched))
+        watched = self._seen_namespaces if self.namespaces is None else self.namespaces
+        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed_namespaces))
 
     def _start(self, scope: Scope) -> None:
         assert self._group is not None
@@ -731,16 +730,13 @@ class Watcher:
         )
 
     def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
-        self._seen_namespaces = {str((obj.get("metadata") or {}).get("name")) for obj in items}
+        self._seen_namespaces = {_name(obj) for obj in items}
         self._namespaces_known = True
         self.check_coverage()
         self._count_namespaces()
-        closed = set()
-        for obj in items:
-            if self._terminating(obj):
-                closed.add(str((obj.get("metadata") or {}).get("name")))
-        for name in closed - self.registry.closed_namespaces:
-            self._close_namespace(name, "its namespace is terminating")
+        closed = {_name(obj) for obj in items if self._terminating(obj)}
+        for name in closed:
+            self._close_namespace(name)
         reopened = [
             name
             for name in self.registry.closed_namespaces - closed
@@ -750,7 +746,7 @@ class Watcher:
             self._reconcile()
 
     def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
-        name = str((obj.get("metadata") or {}).get("name"))
+        name = _name(obj)
         if event == "DELETED":
             self._seen_namespaces.discard(name)
         else:
@@ -762,14 +758,14 @@ class Watcher:
             self.registry.reopen_namespace(name)  # a namespace of that name may come
             self._reconcile()
         elif self._terminating(obj):
-            if name not in self.registry.closed_namespaces:
-                self._close_namespace(name, "its namespace is terminating")
+            self._close_namespace(name)
         elif self.registry.reopen_namespace(name):
             self._reconcile()
 
-    def _close_namespace(self, name: str, why: str) -> None:
-        self.registry.close_namespace(name, why)
-        self._reconcile()
+    def _close_namespace(self, name: str) -> None:
+        if name not in self.registry.closed_namespaces:
+            self.registry.close_namespace(name, "its namespace is terminating")
+            self._reconcile()
 
     def _namespaces_denied(self, err: KubeError) -> None:
         self._namespaces_known = False
