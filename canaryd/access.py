@@ -162,21 +162,17 @@ class PatchReviews(Generic[ScopeT]):
             wanted = self._wanted
             try:
                 granted = await reviews(self._kube, list(wanted.values()))
-            except KubeError as err:
+            except Exception as err:
+                # Unanswered, what was known stays; a bug must not stop the watches that
+                # share this task group.
                 metrics.ERRORS.labels("access_review").inc()
-                log.info("access_review_unanswered", error=str(err), retry="after a backoff")
-                await self._later(backoff)
-                continue
-            except Exception:
-                # A bug must not stop the watches that share this task group.
-                metrics.ERRORS.labels("access_review").inc()
-                log.exception("access_review_failed_unexpectedly")
-                await self._later(backoff)
+                if isinstance(err, KubeError):
+                    log.info("access_review_unanswered", error=str(err), retry="after a backoff")
+                else:
+                    log.exception("access_review_failed_unexpectedly")
+                await asyncio.sleep(backoff.next())
+                self._again = True
                 continue
             refused = {scope for scope, ok in zip(wanted, granted, strict=True) if not ok}
             self.denied = frozenset(refused & self._wanted.keys())
             self._on_answer()
-
-    async def _later(self, backoff: Backoff) -> None:
-        await asyncio.sleep(backoff.next())
-        self._again = True
