@@ -215,7 +215,7 @@ class ListWatch:
                 items, rv = await self._list_pages()
         except KubeError as err:
             self._down()
-            return backing_off(self._failed(err, "list"), State.LISTING)
+            return self._failed(err, "list", State.LISTING)
         metrics.RELISTS.labels(self.scope.resource).inc()
         self.on_list(items)
         self.failures.recovered(self.scope)
@@ -333,10 +333,7 @@ class ListWatch:
                 # Counted; a resume that fails is the failure worth a line.
                 log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
                 return Next(State.WATCHING, rv)
-            delay = self._failed(err, "watch")
-            if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
-                return backing_off(delay, State.LISTING)
-            return backing_off(delay, State.WATCHING, rv)
+            return self._failed(err, "watch", State.WATCHING, rv)
         finally:
             self._stream = None
         self._down()
@@ -376,8 +373,9 @@ class ListWatch:
             reason=str(status.get("reason") or ""),
         )
 
-    def _failed(self, err: KubeError, during: str) -> float:
-        """Log a failed list or watch, count it, and say how long to wait."""
+    def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
+        """Log a failed list or watch, count it, and back off before ``then`` (before a
+        list after a denial)."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
             self.failures.failed(
@@ -387,7 +385,7 @@ class ListWatch:
             )
             self.sync.refused(err.kind.value)
             self.on_denied(err)
-            return self.settings.forbidden_retry
+            return backing_off(self.settings.forbidden_retry, State.LISTING)
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
         delay = self._backoff.next()
@@ -395,7 +393,7 @@ class ListWatch:
             delay = max(err.retry_after, self.settings.backoff_initial)
         delay = min(delay, self.settings.backoff_max)
         self.failures.failed(self.scope, f"{during}_error", f"{err} (retry in {delay:.3f}s)")
-        return delay
+        return backing_off(delay, then, rv)
 
 
 class Watcher:
