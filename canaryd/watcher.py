@@ -356,10 +356,9 @@ class ListWatch:
     def _established(self, events: int) -> bool:
         """The stream worked: it delivered, or it stayed open ``short_watch`` after the
         server answered (time spent connecting does not count)."""
-        if events > 0:
-            return True
-        return self._opened_at is not None and (
-            self._loop.time() - self._opened_at >= self.settings.short_watch
+        return events > 0 or (
+            self._opened_at is not None
+            and self._loop.time() - self._opened_at >= self.settings.short_watch
         )
 
     @staticmethod
@@ -448,9 +447,8 @@ class Watcher:
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
         CRD is not served), ``patch_forbidden`` (watched, but an access review says
         canaryd may not patch there: its canaries cannot be bumped). A canaryd that
-        checks nothing must be able to say so. Each
-        wanted scope counts once: one in a missing namespace (whose list answers an
-        empty 200) is ``namespace_missing`` only."""
+        checks nothing must be able to say so. Each wanted scope counts once: one in a
+        missing namespace (whose list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces_missing()
         for scope, state in self._scope_states().items():
