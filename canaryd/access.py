@@ -94,31 +94,25 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
     return wanted
 
 
-async def review(kube: KubeClient, permission: Permission) -> bool:
-    """Does the API server allow it? (a SelfSubjectAccessReview: any authenticated user
-    may ask about itself)."""
-    answer: dict[str, Any] = await kube.request(
-        "create",
-        "POST",
-        ACCESS_REVIEWS,
-        body={
-            "apiVersion": "authorization.k8s.io/v1",
-            "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": permission.attributes()},
-        },
-    )
-    status = answer.get("status")
-    return isinstance(status, dict) and status.get("allowed") is True
-
-
 async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[bool]:
-    """Each permission's answer, ``CONCURRENT_REVIEWS`` asked at once. Raises the first
-    KubeError (the other reviews cancelled): an unanswered review is not a refusal."""
+    """Does the API server allow each? ``CONCURRENT_REVIEWS`` asked at once. Raises the
+    first KubeError (the other reviews cancelled): an unanswered review is not a refusal."""
     gate = asyncio.Semaphore(CONCURRENT_REVIEWS)
 
     async def one(permission: Permission) -> bool:
         async with gate:
-            return await review(kube, permission)
+            answer: dict[str, Any] = await kube.request(
+                "create",
+                "POST",
+                ACCESS_REVIEWS,
+                body={
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": permission.attributes()},
+                },
+            )
+        status = answer.get("status")
+        return isinstance(status, dict) and status.get("allowed") is True
 
     failed: BaseException | None = None
     try:
