@@ -117,7 +117,9 @@ def _rv(obj: Mapping[str, Any]) -> str:
 
 
 LISTS_AT_ONCE = 16
-"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``)."""
+"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``):
+600 namespaces starting together list a few dozen at a time, not 1,200 at once (the
+health server, the bumps and the watches already open keep their turns of the loop)."""
 DROP_READS_AT_ONCE = 8
 """GETs in flight at once that tell a dropped canary's deletion from a label removal:
 a mass deletion takes no more of the request pool's connections beyond the bumps'
@@ -149,10 +151,7 @@ class ListWatch:
         list_slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.kube, self.settings, self.scope = kube, settings, scope
-        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)
-        """Lists in flight at once, shared by every scope: 600 namespaces starting
-        together list a few dozen at a time, not 1,200 at once (the health server, the
-        bumps and the watches already open keep their turns of the loop)."""
+        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
         self.failures = failures or watch_failures(settings)
         """Where failures are told: an outage is an episode, not a line per retry."""
         self.params = {"labelSelector": selector} if selector else {}
