@@ -94,31 +94,25 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
     return wanted
 
 
-async def review(kube: KubeClient, permission: Permission) -> bool:
-    """Does the API server allow it? (a SelfSubjectAccessReview: any authenticated user
-    may ask about itself)."""
-    answer: dict[str, Any] = await kube.request(
-        "create",
-        "POST",
-        ACCESS_REVIEWS,
-        body={
-            "apiVersion": "authorization.k8s.io/v1",
-            "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": permission.attributes()},
-        },
-    )
-    status = answer.get("status")
-    return isinstance(status, dict) and status.get("allowed") is True
-
-
 async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[bool]:
-    """Each permission's answer, ``CONCURRENT_REVIEWS`` asked at once. Raises the first
-    KubeError (the other reviews cancelled): an unanswered review is not a refusal."""
+    """Does the API server allow each? ``CONCURRENT_REVIEWS`` asked at once. Raises the
+    first KubeError (the other reviews cancelled): an unanswered review is not a refusal."""
     gate = asyncio.Semaphore(CONCURRENT_REVIEWS)
 
     async def one(permission: Permission) -> bool:
         async with gate:
-            return await review(kube, permission)
+            answer: dict[str, Any] = await kube.request(
+                "create",
+                "POST",
+                ACCESS_REVIEWS,
+                body={
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": permission.attributes()},
+                },
+            )
+        status = answer.get("status")
+        return isinstance(status, dict) and status.get("allowed") is True
 
     failed: BaseException | None = None
     try:
@@ -162,21 +156,17 @@ class PatchReviews(Generic[ScopeT]):
             wanted = self._wanted
             try:
                 granted = await reviews(self._kube, list(wanted.values()))
-            except KubeError as err:
+            except Exception as err:
+                # Unanswered, what was known stays; a bug must not stop the watches that
+                # share this task group.
                 metrics.ERRORS.labels("access_review").inc()
-                log.info("access_review_unanswered", error=str(err), retry="after a backoff")
-                await self._later(backoff)
-                continue
-            except Exception:
-                # A bug must not stop the watches that share this task group.
-                metrics.ERRORS.labels("access_review").inc()
-                log.exception("access_review_failed_unexpectedly")
-                await self._later(backoff)
+                if isinstance(err, KubeError):
+                    log.info("access_review_unanswered", error=str(err), retry="after a backoff")
+                else:
+                    log.exception("access_review_failed_unexpectedly")
+                await asyncio.sleep(backoff.next())
+                self._again = True
                 continue
             refused = {scope for scope, ok in zip(wanted, granted, strict=True) if not ok}
             self.denied = frozenset(refused & self._wanted.keys())
             self._on_answer()
-
-    async def _later(self, backoff: Backoff) -> None:
-        await asyncio.sleep(backoff.next())
-        self._again = True

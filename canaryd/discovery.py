@@ -43,8 +43,9 @@ class Discovery:
     failed: dict[str, str]
     """Wanted kinds whose group could not be read (an error other than 404), with the
     error: not known to be served or not, so retried; the other kinds go on."""
-    first_error: KubeError | None = None
-    """The first of those errors, for naming its cause (refused, unauthorized, tls...)."""
+    unanswered: KubeError | None = None
+    """The first error when no wanted kind's group answered at all (the API server is
+    away, or refuses the credentials), for naming its cause (refused, tls...)."""
 
 
 async def discover_kinds(
@@ -55,8 +56,7 @@ async def discover_kinds(
     read on its own: one that fails (a 503 from an aggregated API, a 403) leaves its
     kinds in ``failed`` and does not hold up the others."""
     served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
-    errors: dict[tuple[str, str], str] = {}
-    first_error: KubeError | None = None
+    errors: dict[tuple[str, str], KubeError] = {}
     for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
         group, version = group_version
         try:
@@ -65,17 +65,16 @@ async def discover_kinds(
                 str(r.get("name")): r for r in found.get("resources") or [] if isinstance(r, dict)
             }
         except KubeError as err:
-            if err.kind is not ErrorKind.GONE:
-                errors[group_version] = str(err)
-                first_error = first_error or err
-                continue
-            served[group_version] = {}
+            if err.kind is ErrorKind.GONE:
+                served[group_version] = {}
+            else:
+                errors[group_version] = err
     kinds = []
     failed = {}
     for key in wanted:
         kind = kind_of(key)
         if (kind.group, kind.version) in errors:
-            failed[key] = errors[(kind.group, kind.version)]
+            failed[key] = str(errors[(kind.group, kind.version)])
             continue
         resource = served[(kind.group, kind.version)].get(kind.plural)
         if resource is not None and resource.get("namespaced") is True:
@@ -94,7 +93,7 @@ async def discover_kinds(
         (log.debug if quiet else log.warning)(
             "crd_missing", kind=key, group=f"{kind.group}/{kind.version}", detail=detail
         )
-    return Discovery(kinds, failed, first_error)
+    return Discovery(kinds, failed, None if served else next(iter(errors.values()), None))
 
 
 class KindDiscovery:
@@ -142,7 +141,7 @@ class KindDiscovery:
         self.kinds = kinds
         self._on_change(kinds)
 
-    async def first(self) -> list[Kind]:
+    async def first(self) -> None:
         """The first discovery, retried while no wanted kind's group could be read at all
         (the API server is away, or refuses the credentials): one episode, its cause in
         the first line and in /readyz, not a warning per retry. Once one group could be
@@ -159,24 +158,23 @@ class KindDiscovery:
                 log.exception("discovery_failed_unexpectedly", retry_in=round(delay, 3))
                 await asyncio.sleep(delay)
                 continue
-            if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
-                delay = backoff.next()
-                self._failed(found.first_error, f"retry in {delay:.3f}s")
-                await asyncio.sleep(delay)
-                continue
-            self._works()
-            self.failed = dict(found.failed)
-            if found.failed:
-                log.warning(
-                    "discovery_failed",
-                    kinds=sorted(found.failed),
-                    error=next(iter(found.failed.values())),
-                    watching=[k.key for k in found.kinds],
-                )
-            log.info("discovered", kinds=[k.key for k in found.kinds])
-            self.kinds = found.kinds
-            self.discovered.set()
-            return self.kinds
+            if found.unanswered is None:
+                break
+            delay = backoff.next()
+            self._failed(found.unanswered, f"retry in {delay:.3f}s")
+            await asyncio.sleep(delay)
+        self._works()
+        self.failed = found.failed
+        if found.failed:
+            log.warning(
+                "discovery_failed",
+                kinds=sorted(found.failed),
+                error=next(iter(found.failed.values())),
+                watching=[k.key for k in found.kinds],
+            )
+        log.info("discovered", kinds=[k.key for k in found.kinds])
+        self.kinds = found.kinds
+        self.discovered.set()
 
     async def _retry_failed(self) -> None:
         """Kinds whose group failed the first discovery are asked again, with backoff,
@@ -224,10 +222,7 @@ class KindDiscovery:
             try:
                 found = await discover_kinds(self.kube, self.settings.kinds, quiet=True)
                 # A group that failed to answer this time keeps the kinds it had.
-                kinds = [
-                    *found.kinds,
-                    *(k for k in self.kinds if k.key in found.failed),
-                ]
+                kinds = [*found.kinds, *(k for k in self.kinds if k.key in found.failed)]
                 lost = {k.key for k in self.kinds} - {k.key for k in kinds}
                 if lost:
                     await asyncio.sleep(self.settings.backoff_max)
@@ -237,13 +232,11 @@ class KindDiscovery:
                 kinds.sort(key=lambda k: self.settings.kinds.index(k.key))
                 if kinds != self.kinds:
                     self._change(kinds)
-                if found.first_error is not None and len(found.failed) == len(self.settings.kinds):
+                if found.unanswered is not None:
                     kept = ", ".join(k.key for k in self.kinds)
-                    self._failed(found.first_error, f"keeping {kept}")
+                    self._failed(found.unanswered, f"keeping {kept}")
                 else:
                     self._works()
-            except KubeError as err:
-                self._failed(err, f"keeping {', '.join(k.key for k in self.kinds)}")
             except Exception:
                 metrics.ERRORS.labels("discovery").inc()
                 keeping = [k.key for k in self.kinds]

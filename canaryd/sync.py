@@ -15,7 +15,6 @@ the watcher, the registry and the server read it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -122,12 +121,9 @@ class Scopes:
     def __init__(self) -> None:
         self._scopes: dict[ScopeKey, ScopeSync] = {}
 
-    def get(self, scope: ScopeKey, now: float | None = None) -> ScopeSync:
+    def get(self, scope: ScopeKey, now: float) -> ScopeSync:
         """One scope's model, made (out of sync since ``now``) when first asked for."""
-        found = self._scopes.get(scope)
-        if found is None:
-            found = self._scopes[scope] = ScopeSync(time.monotonic() if now is None else now)
-        return found
+        return self._scopes.setdefault(scope, ScopeSync(now))
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""

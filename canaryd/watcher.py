@@ -62,8 +62,7 @@ class Scope:
     namespace: str | None
 
     def __str__(self) -> str:
-        resource = self.kind.plural if self.kind else "namespaces"
-        return f"{resource}@{self.namespace}" if self.namespace else resource
+        return f"{self.resource}@{self.namespace}" if self.namespace else self.resource
 
     @property
     def resource(self) -> str:
@@ -107,6 +106,10 @@ def backing_off(delay: float, then: State, rv: str = "") -> Next:
     return Next(State.BACKING_OFF, rv, delay, then)
 
 
+def _name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name"))
+
+
 def _rv(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata")
     value = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
@@ -114,7 +117,9 @@ def _rv(obj: Mapping[str, Any]) -> str:
 
 
 LISTS_AT_ONCE = 16
-"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``)."""
+"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``):
+600 namespaces starting together list a few dozen at a time, not 1,200 at once (the
+health server, the bumps and the watches already open keep their turns of the loop)."""
 DROP_READS_AT_ONCE = 8
 """GETs in flight at once that tell a dropped canary's deletion from a label removal:
 a mass deletion takes no more of the request pool's connections beyond the bumps'
@@ -146,10 +151,7 @@ class ListWatch:
         list_slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.kube, self.settings, self.scope = kube, settings, scope
-        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)
-        """Lists in flight at once, shared by every scope: 600 namespaces starting
-        together list a few dozen at a time, not 1,200 at once (the health server, the
-        bumps and the watches already open keep their turns of the loop)."""
+        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
         self.failures = failures or watch_failures(settings)
         """Where failures are told: an outage is an episode, not a line per retry."""
         self.params = {"labelSelector": selector} if selector else {}
@@ -198,10 +200,6 @@ class ListWatch:
     def _down(self) -> None:
         self.sync.dropped(time.monotonic())  # the scheduler's clock
 
-    def _delivered(self) -> None:
-        if self.sync.delivered(time.monotonic()):
-            self.on_resumed()
-
     def _replace(self, why: str) -> None:
         """The judge suspects this stream (half-open): end it now and resume at once."""
         if self._stream is not None and not self._stream.expired():
@@ -216,7 +214,7 @@ class ListWatch:
                 items, rv = await self._list_pages()
         except KubeError as err:
             self._down()
-            return backing_off(self._failed(err, "list"), State.LISTING)
+            return self._failed(err, "list", State.LISTING)
         metrics.RELISTS.labels(self.scope.resource).inc()
         self.on_list(items)
         self.failures.recovered(self.scope)
@@ -231,7 +229,7 @@ class ListWatch:
         that expired (410: the snapshot was compacted) falls back to one whole list, as
         client-go's pager does (FullListIfExpired)."""
         items: list[Mapping[str, Any]] = []
-        params, rv, paged = {**self.params, "limit": str(LIST_PAGE)}, "", True
+        params, rv = {**self.params, "limit": str(LIST_PAGE)}, ""
         while True:
             try:
                 listed = await self.kube.request(
@@ -242,9 +240,9 @@ class ListWatch:
                     time_limit=self.settings.list_timeout,
                 )
             except KubeError as err:
-                if err.kind is not ErrorKind.EXPIRED or "continue" not in params or not paged:
+                if err.kind is not ErrorKind.EXPIRED or "continue" not in params:
                     raise
-                items, params, rv, paged = [], dict(self.params), "", False
+                items, params, rv = [], dict(self.params), ""  # one whole list, no limit
                 continue
             page = listed.get("items")
             if page is None:
@@ -255,9 +253,9 @@ class ListWatch:
             rv = rv or _rv(listed)  # every page is of the first page's snapshot
             metadata = listed.get("metadata")
             token = metadata.get("continue") if isinstance(metadata, Mapping) else None
-            if not paged or not isinstance(token, str) or not token:
+            if "limit" not in params or not isinstance(token, str) or not token:
                 return items, rv
-            params = {**self.params, "limit": str(LIST_PAGE), "continue": token}
+            params = {**params, "continue": token}
 
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
@@ -308,7 +306,8 @@ class ListWatch:
                         # The stream delivers: failures in a row are over.
                         self._backoff.reset()
                         self.failures.recovered(self.scope)
-                    self._delivered()
+                    if self.sync.delivered(time.monotonic()):
+                        self.on_resumed()
         except TimeoutError:
             if self._stream is None or not self._stream.expired():
                 raise
@@ -333,10 +332,7 @@ class ListWatch:
                 # Counted; a resume that fails is the failure worth a line.
                 log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
                 return Next(State.WATCHING, rv)
-            delay = self._failed(err, "watch")
-            if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
-                return backing_off(delay, State.LISTING)
-            return backing_off(delay, State.WATCHING, rv)
+            return self._failed(err, "watch", State.WATCHING, rv)
         finally:
             self._stream = None
         self._down()
@@ -359,10 +355,9 @@ class ListWatch:
     def _established(self, events: int) -> bool:
         """The stream worked: it delivered, or it stayed open ``short_watch`` after the
         server answered (time spent connecting does not count)."""
-        if events > 0:
-            return True
-        return self._opened_at is not None and (
-            self._loop.time() - self._opened_at >= self.settings.short_watch
+        return events > 0 or (
+            self._opened_at is not None
+            and self._loop.time() - self._opened_at >= self.settings.short_watch
         )
 
     @staticmethod
@@ -376,8 +371,9 @@ class ListWatch:
             reason=str(status.get("reason") or ""),
         )
 
-    def _failed(self, err: KubeError, during: str) -> float:
-        """Log a failed list or watch, count it, and say how long to wait."""
+    def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
+        """Log a failed list or watch, count it, and back off before ``then`` (before a
+        list after a denial)."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
             self.failures.failed(
@@ -387,7 +383,7 @@ class ListWatch:
             )
             self.sync.refused(err.kind.value)
             self.on_denied(err)
-            return self.settings.forbidden_retry
+            return backing_off(self.settings.forbidden_retry, State.LISTING)
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
         delay = self._backoff.next()
@@ -395,7 +391,7 @@ class ListWatch:
             delay = max(err.retry_after, self.settings.backoff_initial)
         delay = min(delay, self.settings.backoff_max)
         self.failures.failed(self.scope, f"{during}_error", f"{err} (retry in {delay:.3f}s)")
-        return delay
+        return backing_off(delay, then, rv)
 
 
 class Watcher:
@@ -420,10 +416,10 @@ class Watcher:
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
         self._seen_namespaces: set[str] = set()
+        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._namespaces_known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
         self._uncovered: list[str] = []
-        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._group: asyncio.TaskGroup | None = None
         self.patch_reviews: PatchReviews[Scope] = PatchReviews(settings, kube, self.check_coverage)
         """Watched scopes an access review says canaryd may not patch in."""
@@ -450,20 +446,13 @@ class Watcher:
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
         CRD is not served), ``patch_forbidden`` (watched, but an access review says
         canaryd may not patch there: its canaries cannot be bumped). A canaryd that
-        checks nothing must be able to say so. Each
-        wanted scope counts once: one in a missing namespace (whose list answers an
-        empty 200) is ``namespace_missing`` only."""
+        checks nothing must be able to say so. Each wanted scope counts once: one in a
+        missing namespace (whose list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces_missing()
-        for lw, _ in self._watches.values():
-            if lw.scope.kind is None or lw.scope.namespace in missing:
-                continue
-            if lw.sync.denied is not None:
-                counts["forbidden" if lw.sync.denied == "forbidden" else "gone"] += 1
-            elif lw.scope in self.patch_reviews.denied:
-                counts["patch_forbidden"] += 1
-            else:
-                counts["listed" if lw.sync.ready else "waiting"] += 1
+        for scope, state in self._scope_states().items():
+            if scope.namespace not in missing:
+                counts[state] += 1
         per_kind = 1 if self.namespaces is None else len(self.namespaces)
         counts["kind_not_served"] = per_kind * len(self.discovery.not_served())
         counts["waiting"] += per_kind * len(self.discovery.failed)
@@ -473,26 +462,34 @@ class Watcher:
     def not_covered(self) -> list[str]:
         """The same, as phrases for /readyz: what canaryd cannot check."""
         phrases = []
-        for state in ("forbidden", "gone"):
-            scopes = sorted(
-                str(lw.scope)
-                for lw, _ in self._watches.values()
-                if lw.scope.kind is not None and lw.sync.denied == state
-            )
-            if scopes:
-                word = "forbidden (403)" if state == "forbidden" else "not found (404)"
-                phrases.append(f"{word}: {', '.join(scopes[:20])}")
-        if denied := sorted(
-            str(scope)
-            for scope in self.patch_reviews.denied
-            if scope in self._watches and self._watches[scope][0].sync.denied is None
+        states = self._scope_states()
+        for state, word in (
+            ("forbidden", "forbidden (403)"),
+            ("gone", "not found (404)"),
+            ("patch_forbidden", "patch forbidden"),
         ):
-            phrases.append(f"patch forbidden: {', '.join(denied[:20])}")
+            if scopes := sorted(str(scope) for scope, was in states.items() if was == state):
+                phrases.append(f"{word}: {', '.join(scopes[:20])}")
         if missing := self._namespaces_missing():
             phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
         if kinds := self.discovery.not_served():
             phrases.append(f"kind not served: {', '.join(kinds)}")
         return phrases
+
+    def _scope_states(self) -> dict[Scope, str]:
+        """Each canary scope's state: forbidden or gone (its list or watch was denied),
+        patch_forbidden, listed or waiting."""
+        states = {}
+        for scope, (lw, _) in self._watches.items():
+            if scope.kind is None:
+                continue
+            if lw.sync.denied is not None:
+                states[scope] = lw.sync.denied  # ErrorKind.FORBIDDEN or GONE's value
+            elif scope in self.patch_reviews.denied:
+                states[scope] = "patch_forbidden"
+            else:
+                states[scope] = "listed" if lw.sync.ready else "waiting"
+        return states
 
     def _namespaces_missing(self) -> set[str]:
         if self.namespaces is None or not self._namespaces_known:
@@ -615,11 +612,8 @@ class Watcher:
             self._files_problem = problem
 
     def _count_namespaces(self) -> None:
-        if self.namespaces is None:
-            watched = self._seen_namespaces - self.registry.closed_namespaces
-        else:
-            watched = set(self.namespaces) - self.registry.closed_namespaces
-        metrics.WATCHED_NAMESPACES.set(len(watched))
+        watched = self._seen_namespaces if self.namespaces is None else self.namespaces
+        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed_namespaces))
 
     def _start(self, scope: Scope) -> None:
         assert self._group is not None
@@ -731,16 +725,13 @@ class Watcher:
         )
 
     def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
-        self._seen_namespaces = {str((obj.get("metadata") or {}).get("name")) for obj in items}
+        self._seen_namespaces = {_name(obj) for obj in items}
         self._namespaces_known = True
         self.check_coverage()
         self._count_namespaces()
-        closed = set()
-        for obj in items:
-            if self._terminating(obj):
-                closed.add(str((obj.get("metadata") or {}).get("name")))
-        for name in closed - self.registry.closed_namespaces:
-            self._close_namespace(name, "its namespace is terminating")
+        closed = {_name(obj) for obj in items if self._terminating(obj)}
+        for name in closed:
+            self._close_namespace(name)
         reopened = [
             name
             for name in self.registry.closed_namespaces - closed
@@ -750,7 +741,7 @@ class Watcher:
             self._reconcile()
 
     def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
-        name = str((obj.get("metadata") or {}).get("name"))
+        name = _name(obj)
         if event == "DELETED":
             self._seen_namespaces.discard(name)
         else:
@@ -762,14 +753,14 @@ class Watcher:
             self.registry.reopen_namespace(name)  # a namespace of that name may come
             self._reconcile()
         elif self._terminating(obj):
-            if name not in self.registry.closed_namespaces:
-                self._close_namespace(name, "its namespace is terminating")
+            self._close_namespace(name)
         elif self.registry.reopen_namespace(name):
             self._reconcile()
 
-    def _close_namespace(self, name: str, why: str) -> None:
-        self.registry.close_namespace(name, why)
-        self._reconcile()
+    def _close_namespace(self, name: str) -> None:
+        if name not in self.registry.closed_namespaces:
+            self.registry.close_namespace(name, "its namespace is terminating")
+            self._reconcile()
 
     def _namespaces_denied(self, err: KubeError) -> None:
         self._namespaces_known = False
