@@ -908,7 +908,8 @@ async def test_an_unhealthy_verdict_no_bump_can_retest_turns_unknown_after_two_c
         kube.deny(verb="patch")
         await run.until(lambda: "since then" in canary.reason, "a failed write after the verdict")
         assert canary.state is CanaryState.UNHEALTHY  # a failed write is no verdict
-        canary = await run.until_state(CanaryState.UNKNOWN, within=4 * CYCLE + 1.0)
+        # Bounded loosely (a busy machine slows every cycle); the lower bound is the claim.
+        canary = await run.until_state(CanaryState.UNKNOWN, within=10.0)
         assert loop.time() - verdict_at >= 2 * CYCLE * 0.9
         assert canary.reason.startswith("unhealthy at "), canary.reason
         assert "no bump written since" in canary.reason and "Forbidden" in canary.reason
