@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from canaryd import metrics
+from canaryd.kube import MAX_WATCH_LINE
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.conftest import TOKEN
@@ -101,14 +102,11 @@ async def test_idle_watch_is_replaced(kube, kubeconfig):
         kube.release_watch_events()
 
 
-async def test_a_watch_line_past_the_limit_backs_off_and_is_no_drop(kube, kubeconfig, monkeypatch):
+async def test_a_watch_line_past_the_limit_backs_off_and_is_no_drop(kube, kubeconfig):
     """An event too long to read (a proxy's garbage; a real API server stores objects
     of at most 1.5 MiB) is a failed watch, counted and backed off: the same line waits
     at the same resourceVersion. Counted as a dropped stream, it was resumed at once, and
     one that took long to read (more than short_watch) was met again and again."""
-    from canaryd import kube as kube_module
-
-    monkeypatch.setattr(kube_module, "MAX_WATCH_LINE", 64 * 1024)
     create_canary(kube)
     async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
         await run.until_bumps(2)  # the watch stream has delivered
@@ -116,7 +114,7 @@ async def test_a_watch_line_past_the_limit_backs_off_and_is_no_drop(kube, kubeco
         dropped = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "dropped")
 
         def enlarge(obj: dict[str, Any]) -> dict[str, Any]:
-            obj["metadata"].setdefault("annotations", {})["big"] = "x" * 100_000
+            obj["metadata"].setdefault("annotations", {})["big"] = "x" * (MAX_WATCH_LINE + 1)
             return obj
 
         kube.update(FLINK_DEPLOYMENTS, "default", "canary", enlarge, require_rv=False)
