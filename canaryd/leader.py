@@ -27,7 +27,6 @@ up on it and applies later still: see docs/CONFIGURATION.md, "Replicas behind a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -204,13 +203,14 @@ class LeaderElector:
         started = self._clock()
         self._expires_at = float("inf")  # known again only if the lease is held
         if self.leading and self._written is not None:
-            with contextlib.suppress(KubeError):
+            try:
                 renewed = self._lease(self._written)  # the fast path: one request
                 await self._write("update", renewed, time_limit, started, "optimistic_")
                 return True
-            time_limit -= self._clock() - started
-            if time_limit <= 0:
-                return False
+            except KubeError:
+                time_limit -= self._clock() - started
+                if time_limit <= 0:
+                    raise  # no time to read and write again: this round failed with it
         try:
             current = await self.kube.request("get", "GET", self._path, time_limit=time_limit)
         except KubeError as err:

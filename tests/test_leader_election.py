@@ -491,6 +491,33 @@ async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(
         assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
 
 
+async def test_a_renewal_that_runs_out_of_time_is_a_lease_failure_said(kube, kubeconfig, capsys):
+    """The optimistic renewal is not answered within its request timeout, which leaves
+    the round no time to read and write again: the round failed, and says so (an
+    episode; /readyz names it while it lasts). It was taken for a lost race, which is
+    no problem at all, and said nothing."""
+    create_canary(kube)
+    async with running_daemon(
+        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
+    ) as run:
+        elector = run.daemon.elector
+        await run.until(lambda: elector.leading, "the replica to lead")
+        slow = kube.inject(
+            Fault(verb="update", resource=LEASES.plural, code=0, latency=1.0, times=1)
+        )
+        await run.until(lambda: slow.hits == 1, "a renewal held", within=2 * RETRY + SLACK)
+        said: list[str] = []
+
+        def told() -> bool:
+            said.append(capsys.readouterr().err)
+            return "lease_failures_ended" in "".join(said)
+
+        await run.until(told, "the failed renewal's episode to end", within=2 * RETRY + SLACK)
+        started = [line for line in "".join(said).splitlines() if "lease_failures_started" in line]
+        assert len(started) == 1 and "Timeout" in started[0], started
+        assert elector.leading
+
+
 async def test_leader_transitions_count_a_new_holder_not_the_one_seen_at_start(kube, kubeconfig):
     """canaryd_leader_transitions_total: times this replica saw the Lease pass to a new
     holder. The holder it finds at start passed to nobody in its sight (a rollout
