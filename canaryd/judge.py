@@ -83,12 +83,13 @@ def scope_name(scope: ScopeKey) -> str:
 
 
 def api_server_away(
-    canary: Canary, sync: ScopeSync | None, last_answer: float, now: float
+    canary: Canary, sync: ScopeSync | None, answered_since: float, now: float
 ) -> str | None:
-    """Why nothing could have been reconciled through the API server, if so: not one
-    answer from it since the watch covering the canary fell out of sync."""
+    """Why nothing could have been reconciled through the API server, if so: it has
+    answered no request sent since the watch covering the canary fell out of sync
+    (``answered_since``: the send time of the latest request it answered)."""
     since = sync.unsynced_since if sync is not None else None
-    if since is None or last_answer >= since:
+    if since is None or answered_since >= since:
         return None
     scope = scope_name((canary.key.kind, canary.key.namespace))
     return (

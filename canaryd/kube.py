@@ -326,9 +326,12 @@ class KubeClient:
         self.credentials_expiry: float | None = None
         """time.time() at which the loaded credentials expire (an exec plugin's
         expirationTimestamp), when known."""
-        self.last_answer = -math.inf
-        """time.monotonic() of the last HTTP answer of any status, a watch's included:
-        whether the API server was reachable at all since some moment."""
+        self.answered_since = -math.inf
+        """time.monotonic() at which the latest request the API server answered (any
+        status, a watch's included) was sent: whether it was reachable at all after some
+        moment. The send time, not the answer's: an answer read after that moment to a
+        request sent before it (already in the socket when the server went away) says
+        nothing about after."""
         self._tls_stamp = self._tls_files()
         self._tls: ssl.SSLContext | bool = self._ssl_context()
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
@@ -478,6 +481,7 @@ class KubeClient:
         for attempt in (1, 2):
             version = self._credentials_version
             headers: dict[str, str] | None = None
+            sent = time.monotonic()
             try:
                 async with asyncio.timeout_at(deadline):
                     headers = await self._headers()
@@ -500,7 +504,7 @@ class KubeClient:
                 if headers is None:  # the deadline passed while they were being had
                     raise error_from_exception(err, "Credentials") from err
                 raise self._no_answer(verb, path, err) from err
-            self.last_answer = time.monotonic()
+            self.answered_since = max(self.answered_since, sent)
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 if asyncio.get_running_loop().time() >= deadline:
@@ -626,6 +630,7 @@ class KubeClient:
         a line longer than MAX_WATCH_LINE; and KubeError for anything else that goes wrong.
         """
         version = self._credentials_version
+        sent = time.monotonic()
         headers = await self._headers()
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -642,7 +647,7 @@ class KubeClient:
                 read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
-                self.last_answer = time.monotonic()
+                self.answered_since = max(self.answered_since, sent)
                 count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials(version)  # the retry uses fresh ones

@@ -85,7 +85,7 @@ class Scheduler:
         """--reconciled-by operator-metrics: bumps judged on the operator's metrics."""
         if settings.reconciled_by == "operator-metrics":
             self.operator = OperatorJudge(
-                settings, registry, self, lambda: kube.last_answer, clock=clock
+                settings, registry, self, lambda: kube.answered_since, clock=clock
             )
 
     @property
@@ -294,8 +294,9 @@ class Scheduler:
         return self.apply(canary, judgement, now)
 
     def _last_answer(self, sync: ScopeSync | None) -> float:
-        """When the API server last answered, read only when a watch is out of sync."""
-        return self.kube.last_answer if sync is not None and not sync.in_sync else math.inf
+        """The send time of the latest request the API server answered, read only when
+        a watch is out of sync."""
+        return self.kube.answered_since if sync is not None and not sync.in_sync else math.inf
 
     def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
         """Do what a judgement says: count it, log it, make the registry's transition,

@@ -95,7 +95,7 @@ class StubKube:
         self.cluster, self.registry = cluster, registry
         self.pending: list[Pending] = []
         self.violations: list[str] = []
-        self.last_answer = math.inf  # the API server answers (only the watch drops here)
+        self.answered_since = math.inf  # the API server answers (only the watch drops here)
 
     async def request(self, verb: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return await self._pend(method, path, kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -264,7 +265,7 @@ def test_an_older_copy_never_moves_generation_backwards():
 class _Unsent:
     """No API server: these tests send nothing."""
 
-    last_answer = math.inf
+    answered_since = math.inf
 
 
 UNSENT = _Unsent()
@@ -606,6 +607,46 @@ async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not
         assert caught.value.reason != "Credentials" and "TimeoutError" in str(caught.value)
     finally:
         held.set()
+        await kube_client.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_an_answer_to_a_request_sent_before_an_outage_is_no_sign_of_the_server_after():
+    """The soak's outage race (CI, stop 39): a bump's answer already in the socket when
+    the API server went away is read after the watch's drop. Taken for an answer after
+    the drop, it made every canary `unhealthy` a cycle later ("the watch has not
+    resumed") instead of no verdict (the API server is away). What counts is when the
+    answered request was sent."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        entered.set()
+        await release.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    configuration = k8s_client.Configuration()
+    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    kube_client = KubeClient(configuration, request_timeout=10.0)
+    try:
+        request = asyncio.create_task(kube_client.request("get", "GET", "/version"))
+        async with asyncio.timeout(10):
+            await entered.wait()
+        dropped = time.monotonic()  # the watch drops here, the request is in flight
+        release.set()
+        assert await request == {}
+        assert kube_client.answered_since < dropped, (
+            "an answer to a request sent before the drop counted as one after it"
+        )
+        assert await kube_client.request("get", "GET", "/version") == {}
+        assert kube_client.answered_since >= dropped  # one sent after it does
+    finally:
+        release.set()
         await kube_client.close()
         server.close()
         await server.wait_closed()
