@@ -481,12 +481,12 @@ class KubeClient:
         for attempt in (1, 2):
             version = self._credentials_version
             headers: dict[str, str] | None = None
-            sent = time.monotonic()
             try:
                 async with asyncio.timeout_at(deadline):
                     headers = await self._headers()
                     if data is not None:
                         headers["Content-Type"] = content_type
+                    sent = time.monotonic()
                     async with self._session.request(
                         method,
                         self.host + path,
@@ -630,8 +630,8 @@ class KubeClient:
         a line longer than MAX_WATCH_LINE; and KubeError for anything else that goes wrong.
         """
         version = self._credentials_version
-        sent = time.monotonic()
         headers = await self._headers()
+        sent = time.monotonic()
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_read=idle_timeout,
