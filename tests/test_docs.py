@@ -100,6 +100,12 @@ def test_the_readmes_measured_figures_are_the_reports():
         found = re.search(rf"\| {canaries} canaries: peak RSS \| (\d+) MB \|", performance)
         assert found, f"docs/PERFORMANCE.md has no peak RSS row at {canaries} canaries"
         assert f"{found.group(1)} MB at {canaries}" in text, (canaries, found.group(1))
+    cpu = re.search(
+        r"\| 10,000 canaries: daemon CPU, normalised to a 60 s cycle \| ([\d.]+)% of a core",
+        performance,
+    )
+    assert cpu, "docs/PERFORMANCE.md has no CPU row at 10,000 canaries"
+    assert f"{cpu.group(1)}% of a core at 10,000" in text, cpu.group(1)
 
 
 # ---------------------------------------------------------------- CONFIGURATION
