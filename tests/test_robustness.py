@@ -5,10 +5,11 @@ health server outlives them, and odd answers are handled on purpose."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -427,6 +428,27 @@ def test_an_unhealthy_verdict_ages_at_the_second_cycles_failed_write_whoever_ran
     assert "no bump written since: forbidden" in canary.reason
 
 
+@contextlib.asynccontextmanager
+async def _raw_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    request_timeout: float,
+    token: str | None = None,
+) -> AsyncIterator[tuple[KubeClient, k8s_client.Configuration]]:
+    """A KubeClient against a raw asyncio server that answers as ``handle`` does."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    configuration = k8s_client.Configuration()
+    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    if token is not None:
+        configuration.api_key = {"BearerToken": token}
+    kube_client = KubeClient(configuration, request_timeout=request_timeout)
+    try:
+        yield kube_client, configuration
+    finally:
+        await kube_client.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def _watch_answering(stream: bytes, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """The events KubeClient.watch yields from a raw server that sends ``stream`` as
     chunks of these sizes in turn, each written and sent on its own."""
@@ -444,16 +466,8 @@ async def _watch_answering(stream: bytes, sizes: tuple[int, ...]) -> list[dict[s
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    configuration = k8s_client.Configuration()
-    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    kube_client = KubeClient(configuration, request_timeout=1.0)
-    try:
+    async with _raw_server(handle, request_timeout=1.0) as (kube_client, _):
         return [e async for e in kube_client.watch("/w", {}, idle_timeout=5.0)]
-    finally:
-        await kube_client.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_watch_lines_are_split_however_the_stream_is_cut():
@@ -582,34 +596,27 @@ async def test_the_deadline_covers_credentials_that_wait_and_answers_that_do_not
         await reader.readuntil(b"\r\n\r\n")
         await held.wait()  # never answers
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    configuration = k8s_client.Configuration()
-    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    configuration.api_key = {"BearerToken": "Bearer t"}
-    kube_client = KubeClient(configuration, request_timeout=0.2)
-    try:
+    async with _raw_server(handle, 0.2, token="Bearer t") as (kube_client, configuration):
+        try:
 
-        async def stuck_hook(_: Any) -> None:
-            await held.wait()
+            async def stuck_hook(_: Any) -> None:
+                await held.wait()
 
-        configuration.refresh_api_key_hook = stuck_hook
-        with pytest.raises(KubeError) as caught:
-            await kube_client.request("get", "GET", "/version")
-        assert caught.value.reason == "Credentials"
+            configuration.refresh_api_key_hook = stuck_hook
+            with pytest.raises(KubeError) as caught:
+                await kube_client.request("get", "GET", "/version")
+            assert caught.value.reason == "Credentials"
 
-        def file_hook(_: Any) -> None:
-            pass
+            def file_hook(_: Any) -> None:
+                pass
 
-        configuration.refresh_api_key_hook = file_hook
-        with pytest.raises(KubeError) as caught:
-            await kube_client.request("get", "GET", "/version")
-        assert caught.value.kind is ErrorKind.TRANSIENT
-        assert caught.value.reason != "Credentials" and "TimeoutError" in str(caught.value)
-    finally:
-        held.set()
-        await kube_client.close()
-        server.close()
-        await server.wait_closed()
+            configuration.refresh_api_key_hook = file_hook
+            with pytest.raises(KubeError) as caught:
+                await kube_client.request("get", "GET", "/version")
+            assert caught.value.kind is ErrorKind.TRANSIENT
+            assert caught.value.reason != "Credentials" and "TimeoutError" in str(caught.value)
+        finally:
+            held.set()
 
 
 async def test_an_answer_to_a_request_sent_before_an_outage_is_no_sign_of_the_server_after():
@@ -629,24 +636,18 @@ async def test_an_answer_to_a_request_sent_before_an_outage_is_no_sign_of_the_se
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    configuration = k8s_client.Configuration()
-    configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    kube_client = KubeClient(configuration, request_timeout=10.0)
-    try:
-        request = asyncio.create_task(kube_client.request("get", "GET", "/version"))
-        async with asyncio.timeout(10):
-            await entered.wait()
-        dropped = time.monotonic()  # the watch drops here, the request is in flight
-        release.set()
-        assert await request == {}
-        assert kube_client.answered_since < dropped, (
-            "an answer to a request sent before the drop counted as one after it"
-        )
-        assert await kube_client.request("get", "GET", "/version") == {}
-        assert kube_client.answered_since >= dropped  # one sent after it does
-    finally:
-        release.set()
-        await kube_client.close()
-        server.close()
-        await server.wait_closed()
+    async with _raw_server(handle, request_timeout=10.0) as (kube_client, _):
+        try:
+            request = asyncio.create_task(kube_client.request("get", "GET", "/version"))
+            async with asyncio.timeout(10):
+                await entered.wait()
+            dropped = time.monotonic()  # the watch drops here, the request is in flight
+            release.set()
+            assert await request == {}
+            assert kube_client.answered_since < dropped, (
+                "an answer to a request sent before the drop counted as one after it"
+            )
+            assert await kube_client.request("get", "GET", "/version") == {}
+            assert kube_client.answered_since >= dropped  # one sent after it does
+        finally:
+            release.set()
