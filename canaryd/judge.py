@@ -86,15 +86,16 @@ def api_server_away(
     canary: Canary, sync: ScopeSync | None, answered_since: float, now: float
 ) -> str | None:
     """Why nothing could have been reconciled through the API server, if so: it has
-    answered no request sent since the watch covering the canary fell out of sync
-    (``answered_since``: the send time of the latest request it answered)."""
+    answered no request sent since the watch covering the canary fell out of sync, or
+    stopped answering since (``answered_since``: the send time of the latest request
+    it answered, -inf while a later one went unanswered: KubeClient.answered_since)."""
     since = sync.unsynced_since if sync is not None else None
     if since is None or answered_since >= since:
         return None
     scope = scope_name((canary.key.kind, canary.key.namespace))
     return (
-        f"the API server has not answered since the watch of {scope} fell out of sync "
-        f"{now - since:.1f}s ago"
+        f"the API server is not answering: no request sent since the watch of {scope} "
+        f"fell out of sync {now - since:.1f}s ago was answered, or the latest one was not"
     )
 
 

@@ -326,12 +326,10 @@ class KubeClient:
         self.credentials_expiry: float | None = None
         """time.time() at which the loaded credentials expire (an exec plugin's
         expirationTimestamp), when known."""
-        self.answered_since = -math.inf
-        """time.monotonic() at which the latest request the API server answered (any
-        status, a watch's included) was sent: whether it was reachable at all after some
-        moment. The send time, not the answer's: an answer read after that moment to a
-        request sent before it (already in the socket when the server went away) says
-        nothing about after."""
+        self._answered = -math.inf
+        """time.monotonic() at which the latest request answered was sent."""
+        self._unanswered = -math.inf
+        """time.monotonic() at which the latest request that got no answer was sent."""
         self._tls_stamp = self._tls_files()
         self._tls: ssl.SSLContext | bool = self._ssl_context()
         trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
@@ -357,6 +355,16 @@ class KubeClient:
         self._watch_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
         )
+
+    @property
+    def answered_since(self) -> float:
+        """time.monotonic() at which the latest request the API server answered (any
+        status, a watch's included) was sent: whether it was reachable at all after some
+        moment. The send time, not the answer's: an answer read after that moment to a
+        request sent before it (already in the socket when the server went away) says
+        nothing about after. -inf while a request sent later got no answer (no
+        connection, none in time): the server has stopped answering since."""
+        return self._answered if self._answered >= self._unanswered else -math.inf
 
     def _tls_files(self) -> tuple[object, ...]:
         """What tells rotated TLS files (CA bundle, client certificate and key): each
@@ -503,8 +511,9 @@ class KubeClient:
             except Exception as err:
                 if headers is None:  # the deadline passed while they were being had
                     raise error_from_exception(err, "Credentials") from err
+                self._unanswered = max(self._unanswered, sent)
                 raise self._no_answer(verb, path, err) from err
-            self.answered_since = max(self.answered_since, sent)
+            self._answered = max(self._answered, sent)
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 if asyncio.get_running_loop().time() >= deadline:
@@ -638,6 +647,7 @@ class KubeClient:
             connect=self._connect_timeout,
             sock_connect=self._connect_timeout,
         )
+        answered = False
         try:
             async with self._watch_session.get(
                 self.host + path,
@@ -647,7 +657,7 @@ class KubeClient:
                 read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
-                self.answered_since = max(self.answered_since, sent)
+                answered, self._answered = True, max(self._answered, sent)
                 count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials(version)  # the retry uses fresh ones
@@ -675,11 +685,14 @@ class KubeClient:
             raise
         except aiohttp.ServerTimeoutError as err:
             if isinstance(err, aiohttp.ConnectionTimeoutError):  # not an idle stream
+                self._unanswered = max(self._unanswered, sent)
                 raise self._no_answer("watch", path, err) from err
             raise KubeError(
                 ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
             ) from err
         except Exception as err:
+            if not answered:
+                self._unanswered = max(self._unanswered, sent)
             raise self._no_answer("watch", path, err) from err
 
 

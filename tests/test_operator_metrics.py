@@ -499,7 +499,7 @@ async def test_an_api_server_away_is_no_verdict_on_the_operator(kube, kubeconfig
         await kube.refuse_connections()
         try:
             await run.until(
-                lambda: "API server has not answered" in run.tracked().reason,
+                lambda: "API server is not answering" in run.tracked().reason,
                 "no verdict while the API server is away",
                 within=4 * CYCLE + 2,
             )

@@ -20,14 +20,15 @@ import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.config import ConfigException
 
+from canaryd import judge, metrics
 from canaryd import kube as kube_module
-from canaryd import metrics
 from canaryd import writer as writer_module
 from canaryd.access import Permission, reviews
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
+from canaryd.sync import ScopeSync
 from canaryd.testing.apiserver import Fault
 from tests.harness import (
     CYCLE,
@@ -651,3 +652,44 @@ async def test_an_answer_to_a_request_sent_before_an_outage_is_no_sign_of_the_se
             assert kube_client.answered_since >= dropped  # one sent after it does
         finally:
             release.set()
+
+
+async def test_an_api_server_that_answered_after_the_drop_then_stopped_is_away():
+    """A watch that rotates (its stream ends at timeoutSeconds) is out of sync until
+    the resumed stream delivers; the resumed watch is answered 200, then the API server
+    goes away before the first event. Answered after the drop, yet nobody can reconcile
+    through it now: a request sent after its last answer that gets none makes it away
+    (no verdict), not a watch that has not resumed (unhealthy). Found by review."""
+    away = False
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if away:  # reset, no answer
+            writer.transport.abort()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"Connection: close\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    canary = _canary()
+    async with _raw_server(handle, request_timeout=5.0) as (kube_client, _):
+        sync = ScopeSync(time.monotonic())  # out of sync from here (a rotation)
+        assert await kube_client.request("get", "GET", "/version") == {}
+        answered = kube_client.answered_since
+        assert judge.api_server_away(canary, sync, answered, time.monotonic()) is None
+
+        away = True
+        with pytest.raises(KubeError):
+            await kube_client.request("get", "GET", "/version")
+        reason = judge.api_server_away(canary, sync, kube_client.answered_since, time.monotonic())
+        assert reason is not None and "not answering" in reason, reason
+        with pytest.raises(KubeError):
+            async for _ in kube_client.watch("/w", {}, idle_timeout=5.0):
+                pass
+        assert kube_client.answered_since == -math.inf
+
+        away = False
+        assert await kube_client.request("get", "GET", "/version") == {}
+        assert kube_client.answered_since > answered  # answering again
+        assert judge.api_server_away(canary, sync, kube_client.answered_since, 0.0) is None
