@@ -366,6 +366,12 @@ class KubeClient:
         connection, none in time): the server has stopped answering since."""
         return self._answered if self._answered >= self._unanswered else -math.inf
 
+    def _not_answered(self, sent: float) -> None:
+        """An exchange sent at ``sent`` failed. Whether it was answered first (its status
+        came, then the body or the stream broke) need not be known: then ``_answered`` is
+        already at least ``sent``, and ``answered_since`` is unchanged."""
+        self._unanswered = max(self._unanswered, sent)
+
     def _tls_files(self) -> tuple[object, ...]:
         """What tells rotated TLS files (CA bundle, client certificate and key): each
         one's path, modification time and size."""
@@ -504,6 +510,7 @@ class KubeClient:
                         timeout=self._timeout,
                         **self._request_kwargs(),
                     ) as reply:
+                        self._answered = max(self._answered, sent)  # its status came
                         status, payload = reply.status, await reply.read()
                         retry_after = reply.headers.get("Retry-After")
             except KubeError:
@@ -511,9 +518,8 @@ class KubeClient:
             except Exception as err:
                 if headers is None:  # the deadline passed while they were being had
                     raise error_from_exception(err, "Credentials") from err
-                self._unanswered = max(self._unanswered, sent)
+                self._not_answered(sent)
                 raise self._no_answer(verb, path, err) from err
-            self._answered = max(self._answered, sent)
             count_request(verb, status)
             if status == 401 and attempt == 1 and await self._reload_credentials(version):
                 if asyncio.get_running_loop().time() >= deadline:
@@ -647,7 +653,6 @@ class KubeClient:
             connect=self._connect_timeout,
             sock_connect=self._connect_timeout,
         )
-        answered = False
         try:
             async with self._watch_session.get(
                 self.host + path,
@@ -657,7 +662,7 @@ class KubeClient:
                 read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
-                answered, self._answered = True, max(self._answered, sent)
+                self._answered = max(self._answered, sent)
                 count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials(version)  # the retry uses fresh ones
@@ -683,16 +688,13 @@ class KubeClient:
                         yield event
         except KubeError:
             raise
-        except aiohttp.ServerTimeoutError as err:
-            if isinstance(err, aiohttp.ConnectionTimeoutError):  # not an idle stream
-                self._unanswered = max(self._unanswered, sent)
-                raise self._no_answer("watch", path, err) from err
-            raise KubeError(
-                ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
-            ) from err
         except Exception as err:
-            if not answered:
-                self._unanswered = max(self._unanswered, sent)
+            self._not_answered(sent)
+            connecting = isinstance(err, aiohttp.ConnectionTimeoutError)
+            if isinstance(err, aiohttp.ServerTimeoutError) and not connecting:
+                raise KubeError(
+                    ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
+                ) from err
             raise self._no_answer("watch", path, err) from err
 
 

@@ -660,12 +660,16 @@ async def test_an_api_server_that_answered_after_the_drop_then_stopped_is_away()
     goes away before the first event. Answered after the drop, yet nobody can reconcile
     through it now: a request sent after its last answer that gets none makes it away
     (no verdict), not a watch that has not resumed (unhealthy). Found by review."""
-    away = False
+    away: str | None = None
+    silent = asyncio.Event()  # set when the test ends: a silent server's handlers end
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        if away:  # reset, no answer
+        if away == "reset":  # no answer
             writer.transport.abort()
+            return
+        if away == "silent":  # accepted, never answered (a frozen server)
+            await silent.wait()
             return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
         writer.write(b"Connection: close\r\nContent-Length: 2\r\n\r\n{}")
@@ -674,22 +678,27 @@ async def test_an_api_server_that_answered_after_the_drop_then_stopped_is_away()
 
     canary = _canary()
     async with _raw_server(handle, request_timeout=5.0) as (kube_client, _):
-        sync = ScopeSync(time.monotonic())  # out of sync from here (a rotation)
-        assert await kube_client.request("get", "GET", "/version") == {}
-        answered = kube_client.answered_since
-        assert judge.api_server_away(canary, sync, answered, time.monotonic()) is None
+        try:
+            sync = ScopeSync(time.monotonic())  # out of sync from here (a rotation)
+            assert await kube_client.request("get", "GET", "/version") == {}
+            answered = kube_client.answered_since
+            assert judge.api_server_away(canary, sync, answered, time.monotonic()) is None
 
-        away = True
-        with pytest.raises(KubeError):
-            await kube_client.request("get", "GET", "/version")
-        reason = judge.api_server_away(canary, sync, kube_client.answered_since, time.monotonic())
-        assert reason is not None and "not answering" in reason, reason
-        with pytest.raises(KubeError):
-            async for _ in kube_client.watch("/w", {}, idle_timeout=5.0):
-                pass
-        assert kube_client.answered_since == -math.inf
-
-        away = False
-        assert await kube_client.request("get", "GET", "/version") == {}
-        assert kube_client.answered_since > answered  # answering again
-        assert judge.api_server_away(canary, sync, kube_client.answered_since, 0.0) is None
+            away = "reset"
+            with pytest.raises(KubeError):
+                await kube_client.request("get", "GET", "/version")
+            now = time.monotonic()
+            reason = judge.api_server_away(canary, sync, kube_client.answered_since, now)
+            assert reason is not None and "not answering" in reason, reason
+            for mode in ("reset", "silent"):  # a watch's too: reset, or accepted, silent
+                away = None
+                assert await kube_client.request("get", "GET", "/version") == {}
+                assert kube_client.answered_since > answered  # answering again
+                assert judge.api_server_away(canary, sync, kube_client.answered_since, now) is None
+                away = mode
+                with pytest.raises(KubeError):
+                    async for _ in kube_client.watch("/w", {}, idle_timeout=0.2):
+                        pass
+                assert kube_client.answered_since == -math.inf, mode
+        finally:
+            silent.set()
