@@ -12,9 +12,8 @@ Prints its tables and writes them to docs/PERFORMANCE.md:
 - at 1 canary, peak RSS against the import floor of canaryd's dependencies (a Python
   that imports them and nothing else; goal <= 1.25x);
 - /healthz with 10k canaries bumped on the 60 s cycle (167 a second) and 20 concurrent
-  clients: p50/p99 latency (goal
-  p99 <= 1.5x a bare aiohttp handler's, same run) and throughput as a ratio to it
-  (goal >= 0.8);
+  clients: p50/p99 latency (goal p99 <= 1.5x a bare aiohttp handler's, same run) and
+  throughput as a ratio to it (goal >= 0.8);
 - Lease requests per minute per replica, two replicas with --leader-elect and the
   shipped timings (goal: the leader one request per renew, 60 s / retry period; the
   follower one read per look, at most 60 s / (0.75 x retry period));
