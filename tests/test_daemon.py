@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -831,6 +831,66 @@ async def test_a_missing_patch_permission_is_said_at_start_not_only_by_unknown_c
             assert 'canaryd_watch_scopes{state="patch_forbidden"} 1.0' in scraped
     warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
     assert warned and "patch forbidden: flinkdeployments@team-b" in warned[-1]["what"], warned
+
+
+def reviewed_namespaces(kube: FakeKube) -> list[str | None]:
+    """The namespace of each SelfSubjectAccessReview canaryd asked, in order."""
+    return [
+        r.body["spec"]["resourceAttributes"].get("namespace")
+        for r in kube.requests_for("create", "selfsubjectaccessreviews")
+    ]
+
+
+async def test_access_reviews_are_asked_only_for_scopes_that_are_new(kube, kubeconfig):
+    """Issue 42: at 100 watched scopes, deleting a namespace canaryd does not watch asks
+    no review (it asked 200), deleting a watched one asks its own scope's when it is
+    watched again, and a namespace added asks only its own."""
+    watched = [f"team-{n:02}" for n in range(100)]
+    for namespace in [*watched, "elsewhere", "newcomer"]:
+        kube.create_namespace(namespace)
+    create_canary(kube, namespace="team-00")  # its bumps: a change of the fake a cycle
+    async with running_daemon(
+        kube, kubeconfig, namespaces=frozenset(watched), kinds=("flinkdeployments",)
+    ) as run:
+        watcher = run.daemon.watcher
+        assert watcher is not None
+
+        def asked(reviews: int, **coverage: int) -> Callable[[], bool]:
+            def check() -> bool:
+                counts = watcher.coverage()
+                done = all(counts[state] == n for state, n in coverage.items())
+                return done and len(reviewed_namespaces(kube)) >= reviews
+
+            return check
+
+        await run.until(asked(100, listed=100), "100 scopes listed and reviewed", within=30)
+        assert sorted(reviewed_namespaces(kube)) == watched  # type: ignore[type-var]
+        kube.delete(kube.types["namespaces"], None, "elsewhere")
+        kube.delete(kube.types["namespaces"], None, "team-07")  # seen after "elsewhere"
+        await run.until(asked(101, namespace_missing=1), "team-07 gone and watched again")
+        watcher.set_namespaces(frozenset({*watched, "newcomer"}))
+        await run.until(asked(102, listed=100), "the newcomer listed and reviewed")
+        assert reviewed_namespaces(kube)[100:] == ["team-07", "newcomer"]
+
+
+async def test_a_refused_patch_permission_granted_later_is_seen_within_a_cycle(kube, kubeconfig):
+    """Only a refused scope is asked again, once every forbidden retry (a cycle at most a
+    minute): a Role granted later clears patch_forbidden with no scope change."""
+    for namespace in ("team-a", "team-b"):
+        kube.create_namespace(namespace)
+        create_canary(kube, namespace=namespace)
+    kube.deny(verb="patch", resource="flinkdeployments", namespace="team-b")
+    async with running_daemon(
+        kube, kubeconfig, namespaces=frozenset({"team-a", "team-b"}), kinds=("flinkdeployments",)
+    ) as run:
+        watcher = run.daemon.watcher
+        assert watcher is not None
+        await run.until(lambda: watcher.coverage()["patch_forbidden"] == 1, "the refusal")
+        kube.rbac_denies.clear()
+        await run.until(lambda: watcher.coverage()["listed"] == 2, "the grant seen", within=3)
+        await run.until_state(CanaryState.HEALTHY, namespace="team-b")
+    asked = reviewed_namespaces(kube)
+    assert asked.count("team-a") == 1 and asked.count("team-b") >= 2, asked
 
 
 async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(kube, tmp_path):
