@@ -190,8 +190,9 @@ def test_a_sub_second_cycle_from_a_bare_number_is_refused_with_a_unit_hint(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     text = (argv[1:] or list(env.values()))[0]
+    source = "--timeout" if argv else f"CANARYD_TIMEOUT={text}"
     assert lines[0] == (
-        f"canaryd: timeout '{text}' is {float(text):g} ms: a bare number is milliseconds; "
+        f"canaryd: {source}: '{text}' is {float(text):g} ms: a bare number is milliseconds; "
         f"give a unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
     )
 
@@ -530,7 +531,7 @@ async def test_check_with_bad_configuration_is_one_line_and_exit_2():
     code, out, err = await run_cli("check", "--timeout", "300")
     assert code == 2 and out == ""
     assert err.strip() == (
-        "canaryd: timeout '300' is 300 ms: a bare number is milliseconds; give a unit, "
+        "canaryd: --timeout: '300' is 300 ms: a bare number is milliseconds; give a unit, "
         "e.g. '300s' (or '300ms' for a cycle below a second)"
     )
 
