@@ -308,3 +308,14 @@ def test_the_service_link_clash_exits_2_with_one_line():
         "Service named canaryd in this namespace): set enableServiceLinks: false on the pod, "
         "or --port"
     ], result.stderr
+
+
+def test_check_has_its_own_usage():
+    """`canaryd check --help` printed the daemon's usage."""
+    result = run_cli("check", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: canaryd check [-h]"), result.stdout
+    assert "canaryd check checks the configuration and asks the API server" in result.stdout
+    assert "--timeout DURATION" in result.stdout  # the daemon's flags, as it reads them
+    daemon = run_cli("--help").stdout
+    assert daemon.startswith("usage: canaryd [-h]") and "Canary health checks" in daemon

@@ -409,13 +409,21 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+CHECK = (
+    "checks the configuration and asks the API server whether canaryd may do what it "
+    "needs with it (exit 0 when all is granted, 2 naming what is not)"
+)
+
+
+def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
+    """The daemon's parser, or ``canaryd check``'s: the same flags, its own usage."""
     parser = _Parser(
-        prog="canaryd",
-        description="Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default. "
-        "`canaryd check [FLAGS]` checks the configuration and asks the API server whether "
-        "canaryd may do what it needs (exit 0 when all is granted, 2 naming what is not).",
+        prog=prog,
+        description=f"canaryd check {CHECK}."
+        if prog == "canaryd check"
+        else "Canary health checks for the Apache Flink Kubernetes Operator.",
+        epilog="Precedence: flag > environment > operator config file > default."
+        + ("" if prog == "canaryd check" else f" `canaryd check [FLAGS]` {CHECK}."),
     )
     for field, option in OPTIONS.items():
         if option.metavar is None:  # None when not given: the environment decides
@@ -447,10 +455,12 @@ def _converted(convert: Callable[[Any], Any], value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {err}") from None
 
 
-def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+def load_settings(
+    argv: Sequence[str], environ: Mapping[str, str], prog: str = "canaryd"
+) -> Settings:
     """Resolve every setting by precedence; raises ConfigError on any bad value, naming
     its source: ``--timeout: ...``, ``CANARYD_TIMEOUT=30x: ...`` or ``FILE: KEY: ...``."""
-    args = vars(build_parser().parse_args(_join_negative_values(argv)))
+    args = vars(build_parser(prog).parse_args(_join_negative_values(argv)))
     changes: dict[str, Any] = {}  # field: its flag's value, else its environment variable's
     for field, option in OPTIONS.items():
         value, source = args[field], option.flag
