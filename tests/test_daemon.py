@@ -923,26 +923,6 @@ async def test_access_reviews_are_asked_only_for_scopes_that_are_new(kube, kubec
         assert set(reviewed_namespaces(kube)[mark:]) == {"team-07", "newcomer"}
 
 
-async def test_a_refused_patch_permission_granted_later_is_seen_within_a_cycle(kube, kubeconfig):
-    """Only a refused scope is asked again, once every forbidden retry (a cycle at most a
-    minute): a Role granted later clears patch_forbidden with no scope change."""
-    for namespace in ("team-a", "team-b"):
-        kube.create_namespace(namespace)
-        create_canary(kube, namespace=namespace)
-    kube.deny(verb="patch", resource="flinkdeployments", namespace="team-b")
-    async with running_daemon(
-        kube, kubeconfig, namespaces=frozenset({"team-a", "team-b"}), kinds=("flinkdeployments",)
-    ) as run:
-        watcher = run.daemon.watcher
-        assert watcher is not None
-        await run.until(lambda: watcher.coverage()["patch_forbidden"] == 1, "the refusal")
-        mark = len(reviewed_namespaces(kube))
-        kube.rbac_denies.clear()
-        await run.until(lambda: watcher.coverage()["listed"] == 2, "the grant seen", within=3)
-        await run.until_state(CanaryState.HEALTHY, namespace="team-b")
-    assert set(reviewed_namespaces(kube)[mark:]) == {"team-b"}, reviewed_namespaces(kube)
-
-
 async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(kube, tmp_path):
     """The token is revoked and the plugin that would renew it fails: every refused
     request at that moment shares one run of it (not one each, in a row behind a
