@@ -143,7 +143,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._config_problem: str | None = None
         self._file_said: dict[str, Any] = {}
-        """What the operator config file said at its last read, where it changed."""
+        """The settings the operator config file gave at its last re-read (before the
+        first, those canaryd runs with): a change is logged once."""
 
     def stop(self) -> None:
         self._stop.set()
