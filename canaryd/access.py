@@ -2,9 +2,10 @@
 
 SelfSubjectAccessReviews (authorization.k8s.io/v1), which any authenticated user may
 ask about itself: ``canaryd check`` asks them all before a start; ``PatchReviews``
-asks whether canaryd may patch in each canary scope the watcher watches, at start and
-on each scope change, so that a missing ``patch`` is said in /readyz, the scope gauge
-and one warning, not only by canaries that stay ``unknown``.
+asks whether canaryd may patch in each canary scope the watcher watches, once per scope
+new to it (a refused one again every forbidden retry), so that a missing ``patch`` is
+said in /readyz, the scope gauge and one warning, not only by canaries that stay
+``unknown``.
 """
 
 from __future__ import annotations
@@ -126,36 +127,53 @@ async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[b
 
 
 class PatchReviews(Generic[ScopeT]):
-    """Whether canaryd may patch in each canary scope it watches: one review per scope,
-    asked at start and on each change of the scopes (``ask``), round after round until
-    they stop changing. Unanswered is not refused: what was known stays, and the round
-    is asked again after a backoff. ``denied`` holds the scopes refused."""
+    """Whether canaryd may patch in each canary scope it watches: one review per scope
+    new to it (``ask``), its answer kept while it is watched (a deleted namespace, or
+    one canaryd does not watch, asks nothing again); a refused scope is asked again on
+    its own once every ``forbidden_retry`` (a Role granted later is seen within a
+    cycle). Unanswered is not refused: what was known stays, and those reviews are
+    asked again after a backoff. ``denied`` holds the scopes refused."""
 
     def __init__(self, settings: Settings, kube: KubeClient, on_answer: Callable[[], None]):
         self._kube = kube
         self._backoff = (settings.backoff_initial, settings.backoff_max)
+        self._recheck = settings.forbidden_retry
         self._on_answer = on_answer
         """Called after each answered round (the watcher's coverage is said again)."""
-        self.denied: frozenset[ScopeT] = frozenset()
+        self._allowed: dict[ScopeT, bool] = {}
         self._wanted: dict[ScopeT, Permission] = {}
         self._task: asyncio.Task[None] | None = None
-        self._again = False
+        self._new = asyncio.Event()
+
+    @property
+    def denied(self) -> frozenset[ScopeT]:
+        return frozenset(scope for scope, allowed in self._allowed.items() if not allowed)
 
     def ask(self, group: asyncio.TaskGroup, wanted: Mapping[ScopeT, Permission]) -> None:
-        """These scopes are watched now: forget the others, and ask about them all."""
+        """These scopes are watched now: forget the others, ask about the new ones."""
         self._wanted = dict(wanted)
-        self.denied &= self._wanted.keys()
-        self._again = True
+        self._allowed = {s: ok for s, ok in self._allowed.items() if s in self._wanted}
+        if self._wanted.keys() - self._allowed.keys():
+            self._new.set()
         if self._task is None or self._task.done():
             self._task = group.create_task(self._rounds(), name="access reviews")
 
     async def _rounds(self) -> None:
         backoff = Backoff(*self._backoff)
-        while self._again:
-            self._again = False
-            wanted = self._wanted
+        while True:
+            self._new.clear()
+            asking = {s: p for s, p in self._wanted.items() if s not in self._allowed}
+            if not asking and self.denied:
+                try:  # new scopes come sooner
+                    async with asyncio.timeout(self._recheck):
+                        await self._new.wait()
+                    continue
+                except TimeoutError:
+                    asking = {scope: self._wanted[scope] for scope in self.denied}
+            if not asking:
+                return
             try:
-                granted = await reviews(self._kube, list(wanted.values()))
+                granted = await reviews(self._kube, list(asking.values()))
             except Exception as err:
                 # Unanswered, what was known stays; a bug must not stop the watches that
                 # share this task group.
@@ -165,8 +183,9 @@ class PatchReviews(Generic[ScopeT]):
                 else:
                     log.exception("access_review_failed_unexpectedly")
                 await asyncio.sleep(backoff.next())
-                self._again = True
                 continue
-            refused = {scope for scope, ok in zip(wanted, granted, strict=True) if not ok}
-            self.denied = frozenset(refused & self._wanted.keys())
+            backoff.reset()
+            for scope, allowed in zip(asking, granted, strict=True):
+                if scope in self._wanted:  # not left meanwhile
+                    self._allowed[scope] = allowed
             self._on_answer()

@@ -73,7 +73,7 @@ def _unanswered(host: str, err: KubeError) -> str:
 def main(argv: Sequence[str]) -> None:
     """``canaryd check [FLAGS]``: the daemon's flags and environment."""
     try:
-        settings = load_settings(argv, os.environ)
+        settings = load_settings(argv, os.environ, "canaryd check")
     except ConfigError as err:
         print(f"canaryd: {err}", file=sys.stderr)
         sys.exit(2)

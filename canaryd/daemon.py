@@ -27,10 +27,10 @@ from canaryd.config import (
     Settings,
     default_identity,
     has_prometheus_reporter,
-    namespaces_from_operator_config,
     nested_keys_why,
     nested_operator_keys,
     operator_config_files,
+    operator_config_values,
     read_operator_config,
 )
 from canaryd.kube import (
@@ -142,6 +142,9 @@ class Daemon:
         self.notifier = Notifier()
         self._tasks: list[asyncio.Task[None]] = []
         self._config_problem: str | None = None
+        self._file_said: dict[str, Any] = {}
+        """The settings the operator config file gave at its last re-read (before the
+        first, those canaryd runs with): a change is logged once."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -371,8 +374,8 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     async def _follow_operator_config(self) -> None:
-        """Re-read the operator config every check interval and on SIGHUP; when it is not
-        followed, only say so on SIGHUP."""
+        """Re-read the operator config every check interval when its namespaces are
+        followed, and on SIGHUP whenever it decides a setting."""
         try:
             while True:
                 follows = self.follows_operator_config
@@ -382,23 +385,21 @@ class Daemon:
                     ):
                         await self._reload.wait()
                 self._reload.clear()
-                if follows:
+                if self.settings.from_file:
                     self.apply_operator_config()
-                    continue
-                log.info(
-                    "sighup_ignored",
-                    why="the watched namespaces come from a flag or WATCH_NAMESPACES, "
-                    "or dynamic namespaces are off",
-                )
+                else:
+                    log.info("sighup_ignored", why="no setting comes from an operator config")
         except asyncio.CancelledError:
             log.info("config_follower_stopped", why="cancelled")
             raise
 
     def apply_operator_config(self) -> None:
-        path = self.settings.operator_config
+        """Re-read the operator config: each setting it changed is logged (old -> new);
+        the watched namespaces are followed when dynamic, the rest apply at a restart."""
+        path, follows = self.settings.operator_config, self.follows_operator_config
         assert path is not None and self.watcher is not None
         try:
-            namespaces, _ = namespaces_from_operator_config(read_operator_config(path))
+            said = operator_config_values(path, self.settings.from_file)
         except ConfigError as err:
             metrics.CONFIG_RELOADS.labels("failed").inc()
             if str(err) != self._config_problem:  # once per problem, not per check
@@ -412,6 +413,19 @@ class Daemon:
         if self._config_problem is not None:
             log.info("operator_config_readable_again", was=self._config_problem)
             self._config_problem = None
-        changed = namespaces != self.watcher.namespaces
+        changed = False
+        for field, now in said.items():
+            was = self._file_said.get(field, getattr(self.settings, field))
+            if now != was:
+                changed = True
+                log.info(
+                    "operator_config_changed",
+                    setting=field,
+                    was=sorted(was) if isinstance(was, frozenset) else was,
+                    now=sorted(now) if isinstance(now, frozenset) else now,
+                    applied="now" if follows and field == "namespaces" else "at a restart",
+                )
+        self._file_said = said
         metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
-        self.watcher.set_namespaces(namespaces)
+        if follows:
+            self.watcher.set_namespaces(said["namespaces"])

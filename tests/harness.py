@@ -199,7 +199,7 @@ def following(path: Path, *namespaces: str) -> dict[str, object]:
     return {
         "operator_config": path,
         "namespaces": frozenset(namespaces),
-        "namespaces_from_file": True,
+        "from_file": frozenset({"namespaces"}),
         "dynamic_namespaces": True,
     }
 

@@ -291,18 +291,18 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
     [
         (["--renew-deadline", "20s"], {}, "lease duration must be greater than the renew deadline"),
         (["--retry-period", "9s"], {}, "renew deadline must be greater than 1.2 x the retry"),
-        (["--lease-duration", "-1s"], {}, "lease duration"),
+        (["--lease-duration", "-1s"], {}, "--lease-duration: invalid duration '-1s'"),
         (["--lease-name", "Not_A_Name"], {}, "invalid lease name"),
-        ([], {"CANARYD_LEADER_ELECT": "perhaps"}, "CANARYD_LEADER_ELECT"),
+        ([], {"CANARYD_LEADER_ELECT": "perhaps"}, "CANARYD_LEADER_ELECT=perhaps: expected true"),
         # Bare numbers are milliseconds everywhere: every duration has a floor.
         (
             [],
             {"CANARYD_LEASE_DURATION": "15", "CANARYD_RENEW_DEADLINE": "10"},
-            "lease duration '15' is 15 ms, below its floor of 1 s (a bare number is "
-            "milliseconds: '15' is 15 ms; write '15s')",
+            "CANARYD_LEASE_DURATION=15: '15' is 15 ms, below its floor of 1 s (a bare number "
+            "is milliseconds: write '15s')",
         ),
-        ([], {"CANARYD_RETRY_PERIOD": "2"}, "retry period '2' is 2 ms"),
-        (["--renew-deadline", "200ms"], {}, "renew deadline '200ms' is 200 ms, below"),
+        ([], {"CANARYD_RETRY_PERIOD": "2"}, "CANARYD_RETRY_PERIOD=2: '2' is 2 ms"),
+        (["--renew-deadline", "200ms"], {}, "--renew-deadline: '200ms' is 200 ms, below"),
         # The Lease stores whole seconds: what followers wait is what is written.
         (
             ["--lease-duration", "1.4s", "--renew-deadline", "1.3s", "--retry-period", "0.5s"],
@@ -340,7 +340,9 @@ def test_a_bare_config_check_interval_is_refused_with_the_hint(capsys, monkeypat
     monkeypatch.setenv("CANARYD_CONFIG_CHECK_INTERVAL", "5")
     code, lines = run_main([], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1, lines
-    assert "config check interval '5' is 5 ms, below its floor of 1 s" in lines[0], lines
+    assert lines[0].startswith(
+        "canaryd: CANARYD_CONFIG_CHECK_INTERVAL=5: '5' is 5 ms, below its floor of 1 s"
+    ), lines
 
 
 def test_the_default_identity_is_the_host_name_and_a_random_suffix():
@@ -377,7 +379,8 @@ def test_every_boolean_is_true_or_false_only(tmp_path, capsys, monkeypatch, valu
     monkeypatch.setenv("CANARYD_LEADER_ELECT", value)
     code, lines = run_main([], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1, lines
-    assert f"invalid CANARYD_LEADER_ELECT '{value}': expected true or false" in lines[0]
+    says = f"CANARYD_LEADER_ELECT={value}: expected true or false, got '{value}'"
+    assert lines[0] == f"canaryd: {says}"
     monkeypatch.delenv("CANARYD_LEADER_ELECT")
     conf = tmp_path / "flink-conf.yaml"
     conf.write_text(
@@ -386,7 +389,10 @@ def test_every_boolean_is_true_or_false_only(tmp_path, capsys, monkeypatch, valu
     )
     code, lines = run_main(["--operator-config", str(conf)], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1, lines
-    assert "dynamic.namespaces.enabled" in lines[0] and "expected true or false" in lines[0]
+    assert lines[0] == (
+        f"canaryd: {conf}: kubernetes.operator.dynamic.namespaces.enabled: expected true or "
+        f"false, got '{value}'"
+    )
 
 
 @pytest.mark.parametrize(("value", "wanted"), [("TRUE", True), ("true", True), ("False", False)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -226,7 +227,7 @@ def test_cli_bad_configuration_exits_2_with_one_line_and_no_traceback():
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("canaryd: timeout: invalid duration")
+    assert lines[0].startswith("canaryd: --timeout: invalid duration '5 fortnights'")
     assert "Traceback" not in result.stderr
 
 
@@ -248,3 +249,73 @@ def test_cli_help_and_version():
     assert run_cli("--help").returncode == 0
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("canaryd ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "file", "says"),
+    [
+        (["--timeout", "ten seconds"], {}, "", "--timeout: invalid duration 'ten seconds'"),
+        ([], {"CANARYD_TIMEOUT": "30x"}, "", "CANARYD_TIMEOUT=30x: invalid duration '30x'"),
+        (
+            [],
+            {},
+            "kubernetes.operator.health.canary.resource.timeout: ten seconds\n",
+            "{file}: kubernetes.operator.health.canary.resource.timeout: invalid duration "
+            "'ten seconds'",
+        ),
+        (["--port", "99999"], {}, "", "--port: invalid port 99999: expected 0-65535"),
+        (
+            [],
+            {},
+            "kubernetes.operator.health.probe.port: 99999\n",
+            "{file}: kubernetes.operator.health.probe.port: invalid port 99999",
+        ),
+        # What the kubelet sets for a Service named canaryd in the pod's namespace.
+        (
+            [],
+            {"CANARYD_PORT": "tcp://10.0.0.1:8085"},
+            "",
+            "CANARYD_PORT=tcp://10.0.0.1:8085: looks like a Kubernetes service link (a "
+            "Service named canaryd in this namespace): set enableServiceLinks: false on the "
+            "pod, or --port",
+        ),
+        ([], {"WATCH_NAMESPACES": "Bad_Name"}, "", "WATCH_NAMESPACES=Bad_Name: invalid namespace"),
+    ],
+)
+def test_a_bad_value_names_where_it_came_from(tmp_path, argv, env, file, says):
+    """Issue 42: the flag, the environment variable and its value, or the operator
+    config file and its key."""
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text(file)
+    argv = [*argv, "--operator-config", str(conf)] if file else argv
+    with pytest.raises(ConfigError) as caught:
+        load_settings(argv, env)
+    assert str(caught.value).startswith(says.format(file=conf)), caught.value
+
+
+def test_a_bad_value_in_the_file_that_a_flag_overrides_is_not_read(tmp_path):
+    conf = tmp_path / "flink-conf.yaml"
+    conf.write_text("kubernetes.operator.health.canary.resource.timeout: ten seconds\n")
+    settings = load_settings(["--operator-config", str(conf), "--timeout", "30s"], {})
+    assert settings.timeout == 30.0 and "timeout" not in settings.from_file
+
+
+def test_the_service_link_clash_exits_2_with_one_line():
+    result = run_cli(env={**os.environ, "CANARYD_PORT": "tcp://10.0.0.1:8085"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "canaryd: CANARYD_PORT=tcp://10.0.0.1:8085: looks like a Kubernetes service link (a "
+        "Service named canaryd in this namespace): set enableServiceLinks: false on the pod, "
+        "or --port"
+    ], result.stderr
+
+
+def test_check_has_its_own_usage():
+    """`canaryd check --help` printed the daemon's usage."""
+    result = run_cli("check", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: canaryd check [-h]"), result.stdout
+    assert "canaryd check checks the configuration and asks the API server" in result.stdout
+    assert "--timeout DURATION" in result.stdout  # the daemon's flags, as it reads them
+    daemon = run_cli("--help").stdout
+    assert daemon.startswith("usage: canaryd [-h]") and "Canary health checks" in daemon

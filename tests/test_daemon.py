@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.conftest import TOKEN
 from tests.harness import (
+    CYCLE,
     LABEL,
     counter,
     create_canary,
@@ -272,6 +273,43 @@ async def test_the_operator_config_is_re_read_every_check_interval(kube, kubecon
         conf.write_text(conf.read_text().replace("namespaces: canary", "namespaces: default"))
         await run.until_gone(namespace="canary")  # no SIGHUP: the interval did it
         assert run.daemon.watcher.namespaces == frozenset({"default"})
+
+
+async def test_a_re_read_logs_each_setting_the_file_changed(kube, kubeconfig, tmp_path, capsys):
+    """Issue 42: a SIGHUP that changed the cycle logged nothing. Each setting the file
+    decides and changed is logged once (old -> new), and whether it applies now (the
+    followed namespaces) or at a restart."""
+    from tests.harness import json_lines, json_logs
+
+    kube.create_namespace("canary")
+    create_canary(kube, namespace="canary")
+    conf = tmp_path / "flink-conf.yaml"
+    write_dynamic_config(conf, "canary")
+    settings = {**following(conf, "canary"), "from_file": frozenset({"namespaces", "timeout"})}
+    with json_logs("info"):
+        async with running_daemon(kube, kubeconfig, **settings) as run:
+            await run.until_tracked(namespace="canary")
+            write_dynamic_config(conf, "canary,default")
+            with conf.open("a") as file:
+                file.write("kubernetes.operator.health.canary.resource.timeout: 2 min\n")
+
+            def reads() -> float:
+                return sum(counter(metrics.CONFIG_RELOADS, r) for r in ("changed", "unchanged"))
+
+            for _ in range(2):  # the second read changes nothing and says nothing
+                before = reads()
+                run.daemon.reload()  # SIGHUP
+                await run.until(lambda before=before: reads() > before, "the re-read")
+            assert run.daemon.watcher.namespaces == frozenset({"canary", "default"})
+    changed = [
+        (r["setting"], r["was"], r["now"], r["applied"])
+        for r in json_lines(capsys.readouterr().err)
+        if r["event"] == "operator_config_changed"
+    ]
+    assert sorted(changed) == [
+        ("namespaces", ["canary"], ["canary", "default"], "now"),
+        ("timeout", CYCLE, 120.0, "at a restart"),
+    ], changed
 
 
 async def test_unreadable_operator_config_at_runtime_keeps_the_namespaces(
@@ -831,6 +869,58 @@ async def test_a_missing_patch_permission_is_said_at_start_not_only_by_unknown_c
             assert 'canaryd_watch_scopes{state="patch_forbidden"} 1.0' in scraped
     warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
     assert warned and "patch forbidden: flinkdeployments@team-b" in warned[-1]["what"], warned
+
+
+def reviewed_namespaces(kube: FakeKube) -> list[str | None]:
+    """The namespace of each SelfSubjectAccessReview canaryd asked, in order."""
+    return [
+        r.body["spec"]["resourceAttributes"].get("namespace")
+        for r in kube.requests_for("create", "selfsubjectaccessreviews")
+    ]
+
+
+async def test_access_reviews_are_asked_only_for_scopes_that_are_new(kube, kubeconfig):
+    """Issue 42: at 100 watched scopes, deleting a namespace canaryd does not watch asks
+    no review (it asked 200), deleting a watched one asks its own scope's when it is
+    watched again, and a namespace added asks only its own."""
+    watched = [f"team-{n:02}" for n in range(100)]
+    for namespace in [*watched, "elsewhere", "newcomer"]:
+        kube.create_namespace(namespace)
+    create_canary(kube, namespace="team-00")  # its bumps: a change of the fake a cycle
+    async with running_daemon(
+        kube, kubeconfig, namespaces=frozenset(watched), kinds=("flinkdeployments",)
+    ) as run:
+        watcher = run.daemon.watcher
+        assert watcher is not None
+
+        reviews = watcher.patch_reviews
+
+        def settled(scopes: int, **coverage: int) -> Callable[[], bool]:
+            """So many scopes answered (a round's answers are kept once it is all
+            answered: none in flight then), and the scope gauge as given."""
+
+            def check() -> bool:
+                counts = watcher.coverage()
+                done = all(counts[state] == n for state, n in coverage.items())
+                return done and len(reviews._allowed) == scopes
+
+            return check
+
+        await run.until(settled(100, listed=100), "100 scopes listed and reviewed", within=30)
+        assert set(reviewed_namespaces(kube)) == set(watched)
+        mark = len(reviewed_namespaces(kube))  # a review that timed out was asked again
+        kube.delete(kube.types["namespaces"], None, "elsewhere")
+        kube.delete(kube.types["namespaces"], None, "team-07")  # seen after "elsewhere"
+        await run.until(
+            lambda: (
+                "team-07" in reviewed_namespaces(kube)[mark:]
+                and settled(100, namespace_missing=1)()
+            ),
+            "team-07 gone, watched again and reviewed",
+        )
+        watcher.set_namespaces(frozenset({*watched, "newcomer"}))
+        await run.until(settled(101, listed=100), "the newcomer listed and reviewed")
+        assert set(reviewed_namespaces(kube)[mark:]) == {"team-07", "newcomer"}
 
 
 async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(kube, tmp_path):

@@ -6,10 +6,13 @@ a stuck watch delivery (unhealthy, 500, then healthy again) and a write outage
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
 import sys
+
+import pytest
 
 
 async def test_demo_scenario_shows_the_happy_path_and_both_failures():
@@ -69,3 +72,36 @@ def test_the_demo_default_cycle_keeps_it_under_a_minute():
         timeout=30,
     )
     assert "canary cycle (default 3s)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("when", ["canaryd started", "step 4:"])
+async def test_ctrl_c_stops_the_demo_with_status_0_whenever_it_comes(when):
+    """Ctrl-C in a terminal signals the whole process group (make, the demo, and canaryd
+    as the demo started it): canaryd got SIGINT, then the demo's SIGTERM after its own
+    handlers were gone (-15), or SIGINT before it had any (-2), and `make demo` failed."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canaryd.testing.demo",
+        "--timeout",
+        "500ms",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(50):
+            while not lines or when not in lines[-1]:
+                line = (await process.stdout.readline()).decode()
+                assert line, f"the demo ended before {when!r}: {''.join(lines)}"
+                lines.append(line)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGINT)
+    async with asyncio.timeout(30):
+        rest, err = await process.communicate()
+    out = "".join(lines) + rest.decode()
+    assert process.returncode == 0, out + err.decode()
+    assert "Traceback" not in out + err.decode(), err.decode()

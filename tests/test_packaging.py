@@ -171,6 +171,20 @@ def test_standalone_deployment_probes_match_the_daemons_defaults():
     build_parser().parse_args(canaryd.get("args", []))  # every flag exists
 
 
+@pytest.mark.parametrize("directory", BUILDABLE, ids=lambda d: str(d.relative_to(CONFIG)))
+def test_no_service_link_sets_canaryds_port(directory):
+    """The kubelet sets CANARYD_PORT=tcp://IP:PORT in every pod of a namespace with a
+    Service named canaryd (config/standalone ships one), which canaryd would read as
+    its port and exit 2: every canaryd container runs in a pod without service links,
+    or is given --port, which wins over the environment."""
+    for pod in (
+        d["spec"]["template"]["spec"] for d in built(directory) if d["kind"] == "Deployment"
+    ):
+        for canaryd in (c for c in pod["containers"] if c["name"] == "canaryd"):
+            given = flag_value(canaryd.get("args", []), "--port") is not None
+            assert pod.get("enableServiceLinks") is False or given, directory
+
+
 # ------------------------------------------------------------------ sidecar
 
 

@@ -504,6 +504,35 @@ async def test_403_on_a_bump_is_unknown_retried_every_cycle_and_warned_once(
     assert not [line for line in err.splitlines() if "bump_failed" in line and "warning" in line]
 
 
+async def test_patch_refused_in_a_scope_is_said_and_asked_again_there_only(kube, kubeconfig):
+    """An access review (one per scope when it is first watched) says canaryd may not
+    patch in team-b: patch_forbidden. Only that scope is asked again, every forbidden
+    retry: a Role granted later is seen with no scope change (issue 42: nothing asked
+    again without one)."""
+    for namespace in ("team-a", "team-b"):
+        kube.create_namespace(namespace)
+        create_canary(kube, namespace=namespace)
+    kube.deny(verb="patch", resource="flinkdeployments", namespace="team-b")
+
+    def reviewed() -> list[str]:
+        return [
+            r.body["spec"]["resourceAttributes"]["namespace"]
+            for r in kube.requests_for("create", "selfsubjectaccessreviews")
+        ]
+
+    async with running_daemon(
+        kube, kubeconfig, namespaces=frozenset({"team-a", "team-b"}), kinds=("flinkdeployments",)
+    ) as run:
+        watcher = run.daemon.watcher
+        assert watcher is not None
+        await run.until(lambda: watcher.coverage()["patch_forbidden"] == 1, "the refusal")
+        mark = len(reviewed())
+        kube.rbac_denies.clear()
+        await run.until(lambda: watcher.coverage()["listed"] == 2, "the grant seen", within=3)
+        await run.until_state(CanaryState.HEALTHY, namespace="team-b")
+    assert set(reviewed()[mark:]) == {"team-b"}, reviewed()
+
+
 async def test_a_late_404_does_not_drop_the_canary_recreated_meanwhile(kube, kubeconfig):
     """The old canary's bump is answered 404 after a new one of the same name was
     tracked: the answer is about a record no longer tracked and changes nothing."""

@@ -190,8 +190,9 @@ def test_a_sub_second_cycle_from_a_bare_number_is_refused_with_a_unit_hint(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     text = (argv[1:] or list(env.values()))[0]
+    source = "--timeout" if argv else f"CANARYD_TIMEOUT={text}"
     assert lines[0] == (
-        f"canaryd: timeout '{text}' is {float(text):g} ms: a bare number is milliseconds; "
+        f"canaryd: {source}: '{text}' is {float(text):g} ms: a bare number is milliseconds; "
         f"give a unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
     )
 
@@ -530,7 +531,7 @@ async def test_check_with_bad_configuration_is_one_line_and_exit_2():
     code, out, err = await run_cli("check", "--timeout", "300")
     assert code == 2 and out == ""
     assert err.strip() == (
-        "canaryd: timeout '300' is 300 ms: a bare number is milliseconds; give a unit, "
+        "canaryd: --timeout: '300' is 300 ms: a bare number is milliseconds; give a unit, "
         "e.g. '300s' (or '300ms' for a cycle below a second)"
     )
 
@@ -538,7 +539,7 @@ async def test_check_with_bad_configuration_is_one_line_and_exit_2():
 async def test_patch_reviews_ask_an_unanswered_round_again_and_forget_unwatched_scopes(kube):
     """The watcher's reviews: a round the API server did not answer (500) is not a
     refusal and is asked again after a backoff; a scope no longer watched leaves
-    ``denied`` at once."""
+    ``denied`` at once, and is asked again when it comes back (only it)."""
     from kubernetes_asyncio import client as k8s_client
 
     kube.deny("patch", "flinkdeployments", "team-b")
@@ -561,8 +562,15 @@ async def test_patch_reviews_ask_an_unanswered_round_again_and_forget_unwatched_
             answered.clear()
             patch_reviews.ask(group, {"a": patch_in("team-a")})
             assert patch_reviews.denied == set()
+            patch_reviews.ask(group, {"a": patch_in("team-a"), "b": patch_in("team-b")})
             await answered.wait()
-            assert patch_reviews.denied == set()
+            assert patch_reviews.denied == {"b"}
+            asked = [r.body["spec"]["resourceAttributes"]["namespace"] for r in kube.requests]
+            # The unanswered round (its other review perhaps cancelled unsent), the round
+            # again, then team-b alone.
+            assert sorted(asked[-3:-1]) == ["team-a", "team-b"] and asked[-1] == "team-b", asked
+            assert asked.count("team-a") <= 2, asked
+            patch_reviews.ask(group, {})  # nothing watched: its task ends
     finally:
         await client.close()
 

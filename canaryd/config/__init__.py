@@ -20,6 +20,7 @@ from canaryd.config.flags import (
     RECONCILED_BY,
     build_parser,
     load_settings,
+    operator_config_values,
 )
 from canaryd.config.operator_config import (
     ALL_NAMESPACES_VALUE,
@@ -34,7 +35,6 @@ from canaryd.config.operator_config import (
     REPORTER_PORT_KEY,
     flatten,
     has_prometheus_reporter,
-    namespaces_from_operator_config,
     nested_keys_why,
     nested_operator_keys,
     operator_config_file,
@@ -86,11 +86,11 @@ __all__ = [
     "lease_seconds",
     "lease_write_budget",
     "load_settings",
-    "namespaces_from_operator_config",
     "nested_keys_why",
     "nested_operator_keys",
     "operator_config_file",
     "operator_config_files",
+    "operator_config_values",
     "parse_bool",
     "parse_duration",
     "parse_namespaces",

@@ -24,6 +24,7 @@ from canaryd.config.operator_config import (
     KEY_PORT,
     KEY_TIMEOUT,
     REPORTER_PORT_KEY,
+    operator_config_file,
     parse_namespaces,
     read_operator_config,
     reporter_url,
@@ -116,49 +117,46 @@ def _metrics_url(value: str) -> str:
     return url
 
 
-def _positive_duration(value: Any, what: str) -> float:
-    try:
-        seconds = parse_duration(str(value))
-    except ConfigError as err:
-        raise ConfigError(f"{what}: {err}") from None
+def _positive_duration(value: Any) -> float:
+    seconds = parse_duration(str(value))
     if seconds <= 0:
-        raise ConfigError(f"{what}: duration must be greater than zero, got {value!r}")
+        raise ConfigError(f"duration must be greater than zero, got {value!r}")
     return seconds
 
 
 def _timeout(value: Any) -> float:
-    seconds = _positive_duration(value, "timeout")
+    seconds = _positive_duration(value)
     text = str(value).strip()
     if seconds < 1.0 and text.replace(".", "", 1).isdigit():
         # Flink's syntax reads a bare number as milliseconds: CANARYD_TIMEOUT=300 is a
         # 300 ms cycle against a real cluster, rarely what was meant.
         raise ConfigError(
-            f"timeout {text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; "
+            f"{text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; "
             f"give a unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
         )
     if seconds < MIN_TIMEOUT:
         raise ConfigError(
-            f"timeout {text!r} is {seconds * 1000:g} ms, below the "
+            f"{text!r} is {seconds * 1000:g} ms, below the "
             f"{MIN_TIMEOUT * 1000:g} ms cycle canaryd can keep"
         )
     return seconds
 
 
-def _duration_at_least(floor: float, what: str, value: Any) -> float:
+def _duration_at_least(floor: float, value: Any) -> float:
     """A duration of at least ``floor`` seconds, the shortest that makes sense. A bare
     number is milliseconds, as in Flink: without a floor ``CANARYD_LEASE_DURATION=15``
     is a 15 ms lease (hundreds of Lease requests a second) and
     ``CANARYD_CONFIG_CHECK_INTERVAL=5`` 179 discovery requests a second."""
-    seconds = _positive_duration(value, what)
+    seconds = _positive_duration(value)
     if seconds < floor:
         text = str(value).strip()
         bare = (
-            f" (a bare number is milliseconds: {text!r} is {text} ms; write '{text}s')"
+            f" (a bare number is milliseconds: write '{text}s')"
             if text.replace(".", "", 1).isdigit()
             else ""
         )
         raise ConfigError(
-            f"{what} {text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{bare}"
+            f"{text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{bare}"
         )
     return seconds
 
@@ -174,6 +172,11 @@ def _port(value: Any) -> int:
     try:
         port = int(str(value).strip())
     except ValueError:
+        if str(value).startswith("tcp://"):  # the kubelet's, for a Service named canaryd
+            raise ConfigError(
+                "looks like a Kubernetes service link (a Service named canaryd in this "
+                "namespace): set enableServiceLinks: false on the pod, or --port"
+            ) from None
         raise ConfigError(f"invalid port {value!r}: expected a port number") from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"invalid port {port}: expected 0-65535")
@@ -318,7 +321,7 @@ OPTIONS = {
         "--config-check-interval",
         "DURATION",
         "CANARYD_CONFIG_CHECK_INTERVAL",
-        partial(_duration_at_least, 1.0, "config check interval"),
+        partial(_duration_at_least, 1.0),
         "5 min",
         "operator config re-read interval",
         key=KEY_CHECK_INTERVAL,
@@ -343,7 +346,7 @@ OPTIONS = {
         "--leader-elect",
         None,
         "CANARYD_LEADER_ELECT",
-        partial(parse_bool, what="CANARYD_LEADER_ELECT"),
+        parse_bool,
         "off",
         "run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, the "
         "others keep their registry warm",
@@ -376,7 +379,7 @@ OPTIONS = {
         "--lease-duration",
         "DURATION",
         "CANARYD_LEASE_DURATION",
-        partial(_duration_at_least, 1.0, "lease duration"),
+        partial(_duration_at_least, 1.0),
         "15 s",
         "followers wait this long after the lease last changed before they take it",
     ),
@@ -384,7 +387,7 @@ OPTIONS = {
         "--renew-deadline",
         "DURATION",
         "CANARYD_RENEW_DEADLINE",
-        partial(_duration_at_least, 0.5, "renew deadline"),
+        partial(_duration_at_least, 0.5),
         "10 s",
         "a leader that cannot renew for this long stops bumping",
     ),
@@ -392,7 +395,7 @@ OPTIONS = {
         "--retry-period",
         "DURATION",
         "CANARYD_RETRY_PERIOD",
-        partial(_duration_at_least, 0.1, "retry period"),
+        partial(_duration_at_least, 0.1),
         "2 s",
         "how often the lease is renewed or looked at",
     ),
@@ -406,13 +409,21 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+CHECK = (
+    "checks the configuration and asks the API server whether canaryd may do what it "
+    "needs with it (exit 0 when all is granted, 2 naming what is not)"
+)
+
+
+def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
+    """The daemon's parser, or ``canaryd check``'s: the same flags, its own usage."""
     parser = _Parser(
-        prog="canaryd",
-        description="Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default. "
-        "`canaryd check [FLAGS]` checks the configuration and asks the API server whether "
-        "canaryd may do what it needs (exit 0 when all is granted, 2 naming what is not).",
+        prog=prog,
+        description=f"canaryd check {CHECK}."
+        if prog == "canaryd check"
+        else "Canary health checks for the Apache Flink Kubernetes Operator.",
+        epilog="Precedence: flag > environment > operator config file > default."
+        + ("" if prog == "canaryd check" else f" `canaryd check [FLAGS]` {CHECK}."),
     )
     for field, option in OPTIONS.items():
         if option.metavar is None:  # None when not given: the environment decides
@@ -436,38 +447,61 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
-    """Resolve every setting by precedence; raises ConfigError on any bad value."""
-    args = vars(build_parser().parse_args(_join_negative_values(argv)))
-    given: dict[str, Any] = {}  # field: its flag's value, else its environment variable's
+def _converted(convert: Callable[[Any], Any], value: Any, source: str) -> Any:
+    """The value converted, or a ConfigError that names where it came from."""
+    try:
+        return convert(value)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def load_settings(
+    argv: Sequence[str], environ: Mapping[str, str], prog: str = "canaryd"
+) -> Settings:
+    """Resolve every setting by precedence; raises ConfigError on any bad value, naming
+    its source: ``--timeout: ...``, ``CANARYD_TIMEOUT=30x: ...`` or ``FILE: KEY: ...``."""
+    args = vars(build_parser(prog).parse_args(_join_negative_values(argv)))
+    changes: dict[str, Any] = {}  # field: its flag's value, else its environment variable's
     for field, option in OPTIONS.items():
-        value = args[field]
+        value, source = args[field], option.flag
         if value is None and environ.get(option.env, "") != "":
             value = environ[option.env]
-        if isinstance(value, list):
-            value = ",".join(value)
+            source = f"{option.env}={value}"
         if value is not None:
-            given[field] = value
-
-    path = given.get("operator_config")
-    flat = read_operator_config(Path(path)) if path is not None else {}
-    changes: dict[str, Any] = {}
-    for field, option in OPTIONS.items():
-        value = given.get(field)
-        if value is None and option.key is not None:
-            value = flat.get(option.key)
-        if value is not None:
-            changes[field] = option.convert(value)
-    if flat and "namespaces" not in given:  # the file's namespaces, followed as it changes
-        changes["namespaces_from_file"] = True
-        changes["dynamic_namespaces"] = parse_bool(flat.get(KEY_DYNAMIC, False), KEY_DYNAMIC)
-    if flat and "operator_metrics_url" not in given:
-        changes["operator_metrics_url"] = reporter_url(flat)
-
+            joined = ",".join(value) if isinstance(value, list) else value
+            changes[field] = _converted(option.convert, joined, source)
+    path = changes.get("operator_config")
+    if path is not None:
+        from_file = {f for f, o in OPTIONS.items() if o.key and f not in changes}
+        if "operator_metrics_url" not in changes:  # the port of its Prometheus reporter
+            from_file.add("operator_metrics_url")
+        changes["from_file"] = frozenset(from_file)
+        changes.update(operator_config_values(path, changes["from_file"]))
     # Every value left out of ``changes`` is the default.
     settings = replace(Settings(), **changes)
     _check_lease_timings(settings)
     return settings
+
+
+def operator_config_values(path: Path, fields: frozenset[str]) -> dict[str, Any]:
+    """The settings the operator config file decides (these ``fields``, those neither a
+    flag nor the environment gives), as it says now: its value or the default; with
+    ``namespaces`` the dynamic flag. A bad value names ``FILE: KEY``."""
+    file = operator_config_file(path)
+    flat = read_operator_config(file)
+    values: dict[str, Any] = {}
+    for field in fields:
+        key = OPTIONS[field].key
+        value = flat.get(key) if key else None
+        default = getattr(Settings(), field)
+        convert = OPTIONS[field].convert
+        values[field] = default if value is None else _converted(convert, value, f"{file}: {key}")
+    if "namespaces" in fields:
+        dynamic = flat.get(KEY_DYNAMIC, False)
+        values["dynamic_namespaces"] = _converted(parse_bool, dynamic, f"{file}: {KEY_DYNAMIC}")
+    if "operator_metrics_url" in fields:
+        values["operator_metrics_url"] = reporter_url(flat)
+    return values
 
 
 def _check_lease_timings(settings: Settings) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from canaryd.config.values import ConfigError, parse_bool
+from canaryd.config.values import ConfigError
 
 # The operator's own keys (flink-kubernetes-operator KubernetesOperatorConfigOptions).
 KEY_NAMESPACES = "kubernetes.operator.watched.namespaces"
@@ -198,10 +198,3 @@ def has_prometheus_reporter(flat: Mapping[str, Any]) -> bool:
         key.startswith(prefix) and key.endswith(".factory.class") and str(v).strip() == PROM_FACTORY
         for key, v in flat.items()
     )
-
-
-def namespaces_from_operator_config(flat: Mapping[str, Any]) -> tuple[frozenset[str] | None, bool]:
-    """The watched namespaces and the dynamic flag as the operator config file says."""
-    namespaces = parse_namespaces(flat[KEY_NAMESPACES]) if KEY_NAMESPACES in flat else None
-    dynamic = parse_bool(flat.get(KEY_DYNAMIC, False), KEY_DYNAMIC)
-    return namespaces, dynamic

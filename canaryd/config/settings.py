@@ -26,9 +26,9 @@ class Settings:
     """kubeconfig context; None: its current context."""
     namespaces: frozenset[str] | None = None
     """Watched namespaces; None: all namespaces (one cluster-wide watch per kind)."""
-    namespaces_from_file: bool = False
-    """True when the namespaces came from the operator config file (they may then follow
-    it at runtime)."""
+    from_file: frozenset[str] = frozenset()
+    """The settings the operator config file decides (neither a flag nor the
+    environment gives them): a re-read may change them."""
     dynamic_namespaces: bool = False
     """kubernetes.operator.dynamic.namespaces.enabled from the operator config file."""
     operator_config: Path | None = None
@@ -132,6 +132,11 @@ class Settings:
         """Cap of every watch, list and write backoff: client-go's 30 s, at most a
         quarter of the cycle."""
         return min(30.0, self.timeout / 4)
+
+    @property
+    def namespaces_from_file(self) -> bool:
+        """The namespaces come from the operator config file (and may follow it)."""
+        return "namespaces" in self.from_file
 
     @property
     def forbidden_retry(self) -> float:

@@ -59,7 +59,7 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def parse_bool(value: Any, what: str) -> bool:
+def parse_bool(value: Any) -> bool:
     """Every boolean canaryd reads, from the environment or the operator config, is
     ``true`` or ``false`` in any case, as Flink reads the operator's own booleans
     (ConfigurationUtils.convertToBoolean); ``yes``, ``1`` or ``on`` are refused."""
@@ -68,4 +68,4 @@ def parse_bool(value: Any, what: str) -> bool:
     text = str(value).strip().lower()
     if text in ("true", "false"):
         return text == "true"
-    raise ConfigError(f"invalid {what} {str(value).strip()!r}: expected true or false")
+    raise ConfigError(f"expected true or false, got {str(value).strip()!r}")

@@ -306,6 +306,10 @@ class Demo:
                         "warning",
                     ),
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    # Ctrl-C signals the terminal's whole process group: canaryd is
+                    # stopped by the demo alone, once (a second signal after its own
+                    # handlers are gone would kill it).
+                    start_new_session=True,
                 )
                 url = f"http://127.0.0.1:{port}/healthz?verbose"
                 self.say(f"canaryd started (cycle {self.timeout:g}s): curl '{url}'")
@@ -327,7 +331,9 @@ class Demo:
                 code = await proc.wait()
                 await plain.close()
                 self.say(f"canaryd exited with {code}")
-        return 0 if code == 0 and not self.failures else 1
+        # Stopped before it ever answered, canaryd may not handle SIGTERM yet.
+        early = code == -signal.SIGTERM and "not answering" in (self.last_health or "not answering")
+        return 0 if (code == 0 or early) and not self.failures else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -342,7 +348,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=Path, default=SAMPLES)
     args = parser.parse_args(argv)
     demo = Demo(parse_duration(args.timeout), args.samples)
-    sys.exit(asyncio.run(demo.run(once=args.once)))
+    try:
+        sys.exit(asyncio.run(demo.run(once=args.once)))
+    except KeyboardInterrupt:  # Ctrl-C before the demo's own handler: stopped as asked
+        sys.exit(0)
 
 
 if __name__ == "__main__":
