@@ -53,6 +53,14 @@ async def check(settings: Settings, out: TextIO) -> int:
     missing = [p for p, ok in zip(wanted, granted, strict=True) if not ok]
     for permission, ok in zip(wanted, granted, strict=True):
         print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
+    if absent:
+        assert account is not None
+        print(
+            f"MISSING serviceaccount {account[1]} in {account[0]}: the admission policy "
+            "judges the operator's writes by this account, and refuses nothing while it "
+            "does not exist",
+            file=out,
+        )
     if missing:
         print(
             f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
@@ -61,16 +69,9 @@ async def check(settings: Settings, out: TextIO) -> int:
         )
         return 2
     if absent:
-        assert account is not None
-        print(
-            f"MISSING serviceaccount {account[1]} in {account[0]}: the admission policy "
-            "names the operator's writes by this account, and refuses nothing while it "
-            "does not exist",
-            file=out,
-        )
         print(
             f"canaryd check: all {len(wanted)} permissions granted on {kube.host}, but the "
-            f"operator's service account {'/'.join(account)} does not exist",
+            f"operator's service account {'/'.join(account or ())} does not exist",
             file=out,
         )
         return 2
