@@ -45,7 +45,9 @@ async def check(settings: Settings, out: TextIO) -> int:
     account = settings.operator_account
     try:
         granted = await reviews(kube, wanted)  # the first failure cancels the others
-        absent = account is not None and granted[-1] and not await account_exists(kube, account)
+        gone = (
+            account if account and granted[-1] and not await account_exists(kube, account) else None
+        )
     except KubeError as failed:
         raise ConfigError(_unanswered(kube.host, failed)) from failed
     finally:
@@ -53,10 +55,9 @@ async def check(settings: Settings, out: TextIO) -> int:
     missing = [p for p, ok in zip(wanted, granted, strict=True) if not ok]
     for permission, ok in zip(wanted, granted, strict=True):
         print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
-    if absent:
-        assert account is not None
+    if gone:
         print(
-            f"MISSING serviceaccount {account[1]} in {account[0]}: the admission policy "
+            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy "
             "judges the operator's writes by this account, and refuses nothing while it "
             "does not exist",
             file=out,
@@ -68,10 +69,10 @@ async def check(settings: Settings, out: TextIO) -> int:
             file=out,
         )
         return 2
-    if absent:
+    if gone:
         print(
             f"canaryd check: all {len(wanted)} permissions granted on {kube.host}, but the "
-            f"operator's service account {'/'.join(account or ())} does not exist",
+            f"operator's service account {'/'.join(gone)} does not exist",
             file=out,
         )
         return 2

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from canaryd import __version__
+from canaryd import __version__, metrics
 from canaryd.__main__ import main
 from canaryd.access import ACCESS_REVIEWS, KIND_VERBS, PatchReviews, Permission
 from canaryd.check import check
@@ -552,12 +552,17 @@ async def test_check_says_when_the_operators_account_does_not_exist(kube, kubeco
     assert code == 2 and "MISSING get serviceaccounts/operator in flink" in out, (out, err)
 
 
-@pytest.mark.parametrize("exists", [False, True])
+@pytest.mark.parametrize("exists", [False, True, None])
 async def test_the_start_up_log_says_whether_the_operators_account_exists(
     kube, kubeconfig, capsys, exists
 ):
+    """None: canaryd may not get it (403), so cannot say: a warning and an error counted."""
     if exists:
         kube.create(SERVICE_ACCOUNTS, "default", {"metadata": {"name": "operator"}})
+    if exists is None:
+        kube.deny("get", "serviceaccounts")
+    errors = ("canaryd_errors_total", {"where": "operator_account"})
+    before = metrics.REGISTRY.get_sample_value(*errors)
     with json_logs("info"):
         async with running_daemon(kube, kubeconfig, operator_account=("default", "operator")):
             said = [t for t in asyncio.all_tasks() if t.get_name() == "operator-account"]
@@ -565,10 +570,15 @@ async def test_the_start_up_log_says_whether_the_operators_account_exists(
                 async with asyncio.timeout(5):
                     await asyncio.wait(said)
         records = json_lines(capsys.readouterr().err)
+    counted = metrics.REGISTRY.get_sample_value(*errors) - before
     if exists:
         (line,) = events(records, "operator_account")
         assert (line["level"], line["exists"]) == ("info", True), line
         assert not events(records, "operator_account_missing")
+    elif exists is None:
+        (line,) = events(records, "operator_account_unknown")
+        assert line["level"] == "warning" and "403" in line["error"], line
+        assert counted == 1, counted
     else:
         (line,) = events(records, "operator_account_missing")
         assert line["level"] == "warning" and "refuses nothing" in line["why"], line
