@@ -574,8 +574,19 @@ class TestTheChart:
         manifest = release.helm("get", "manifest", RELEASE)
         assert manifest.returncode == 0, manifest.stderr
         made = [d for d in yaml.safe_load_all(manifest.stdout) if d]
-        listed = release.home / "manifest.yaml"
-        listed.write_text(manifest.stdout)
+        # By namespace (kubectl get -f refuses an object of another namespace than -n's):
+        # the release's, and the operator's (the Role to get its service account).
+        listed = {d["metadata"].get("namespace", CHART_NAMESPACE) for d in made}
+        for namespace in listed:
+            (release.home / f"manifest-{namespace}.yaml").write_text(
+                yaml.safe_dump_all(
+                    [
+                        d
+                        for d in made
+                        if d["metadata"].get("namespace", CHART_NAMESPACE) == namespace
+                    ]
+                )
+            )
         kinds = sorted({d["kind"] for d in made})
         names = {p["metadata"]["name"] for p in release_pods(node)}
         kubectl = ["kubectl", f"--kubeconfig={node.plane.kubeconfig('admin')}"]
@@ -600,8 +611,18 @@ class TestTheChart:
         finally:
             for log in logs:
                 log.kill()
-        left = node.kubectl(
-            "-n", CHART_NAMESPACE, "get", "-f", str(listed), "--ignore-not-found", "-o", "name"
+        left = "".join(
+            node.kubectl(
+                "-n",
+                namespace,
+                "get",
+                "-f",
+                str(release.home / f"manifest-{namespace}.yaml"),
+                "--ignore-not-found",
+                "-o",
+                "name",
+            )
+            for namespace in sorted(listed)
         )
         assert left.strip() == "", f"left by helm uninstall: {left}"
         remaining = {
