@@ -227,7 +227,9 @@ class Daemon:
                         group.create_task(self._supervise("scheduler", scheduler.run)),
                         group.create_task(self.server.run(), name="health-server"),
                     ]
-                    group.create_task(self._say_operator_account(kube), name="operator-account")
+                    if settings.operator_account is not None:
+                        said = self._say_operator_account(kube, *settings.operator_account)
+                        group.create_task(said, name="operator-account")
                     group.create_task(self._supervise("config", self._follow_operator_config))
                     group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
                     if self.elector is not None:
@@ -290,16 +292,12 @@ class Daemon:
             "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
         )
 
-    async def _say_operator_account(self, kube: KubeClient) -> None:
+    async def _say_operator_account(self, kube: KubeClient, namespace: str, name: str) -> None:
         """Say once at start whether the operator's service account exists: the
         admission policy judges the operator's writes by it, and one named for an
         account that does not exist refuses nothing, silently."""
-        account = self.settings.operator_account
-        if account is None:
-            return
-        namespace, name = account
         try:
-            exists = await account_exists(kube, account)
+            exists = await account_exists(kube, (namespace, name))
         except KubeError as err:
             metrics.ERRORS.labels("operator_account").inc()
             log.warning("operator_account_unknown", namespace=namespace, name=name, error=str(err))
