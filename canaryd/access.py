@@ -92,7 +92,24 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
             )
             for verb in LEASE_VERBS
         ]
+    if settings.operator_account is not None:  # last: check reads its answer there
+        namespace, name = settings.operator_account
+        wanted.append(Permission("get", "serviceaccounts", "", namespace, name))
     return wanted
+
+
+async def account_exists(kube: KubeClient, account: tuple[str, str]) -> bool:
+    """Does the operator's service account exist? The admission policy judges its
+    writes: one named for an account that does not exist refuses nothing. Raises
+    KubeError when the API server does not say (refused, unanswered)."""
+    namespace, name = account
+    try:
+        await kube.request("get", "GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+    except KubeError as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
 
 
 async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[bool]:

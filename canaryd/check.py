@@ -3,7 +3,9 @@ it, the API server reached with the same credentials, and asked with
 SelfSubjectAccessReviews (authorization.k8s.io/v1) whether canaryd may do what it will
 do: list, watch and patch each wanted kind in each watched namespace (or cluster-wide
 when all are watched), list and watch namespaces, and, under ``--leader-elect``, get,
-create and update its Lease. One line per permission; exit 0 when every one is
+create and update its Lease; with ``--operator-account``, get that service account,
+and whether it exists (the admission policy names it: one for an account that does
+not exist refuses nothing). One line per permission; exit 0 when every one is
 granted, 2 naming what is missing (or on bad configuration, or an API server that
 cannot be reached or refuses the credentials).
 
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from canaryd import logs
-from canaryd.access import reviews, wanted_permissions
+from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import (
     ConfigError,
     Settings,
@@ -40,8 +42,12 @@ async def check(settings: Settings, out: TextIO) -> int:
             print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
     wanted = wanted_permissions(settings)
     kube = await connect(settings)
+    account = settings.operator_account
     try:
         granted = await reviews(kube, wanted)  # the first failure cancels the others
+        gone = (
+            account if account and granted[-1] and not await account_exists(kube, account) else None
+        )
     except KubeError as failed:
         raise ConfigError(_unanswered(kube.host, failed)) from failed
     finally:
@@ -49,10 +55,24 @@ async def check(settings: Settings, out: TextIO) -> int:
     missing = [p for p, ok in zip(wanted, granted, strict=True) if not ok]
     for permission, ok in zip(wanted, granted, strict=True):
         print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
+    if gone:
+        print(
+            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy "
+            "judges the operator's writes by this account, and refuses nothing while it "
+            "does not exist",
+            file=out,
+        )
     if missing:
         print(
             f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
             f"{kube.host}: {', '.join(map(str, missing))}",
+            file=out,
+        )
+        return 2
+    if gone:
+        print(
+            f"canaryd check: all {len(wanted)} permissions granted on {kube.host}, but the "
+            f"operator's service account {'/'.join(gone)} does not exist",
             file=out,
         )
         return 2

@@ -21,6 +21,7 @@ import structlog
 import yaml
 
 from canaryd import __version__, logs, metrics
+from canaryd.access import account_exists
 from canaryd.backoff import Backoff
 from canaryd.config import (
     ConfigError,
@@ -35,6 +36,7 @@ from canaryd.config import (
 )
 from canaryd.kube import (
     KubeClient,
+    KubeError,
     kubeconfig_files,
     kubeconfig_path,
     load_configuration,
@@ -228,6 +230,9 @@ class Daemon:
                         group.create_task(self._supervise("scheduler", scheduler.run)),
                         group.create_task(self.server.run(), name="health-server"),
                     ]
+                    if settings.operator_account is not None:
+                        said = self._say_operator_account(kube, *settings.operator_account)
+                        group.create_task(said, name="operator-account")
                     group.create_task(self._supervise("config", self._follow_operator_config))
                     group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
                     if self.elector is not None:
@@ -288,6 +293,28 @@ class Daemon:
             else f"{path} sets up no Prometheus reporter: add "
             "kubernetes.operator.metrics.reporter.prom.factory.class: "
             "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
+        )
+
+    async def _say_operator_account(self, kube: KubeClient, namespace: str, name: str) -> None:
+        """Say once at start whether the operator's service account exists: the
+        admission policy judges the operator's writes by it, and one named for an
+        account that does not exist refuses nothing, silently."""
+        try:
+            exists = await account_exists(kube, (namespace, name))
+        except KubeError as err:
+            metrics.ERRORS.labels("operator_account").inc()
+            log.warning("operator_account_unknown", namespace=namespace, name=name, error=str(err))
+            return
+        if exists:
+            log.info("operator_account", namespace=namespace, name=name, exists=True)
+            return
+        log.warning(
+            "operator_account_missing",
+            namespace=namespace,
+            name=name,
+            why="the admission policy refuses the stale writes of this account, which "
+            "does not exist: it refuses nothing (--operator-account, the chart's "
+            "admissionPolicy.operatorServiceAccount)",
         )
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:

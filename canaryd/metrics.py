@@ -172,6 +172,7 @@ ERROR_PLACES = (
     "credentials",
     "discovery",
     "malformed_object",
+    "operator_account",
     "request",
     "scheduler",
     "sd_notify",

@@ -112,11 +112,12 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     for entry in spec.get("components", []):
         objects = with_component(objects, directory / entry)
     objects = patched(objects, directory)
-    objects = replaced(objects, directory)
     namespace = spec.get("namespace")
-    for obj in objects:
+    for obj in objects:  # before the replacements, as kustomize: they may set one
         if namespace and obj["kind"] not in CLUSTER_SCOPED:
             obj["metadata"]["namespace"] = namespace
+    objects = replaced(objects, directory)
+    for obj in objects:
         for image in spec.get("images", []):
             for container in pod_template(obj).get("containers", []):
                 name, _, _ = str(container.get("image", "")).partition(":")
@@ -148,8 +149,8 @@ def with_component(objects: list[dict[str, Any]], directory: Path) -> list[dict[
 
 def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
     """kustomize's replacements as config/ uses them: a source field by kind and name
-    into target fields (a ``[name=X]`` step picks a list item by name), whole or as
-    one ``delimiter``-separated part (``index``)."""
+    into target fields (a ``[name=X]`` step picks a list item by name), each whole or
+    as one ``delimiter``-separated part (``index``)."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
 
     def select(obj: dict[str, Any], selector: Mapping[str, Any]) -> bool:
@@ -163,18 +164,21 @@ def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, A
             if step.startswith("[name="):
                 obj = next(item for item in obj if item.get("name") == step[6:-1])
             else:
-                obj = obj[step]
+                obj = obj[int(step) if isinstance(obj, list) else step]
         return obj
 
     for replacement in spec.get("replacements", []):
         source = replacement["source"]
         (origin,) = [o for o in objects if select(o, source)]
         value = walk(origin, steps(source["fieldPath"]))
+        if "options" in source:
+            value = str(value).split(source["options"]["delimiter"])[source["options"]["index"]]
         for target in replacement["targets"]:
             for obj in (o for o in objects if select(o, target["select"])):
                 for field_path in target["fieldPaths"]:
-                    *parent_path, last = steps(field_path)
+                    *parent_path, key = steps(field_path)
                     parent = walk(obj, parent_path)
+                    last: Any = int(key) if isinstance(parent, list) else key
                     options = target.get("options", {})
                     if "delimiter" in options:
                         parts = str(parent[last]).split(options["delimiter"])

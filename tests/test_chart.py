@@ -13,7 +13,9 @@ PodDisruptionBudget with high availability, and the same monitoring objects.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,11 @@ CONFIG = ROOT / "config"
 RELEASE, NAMESPACE = "canaryd", "canaryd"
 MEASURED_RSS_MB = 111
 """The highest resident set of canaryd measured in a pod (MB): 86 MB at 1,000 canaries
-and 102 MB at 10,000 in docs/PERFORMANCE.md, up to 111 MB in a pod for issue 33."""
+and 103 MB at 10,000 in docs/PERFORMANCE.md, up to 111 MB in a pod for issue 33."""
 
+ACCOUNT = "flink-operator/flink-operator"
+"""The operator's service account as the README gives it (the operator's chart in the
+namespace flink-operator, its account's default name), and config/standalone's."""
 VALUES = {
     "default": [],
     "ha": ["highAvailability.enabled=true"],
@@ -58,14 +63,24 @@ def helm() -> Path:
     return helm_binary()
 
 
-def template(helm: Path, *values: str, release: str = RELEASE, namespace: str = NAMESPACE):
-    result = subprocess.run(
-        [str(helm), "template", release, str(CHART), "--namespace", namespace]
-        + [arg for value in values for arg in ("--set", value)],
+def helm_run(
+    helm: Path, *args: str, values: Sequence[str] = (), account: str | None = ACCOUNT
+) -> subprocess.CompletedProcess[str]:
+    """helm with ``args``, the operator's account given as the README gives it (None:
+    not given), then ``values`` (``--set`` each)."""
+    given = [f"admissionPolicy.operatorServiceAccount={account}"] if account else []
+    return subprocess.run(
+        [str(helm), *args] + [arg for value in (*given, *values) for arg in ("--set", value)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+    )
+
+
+def template(helm: Path, *values: str, release: str = RELEASE, namespace: str = NAMESPACE):
+    result = helm_run(
+        helm, "template", release, str(CHART), "--namespace", namespace, values=values
     )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -93,14 +108,7 @@ def normalised(value: Any) -> Any:
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_helm_lint_passes(helm, name):
-    result = subprocess.run(
-        [str(helm), "lint", "--strict", str(CHART)]
-        + [arg for value in VALUES[name] for arg in ("--set", value)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = helm_run(helm, "lint", "--strict", str(CHART), values=VALUES[name])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 chart(s) failed" in result.stdout
 
@@ -139,7 +147,8 @@ def test_the_deployment_is_the_kustomize_manifests(helm, values, directory):
     ):
         assert normalised(mine[field]) == normalised(wanted[field]), field
     lease_env = [e for e in mine["env"] if e["name"] == "CANARYD_LEASE_NAME"]
-    assert [e for e in mine["env"] if e["name"] != "CANARYD_LEASE_NAME"] == wanted["env"]
+    by_name = sorted([e for e in mine["env"] if e["name"] != "CANARYD_LEASE_NAME"], key=str)
+    assert by_name == sorted(wanted["env"], key=str)
     pod, their_pod = ours["spec"]["template"]["spec"], theirs["spec"]["template"]["spec"]
     for field in (
         "securityContext",
@@ -169,8 +178,9 @@ def test_the_deployment_is_the_kustomize_manifests(helm, values, directory):
         )
         assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector
         (lease,) = lease_env
-        role = one(chart, "Role")
-        assert normalised(role["rules"]) == normalised(one(kustomized, "Role")["rules"])
+        role = one(chart, "Role", f"{RELEASE}-leader-election")
+        their_role = one(kustomized, "Role", "canaryd-leader-election")
+        assert normalised(role["rules"]) == normalised(their_role["rules"])
         (named,) = [r for r in role["rules"] if "resourceNames" in r]
         assert named["resourceNames"] == [lease["value"]]
         budget, their_budget = (
@@ -179,14 +189,15 @@ def test_the_deployment_is_the_kustomize_manifests(helm, values, directory):
         )
         assert budget["spec"]["minAvailable"] == their_budget["spec"]["minAvailable"]
         assert budget["spec"]["selector"]["matchLabels"] == selector
-        binding = one(chart, "RoleBinding")
+        binding = one(chart, "RoleBinding", role["metadata"]["name"])
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
         ]
     else:
         assert not lease_env and "affinity" not in pod
-        assert not [o for o in chart if o["kind"] in ("Role", "PodDisruptionBudget")]
+        assert not [o for o in chart if o["kind"] == "PodDisruptionBudget"]
+        assert [o["metadata"]["name"] for o in chart if o["kind"] == "Role"] == [OPERATOR_ROLE]
     service, their_service = one(chart, "Service"), one(kustomized, "Service")
     assert service["spec"]["ports"] == their_service["spec"]["ports"]
     assert service["spec"]["selector"] == selector
@@ -209,7 +220,8 @@ def test_the_cluster_wide_rbac_is_config_rbac(helm):
     ]
     env = {e["name"] for e in canaryd_container(one(chart, "Deployment"))["env"]}
     assert "WATCH_NAMESPACES" not in env
-    assert not [o for o in chart if o["kind"] in ("Role", "RoleBinding")]
+    roles = [o for o in chart if o["kind"] in ("Role", "RoleBinding")]
+    assert {o["metadata"]["name"] for o in roles} == {OPERATOR_ROLE}, "the account's only"
 
 
 def test_the_namespaced_rbac_is_config_rbac_namespaced_in_each_watched_namespace(helm):
@@ -217,7 +229,7 @@ def test_the_namespaced_rbac_is_config_rbac_namespaced_in_each_watched_namespace
     rbac = render(CONFIG / "rbac" / "namespaced")
     account = one(chart, "ServiceAccount")["metadata"]["name"]
     subject = {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
-    roles = [o for o in chart if o["kind"] == "Role"]
+    roles = [o for o in chart if o["kind"] == "Role" and o["metadata"]["name"] != OPERATOR_ROLE]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert role["rules"] == one(rbac, "Role")["rules"]
@@ -225,6 +237,7 @@ def test_the_namespaced_rbac_is_config_rbac_namespaced_in_each_watched_namespace
             o
             for o in chart
             if o["kind"] == "RoleBinding"
+            and o["metadata"]["name"] == role["metadata"]["name"]
             and o["metadata"]["namespace"] == role["metadata"]["namespace"]
         ]
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -238,24 +251,98 @@ def test_the_namespaced_rbac_is_config_rbac_namespaced_in_each_watched_namespace
     assert not [o for o in without if o["kind"].startswith("Cluster")]
 
 
-def test_the_admission_policy_is_config_admission_named_after_the_release(helm):
+OPERATOR_ROLE = f"{RELEASE}-{NAMESPACE}-operator-account"
+"""The chart's Role that lets canaryd get the operator's service account."""
+
+
+def the_account(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    """Where the operator's service account is given: what the policy names, what
+    canaryd is told (CANARYD_OPERATOR_ACCOUNT), what its Role lets it get."""
+    env = canaryd_container(one(objects, "Deployment"))["env"]
+    rule = one(objects, "Role", role)["rules"]
+    binding = one(objects, "RoleBinding", role)
+    return {
+        "policy": operator_identity(one(objects, "ValidatingAdmissionPolicy")),
+        "canaryd": [e["value"] for e in env if e["name"] == "CANARYD_OPERATOR_ACCOUNT"],
+        "role": [one(objects, "Role", role)["metadata"]["namespace"], rule],
+        "binding": [binding["metadata"]["namespace"], binding["subjects"]],
+    }
+
+
+def wanted_account(namespace: str, name: str) -> dict[str, Any]:
+    return {
+        "policy": f"system:serviceaccount:{namespace}:{name}",
+        "canaryd": [f"{namespace}/{name}"],
+        "role": [
+            namespace,
+            [
+                {
+                    "apiGroups": [""],
+                    "resources": ["serviceaccounts"],
+                    "resourceNames": [name],
+                    "verbs": ["get"],
+                }
+            ],
+        ],
+        "binding": [
+            namespace,
+            [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}],
+        ],
+    }
+
+
+def test_the_chart_requires_the_operators_service_account(helm):
+    """No default could be right (the release namespace is canaryd's own, not the
+    operator's): without the account, or with one that is not NAMESPACE/NAME, nothing
+    is rendered and the message says what to give."""
+    for account in (None, "flink-operator", "Flink/op"):
+        failed = helm_run(helm, "template", RELEASE, str(CHART), account=account)
+        assert failed.returncode != 0 and failed.stdout == "", (account, failed.stdout)
+        assert (
+            "admissionPolicy.operatorServiceAccount: give the Flink operator's service account "
+            "as NAMESPACE/NAME (its chart in the namespace flink-operator: --set "
+            "admissionPolicy.operatorServiceAccount=flink-operator/flink-operator), or "
+            "admissionPolicy.enabled=false"
+        ) in failed.stderr, (account, failed.stderr)
+    off = ["admissionPolicy.enabled=false"]
+    without = helm_run(helm, "template", RELEASE, str(CHART), account=None, values=off)
+    assert without.returncode == 0, without.stderr
+    objects = [o for o in yaml.safe_load_all(without.stdout) if o]
+    assert not [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    env = canaryd_container(one(objects, "Deployment"))["env"]
+    assert "CANARYD_OPERATOR_ACCOUNT" not in {e["name"] for e in env}
+
+
+def test_the_admission_policy_is_config_admission_for_the_account_given(helm, tmp_path):
+    """The chart and config/standalone render the same policy and binding, and give
+    the operator's account the same way: canaryd's CANARYD_OPERATOR_ACCOUNT, from
+    which the policy and the Role that lets canaryd get it are written."""
     kustomized = render(CONFIG / "standalone")
-    their_policy = one(kustomized, "ValidatingAdmissionPolicy")
-    chart = template(helm, "admissionPolicy.operatorServiceAccount.namespace=flink-operator")
+    chart = template(helm)
     policy = one(chart, "ValidatingAdmissionPolicy")
-    assert policy["spec"] == their_policy["spec"]
+    assert policy["spec"] == one(kustomized, "ValidatingAdmissionPolicy")["spec"]
     binding = one(chart, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     their_binding = one(kustomized, "ValidatingAdmissionPolicyBinding")
     assert {**binding["spec"], "policyName": None} == {**their_binding["spec"], "policyName": None}
-    # The operator's service account: flink-operator in the release namespace by default.
-    default = one(template(helm, namespace="flink"), "ValidatingAdmissionPolicy")
-    assert operator_identity(default) == "system:serviceaccount:flink:flink-operator"
-    other = one(
-        template(helm, "admissionPolicy.operatorServiceAccount.name=op"),
-        "ValidatingAdmissionPolicy",
-    )
-    assert operator_identity(other) == f"system:serviceaccount:{NAMESPACE}:op"
+    wanted = wanted_account("flink-operator", "flink-operator")
+    assert the_account(chart, OPERATOR_ROLE) == wanted
+    assert the_account(kustomized, "canaryd-operator-account") == wanted
+    # Another account, given each path's way: the chart's value; in kustomize, the
+    # Deployment's CANARYD_OPERATOR_ACCOUNT in config/standalone (its replacements
+    # run there: an overlay's patch of it would come after them).
+    other = wanted_account("flink-system", "op")
+    given = template(helm, "admissionPolicy.operatorServiceAccount=flink-system/op")
+    assert the_account(given, OPERATOR_ROLE) == other
+    copy = tmp_path / "config"
+    for part in ("standalone", "rbac", "admission"):
+        shutil.copytree(CONFIG / part, copy / part)
+    deployment = copy / "standalone" / "deployment.yaml"
+    text = deployment.read_text()
+    assert text.count("value: flink-operator/flink-operator\n") == 1
+    deployment.write_text(text.replace("flink-operator/flink-operator", "flink-system/op"))
+    assert the_account(render(copy / "standalone"), "canaryd-operator-account") == other
     # Two releases (another name, or the same name in another namespace) do not collide.
     names = {
         one(template(helm, release=r, namespace=n), kind)["metadata"]["name"]
@@ -263,11 +350,6 @@ def test_the_admission_policy_is_config_admission_named_after_the_release(helm):
         for kind in ("ValidatingAdmissionPolicy",)
     }
     assert len(names) == 3, names
-    assert not [
-        o
-        for o in template(helm, "admissionPolicy.enabled=false")
-        if o["kind"].startswith("ValidatingAdmissionPolicy")
-    ]
 
 
 def test_cluster_scoped_names_differ_between_releases(helm):
@@ -402,7 +484,11 @@ def test_every_shipped_canaryd_requests_the_memory_it_was_measured_to_use(helm):
 
 
 def test_the_release_objects_are_namespaced_by_helm(helm):
-    """No object names a namespace of its own but the RBAC of watched namespaces: helm
-    installs the rest into the release namespace."""
+    """No object names a namespace of its own but the RBAC of watched namespaces and of
+    the operator's account (in its namespace): helm installs the rest into the release
+    namespace."""
     for obj in template(helm, "highAvailability.enabled=true"):
+        if obj["metadata"]["name"] == OPERATOR_ROLE:
+            assert obj["metadata"]["namespace"] == "flink-operator", obj["metadata"]
+            continue
         assert "namespace" not in obj["metadata"], (obj["kind"], obj["metadata"])

@@ -108,6 +108,60 @@ def test_the_readmes_measured_figures_are_the_reports():
     assert f"{cpu.group(1)}% of a core at 10,000" in text, cpu.group(1)
 
 
+def test_every_quoted_peak_resident_set_is_the_reports():
+    """The peak resident sets are quoted beside the memory requests too (the chart, the
+    manifests, the sidecar, the chart's test): each the figure of docs/PERFORMANCE.md."""
+    performance = (DOCS / "PERFORMANCE.md").read_text()
+    files = [README, *ROOT.glob("config/**/*.yaml"), *ROOT.glob("charts/**/*.yaml")]
+    quoted = {
+        path.relative_to(ROOT): re.findall(
+            r"(\d+) MB at (1,000|10,000)\b", " ".join(path.read_text().replace("#", "").split())
+        )
+        for path in [*files, ROOT / "tests" / "test_chart.py"]
+    }
+    for canaries in ("1,000", "10,000"):
+        found = re.search(rf"\| {canaries} canaries: peak RSS \| (\d+) MB \|", performance)
+        assert found, f"docs/PERFORMANCE.md has no peak RSS row at {canaries} canaries"
+        wanted = found.group(1)
+        at = {str(path): mb for path, pairs in quoted.items() for mb, n in pairs if n == canaries}
+        assert len(at) >= 5 and set(at.values()) == {wanted}, (canaries, wanted, at)
+
+
+def test_the_flink_operator_release_is_one_everywhere():
+    """The operator's release the docs and manifests name (its chart, its image, its
+    source) is the one tests/operator/build.sh builds and make e2e-operator runs."""
+    (pinned,) = re.findall(
+        r"FLINK_OPERATOR_REF:-release-([\d.]+)", (ROOT / "tests/operator/build.sh").read_text()
+    )
+    files = [README, *DOCS.glob("*.md"), *ROOT.glob("config/**/*.yaml")]
+    named = {
+        (str(path.relative_to(ROOT)), version)
+        for path in files
+        for version in re.findall(
+            r"(?:flink-kubernetes-operator[-:]|release[- ]|version: )(\d+\.\d+\.\d+)",
+            path.read_text(),
+        )
+    }
+    assert {v for _, v in named} == {pinned}, sorted(named)
+    assert ("config/sidecar-example/operator-deployment.yaml", pinned) in named
+
+
+def test_the_readmes_kustomize_step_works_as_pasted():
+    """A block that cds into a directory applies a kustomization relative to it."""
+    for doc in (README, OPERATIONS):
+        text = doc.read_text()
+        steps = re.findall(r"^    cd (\S+) && .*\n    kubectl apply -k (\S+)", text, re.M)
+        assert steps, doc
+        for directory, target in steps:
+            assert (ROOT / directory / target / "kustomization.yaml").is_file(), (doc, target)
+
+
+def test_the_charts_home_is_canaryds_repository_as_the_readme_names_it():
+    (repository,) = set(re.findall(r"(https://github\.com/\w+/canaryd)//", README.read_text()))
+    chart = yaml.safe_load((ROOT / "charts" / "canaryd" / "Chart.yaml").read_text())
+    assert chart["home"] == repository and chart["sources"] == [repository], chart
+
+
 # ---------------------------------------------------------------- CONFIGURATION
 
 

@@ -15,8 +15,11 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import resource
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -1198,8 +1201,10 @@ async def test_the_charts_objects_are_admitted_and_its_rbac_is_what_canaryd_chec
         "namespaced": [f"watchNamespaces={{{watched}}}"],
         "no-rbac": ["rbac.create=false", "admissionPolicy.enabled=false"],
     }
+    # The operator's account in a namespace that exists here (its Role goes there).
+    account = f"admissionPolicy.operatorServiceAccount={release}/flink-operator"
     rendered = {
-        name: template(helm, *values, release=release, namespace=release)
+        name: template(helm, account, *values, release=release, namespace=release)
         for name, values in variants.items()
     }
     for name, objects in rendered.items():
@@ -1240,10 +1245,12 @@ async def test_the_charts_objects_are_admitted_and_its_rbac_is_what_canaryd_chec
         )
         return path
 
-    async def check_as_helm_test(objects: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    async def check_as_helm_test(
+        objects: list[dict[str, Any]], until: Any = lambda code, lines: code == 0
+    ) -> tuple[int, list[str]]:
         """The chart's ServiceAccount and RBAC applied (the rest is not needed to ask),
         then `canaryd check` with the Deployment's args and env, until the new bindings
-        are in the authorizer's cache (bounded)."""
+        are in the authorizer's cache (bounded): until it exits 0, or as ``until`` says."""
         for obj in objects:
             if obj["kind"] in (
                 "ServiceAccount",
@@ -1277,12 +1284,21 @@ async def test_the_charts_objects_are_admitted_and_its_rbac_is_what_canaryd_chec
             async with asyncio.timeout(60):
                 out, err = await process.communicate()
             lines = (out.decode() + err.decode()).splitlines()
-            return (process.returncode, lines) if process.returncode == 0 else None
+            return (process.returncode, lines) if until(process.returncode, lines) else None
 
         result: tuple[int, list[str]] = await eventually(granted, "the chart's RBAC in effect", 30)
         return result
 
+    # The operator's account, which the policy names, does not exist yet: helm test fails.
+    missing = f"MISSING serviceaccount flink-operator in {release}: "
+    code, lines = await check_as_helm_test(
+        rendered["ha"], lambda code, lines: code == 2 and lines[-2].startswith(missing)
+    )
+    assert lines[-1].endswith(f"service account {release}/flink-operator does not exist"), lines
+    operator_account = {"apiVersion": "v1", "kind": "ServiceAccount"}
+    plane.apply({**operator_account, "metadata": {"name": "flink-operator"}}, release)
     code, lines = await check_as_helm_test(rendered["ha"])
+    assert f"ok   get serviceaccounts/flink-operator in {release}" in lines, lines
     assert lines[-1].startswith("canaryd check: all ") and plane.url in lines[-1], lines
     (lease,) = [
         e["value"]
@@ -1519,6 +1535,48 @@ async def test_the_policy_keeps_a_canary_label_added_since_the_operators_copy(
     )
     await refused(operator, path, bumped(stale, operator.get(path)))
     assert operator.get(path)["metadata"]["labels"][LABEL] == "true"
+
+
+def operations_policy_check(namespace: str) -> list[str]:
+    """docs/OPERATIONS.md's check that the policy is live, as written there, for the
+    canary ``canary`` in ``namespace``."""
+    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    (command,) = re.findall(r"\n    (kubectl --as=system:serviceaccount:[^\n]*\\\n[^\n]*)", text)
+    words = command.replace("\\\n", " ").split()
+    return [{"NAMESPACE": namespace, "CANARY": "canary"}.get(w, w) for w in words]
+
+
+async def test_the_operations_check_that_the_policy_is_live(api, cluster, operator, namespace):
+    """docs/OPERATIONS.md's command (kubectl, the admin impersonating the operator's
+    account, a server-side dry run of a label on a canary) is refused by the policy;
+    without --as (the admin: an account the policy does not name) it passes."""
+    if not shutil.which("kubectl"):
+        pytest.skip("no kubectl")
+    await create_canary(api, namespace)
+    argv = operations_policy_check(namespace)
+    assert argv[1] == f"--as=system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}", argv
+    admin = f"--kubeconfig={cluster.plane.kubeconfig('admin')}"
+
+    async def run(*args: str) -> Any:
+        done = await asyncio.to_thread(
+            subprocess.run, [args[0], admin, *args[1:]], capture_output=True, text=True, timeout=60
+        )
+        return done
+
+    async def refused() -> Any:
+        done = await run(*argv)
+        return done if "canary-metadata" in done.stderr else None
+
+    done = await eventually(refused, "the policy to refuse the documented dry run", within=30)
+    assert done.returncode != 0 and "would change its labels or annotations" in " ".join(
+        done.stderr.split()
+    ), done.stderr
+    as_admin = await run(argv[0], *argv[2:])
+    assert as_admin.returncode == 0 and "(server dry run)" in as_admin.stdout, as_admin
+    labels = (await crd(api).get_namespaced_custom_object(G, V, namespace, FD, "canary"))[
+        "metadata"
+    ]["labels"]
+    assert "canaryd.io/policy-check" not in labels, labels
 
 
 async def test_the_policy_leaves_other_objects_and_other_users_alone(

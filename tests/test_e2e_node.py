@@ -3,8 +3,9 @@
 The image is the repository's Dockerfile built with buildah on a local Debian base; the
 manifests are config/ applied with kubectl as the README says (the image set with
 kustomize), plus what a cluster without scheduler or registry needs: ``nodeName`` and
-``imagePullPolicy: Never``; and charts/canaryd installed with ``helm install`` (its
-defaults but for the image, ``image.pullPolicy=Never`` and the cycle; its pods bound to
+``imagePullPolicy: Never``; and charts/canaryd installed with ``helm install`` as the
+README says (its values, the operator's service account given as it says, but for the
+image's tag, ``image.pullPolicy=Never``, the cycle and the namespace; its pods bound to
 the node by tests/node/cluster.py's ``Binder``). Timings are the shipped ones (probe
 periods, thresholds, grace periods, back-off) but for canaryd's cycle, 10 s instead of
 1 min. Restarts are read from the pods' status, as ``kubectl get pods`` shows them. In
@@ -13,8 +14,10 @@ periods, thresholds, grace periods, back-off) but for canaryd's cycle, 10 s inst
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -173,24 +176,57 @@ def against_fixture(scenario: str, topology: str, container: str, count: int) ->
 
 # ------------------------------------------------------------------ the chart
 #
-# charts/canaryd installed with `helm install` (Helm of `make helm`), the chart's defaults
-# but for the image (this node's, never pulled) and the cycle. These run first and the
-# release is uninstalled after them: its canaryd watches every namespace, and would bump
-# the canaries of the tests below too.
+# charts/canaryd installed with `helm install` (Helm of `make helm`) as the README says,
+# the operator's service account given as it says, but for the image (this node's, never
+# pulled), the cycle and the namespace. These run first and the release is uninstalled
+# after them: its canaryd watches every namespace, and would bump the canaries of the
+# tests below too.
 
 CHART_NAMESPACE = "e2e-chart"
+"""The release's namespace (the README's is canaryd, which config/standalone takes below)."""
 CHART_CANARIES = "e2e-chart-canaries"
 RELEASE = "canaryd"
-CHART_VALUES = (
-    "image.repository=localhost/canaryd",
-    "image.tag=e2e",
-    "image.pullPolicy=Never",
-    f"timeout={CYCLE}",
-)
-"""What differs from the chart's defaults here."""
-OPERATOR_ACCOUNT = f"system:serviceaccount:{CHART_NAMESPACE}:flink-operator"
-"""The operator's service account the chart's admission policy judges by default (name
-flink-operator, the release's namespace)."""
+CHART_VALUES = ("image.tag=e2e", "image.pullPolicy=Never", f"timeout={CYCLE}")
+"""What differs from the README's values here."""
+FLINK = "/apis/flink.apache.org/v1beta1/namespaces/{}/flinkdeployments"
+
+
+@functools.cache
+def readme_install() -> tuple[str, ...]:
+    """The README's ``helm install`` of the chart, word for word after the chart's
+    path, but for REGISTRY (this node's: localhost) and ``--namespace`` (Release.helm
+    gives CHART_NAMESPACE)."""
+    text = (ROOT / "README.md").read_text()
+    start = r"\n    (helm install canaryd charts/canaryd "
+    (command,) = re.findall(start + r"(?:[^\n]*\\\n)*[^\n]*)", text)
+    words = command.replace("\\\n", " ").split()
+    assert words[:4] == ["helm", "install", RELEASE, "charts/canaryd"] and "#" not in words, words
+    at = words.index("--namespace")
+    del words[at : at + 2]
+    return tuple(w.replace("REGISTRY/", "localhost/") for w in words[4:])
+
+
+def operator_account() -> tuple[str, str]:
+    """The operator's service account (namespace, name) as the README gives it."""
+    words = readme_install()
+    key = "admissionPolicy.operatorServiceAccount="
+    (account,) = [w.removeprefix(key) for w in words if w.startswith(key)]
+    namespace, _, name = account.partition("/")
+    return namespace, name
+
+
+def the_operators_account(node: Any) -> None:
+    """The operator's namespace and service account, as its chart makes them: the
+    README installs the operator first (the chart's Role for that account goes in its
+    namespace, and config/standalone's too)."""
+    namespace, name = operator_account()
+    node.plane.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    status, body = node.plane.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": name}}
+    )
+    assert status in (201, 409), body
+
+
 FLINK = "/apis/flink.apache.org/v1beta1/namespaces/{}/flinkdeployments"
 
 
@@ -216,7 +252,9 @@ class Release:
         )
 
     def values(self, *more: str) -> list[str]:
-        return [arg for value in (*CHART_VALUES, *more) for arg in ("--set", value)]
+        """The README's --set values, then this node's and ``more``."""
+        readme = [w for w in readme_install() if w != "--create-namespace"]
+        return [*readme, *(arg for value in (*CHART_VALUES, *more) for arg in ("--set", value))]
 
 
 def release_pods(node: Any) -> list[dict[str, Any]]:
@@ -263,7 +301,8 @@ def nonce(node: Any) -> int:
 def as_operator(node: Any, *args: str) -> subprocess.CompletedProcess[str]:
     """kubectl as the operator's service account (the admin impersonates it)."""
     argv = ["kubectl", f"--kubeconfig={node.plane.kubeconfig('admin')}"]
-    argv += [f"--as={OPERATOR_ACCOUNT}", "-n", CHART_CANARIES, *args]
+    account = "system:serviceaccount:{}:{}".format(*operator_account())
+    argv += [f"--as={account}", "-n", CHART_CANARIES, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -279,7 +318,9 @@ def release(node: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rel
     binder.start()
     try:
         canary(node, CHART_CANARIES)
+        the_operators_account(node)
         made.installed_at = time.monotonic()
+        assert "--create-namespace" in readme_install()
         installed = made.helm("install", RELEASE, str(CHART), "--create-namespace", *made.values())
         assert installed.returncode == 0, f"helm install: {installed.stderr}"
         try:
@@ -340,7 +381,8 @@ class TestTheChart:
 
     def test_helm_test_passes_and_names_a_removed_patch_permission(self, node, release):
         """``helm test`` (canaryd check) exits 0; with patch removed from the release's
-        ClusterRole, it exits non-zero and its pod's log names ``patch flinkdeployments``."""
+        ClusterRole, it exits non-zero and its pod's log names ``patch flinkdeployments``;
+        with the operator's service account deleted, it names that account."""
         passed = release.helm("test", RELEASE, "--timeout", "2m")
         assert passed.returncode == 0, f"helm test: {passed.stdout}{passed.stderr}"
         path = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{RELEASE}-{CHART_NAMESPACE}"
@@ -369,6 +411,20 @@ class TestTheChart:
         assert "patch flinkdeployments" in log, log
         terminated = statuses(check)["check"]["state"]["terminated"]
         assert terminated["exitCode"] == 2, terminated
+        # The operator's account, which the policy names, gone: helm test fails naming it.
+        namespace, name = operator_account()
+        status, body = node.plane.request(
+            "DELETE", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}"
+        )
+        assert status == 200, body
+        try:
+            gone = release.helm("test", RELEASE, "--timeout", "2m")
+            log = node.kubectl("-n", CHART_NAMESPACE, "logs", f"{RELEASE}-check")
+        finally:
+            the_operators_account(node)
+        print(f"chart: the operator's account deleted: helm test exit {gone.returncode}\n{log}")
+        assert gone.returncode != 0, f"helm test passed without the account: {gone.stdout}"
+        assert f"MISSING serviceaccount {name} in {namespace}: " in log, log
 
     def test_the_admission_policy_refuses_a_stale_copy_of_the_operator(self, node, release):
         """As the operator's service account (granted update on flinkdeployments here):
@@ -402,7 +458,11 @@ class TestTheChart:
                 "name": "e2e-chart-operator",
             },
             "subjects": [
-                {"kind": "ServiceAccount", "name": "flink-operator", "namespace": CHART_NAMESPACE}
+                {
+                    "kind": "ServiceAccount",
+                    "name": operator_account()[1],
+                    "namespace": operator_account()[0],
+                }
             ],
         }
         rbac = "/apis/rbac.authorization.k8s.io/v1"
@@ -514,8 +574,19 @@ class TestTheChart:
         manifest = release.helm("get", "manifest", RELEASE)
         assert manifest.returncode == 0, manifest.stderr
         made = [d for d in yaml.safe_load_all(manifest.stdout) if d]
-        listed = release.home / "manifest.yaml"
-        listed.write_text(manifest.stdout)
+        # By namespace (kubectl get -f refuses an object of another namespace than -n's):
+        # the release's, and the operator's (the Role to get its service account).
+        listed = {d["metadata"].get("namespace", CHART_NAMESPACE) for d in made}
+        for namespace in listed:
+            (release.home / f"manifest-{namespace}.yaml").write_text(
+                yaml.safe_dump_all(
+                    [
+                        d
+                        for d in made
+                        if d["metadata"].get("namespace", CHART_NAMESPACE) == namespace
+                    ]
+                )
+            )
         kinds = sorted({d["kind"] for d in made})
         names = {p["metadata"]["name"] for p in release_pods(node)}
         kubectl = ["kubectl", f"--kubeconfig={node.plane.kubeconfig('admin')}"]
@@ -540,8 +611,18 @@ class TestTheChart:
         finally:
             for log in logs:
                 log.kill()
-        left = node.kubectl(
-            "-n", CHART_NAMESPACE, "get", "-f", str(listed), "--ignore-not-found", "-o", "name"
+        left = "".join(
+            node.kubectl(
+                "-n",
+                namespace,
+                "get",
+                "-f",
+                str(release.home / f"manifest-{namespace}.yaml"),
+                "--ignore-not-found",
+                "-o",
+                "name",
+            )
+            for namespace in sorted(listed)
         )
         assert left.strip() == "", f"left by helm uninstall: {left}"
         remaining = {
@@ -620,6 +701,7 @@ def standalone(node: Any) -> Iterator[Path]:
         },
     )
     canary(node, "e2e-standalone")
+    the_operators_account(node)  # config/standalone's: flink-operator/flink-operator
     node.kubectl("apply", "-k", str(directory))
     try:
         yield directory

@@ -20,13 +20,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from canaryd import __version__
+from canaryd import __version__, metrics
 from canaryd.__main__ import main
 from canaryd.access import ACCESS_REVIEWS, KIND_VERBS, PatchReviews, Permission
 from canaryd.check import check
 from canaryd.config import ConfigError, load_settings
 from canaryd.kube import KubeClient
-from canaryd.testing.apiserver import FakeKube, Fault
+from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube, Fault
 from tests.conftest import TOKEN
 from tests.controlplane.launcher import ControlPlane, built_bin_dir
 from tests.harness import TEST_SETTINGS, create_canary, json_lines, json_logs, running_daemon
@@ -525,6 +525,65 @@ async def test_check_that_cannot_ask_is_one_line_and_exit_2(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"canaryd: {says.format(url=url)}"), err
     assert "Traceback" not in err and TOKEN not in err + out
+
+
+async def test_check_says_when_the_operators_account_does_not_exist(kube, kubeconfig):
+    """With --operator-account (the chart and config/standalone set it as the admission
+    policy's account): asked whether canaryd may get it, then whether it exists. A
+    policy for an account that does not exist refuses nothing: exit 2, named."""
+    args = ("check", "--kubeconfig", str(kubeconfig), "--operator-account", "flink/operator")
+    code, out, err = await run_cli(*args)
+    assert code == 2, (out, err)
+    lines = out.splitlines()
+    assert "ok   get serviceaccounts/operator in flink" in lines, out
+    assert lines[-2].startswith("MISSING serviceaccount operator in flink: "), out
+    assert lines[-1] == (
+        f"canaryd check: all 9 permissions granted on {kube.url}, but the operator's "
+        "service account flink/operator does not exist"
+    ), out
+    kube.create_namespace("flink")
+    kube.create(SERVICE_ACCOUNTS, "flink", {"metadata": {"name": "operator"}})
+    code, out, err = await run_cli(*args)
+    assert (code, out.splitlines()[-1]) == (
+        0,
+        f"canaryd check: all 9 permissions granted on {kube.url}",
+    ), (out, err)
+    kube.deny("get", "serviceaccounts", "flink")
+    code, out, err = await run_cli(*args)
+    assert code == 2 and "MISSING get serviceaccounts/operator in flink" in out, (out, err)
+
+
+@pytest.mark.parametrize("exists", [False, True, None])
+async def test_the_start_up_log_says_whether_the_operators_account_exists(
+    kube, kubeconfig, capsys, exists
+):
+    """None: canaryd may not get it (403), so cannot say: a warning and an error counted."""
+    if exists:
+        kube.create(SERVICE_ACCOUNTS, "default", {"metadata": {"name": "operator"}})
+    if exists is None:
+        kube.deny("get", "serviceaccounts")
+    errors = ("canaryd_errors_total", {"where": "operator_account"})
+    before = metrics.REGISTRY.get_sample_value(*errors)
+    with json_logs("info"):
+        async with running_daemon(kube, kubeconfig, operator_account=("default", "operator")):
+            said = [t for t in asyncio.all_tasks() if t.get_name() == "operator-account"]
+            if said:  # else already done
+                async with asyncio.timeout(5):
+                    await asyncio.wait(said)
+        records = json_lines(capsys.readouterr().err)
+    counted = metrics.REGISTRY.get_sample_value(*errors) - before
+    if exists:
+        (line,) = events(records, "operator_account")
+        assert (line["level"], line["exists"]) == ("info", True), line
+        assert not events(records, "operator_account_missing")
+    elif exists is None:
+        (line,) = events(records, "operator_account_unknown")
+        assert line["level"] == "warning" and "403" in line["error"], line
+        assert counted == 1, counted
+    else:
+        (line,) = events(records, "operator_account_missing")
+        assert line["level"] == "warning" and "refuses nothing" in line["why"], line
+    assert (line["namespace"], line["name"]) == ("default", "operator"), line
 
 
 async def test_check_with_bad_configuration_is_one_line_and_exit_2():

@@ -204,6 +204,15 @@ def _dns_name(what: str, value: str) -> str:
     return name
 
 
+def _account(value: str) -> tuple[str, str]:
+    namespace, slash, name = value.strip().partition("/")
+    if not slash:
+        raise ConfigError(f"invalid operator account {value!r}: expected NAMESPACE/NAME")
+    return _dns_name("operator account namespace", namespace), _dns_name(
+        "operator account name", name
+    )
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting, declared once: ``canaryd --help`` and ``load_settings`` read it."""
@@ -294,6 +303,16 @@ OPTIONS = {
         "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets "
         f"{REPORTER_PORT_KEY}, else 9249",
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
+    ),
+    "operator_account": Option(
+        "--operator-account",
+        "NS/NAME",
+        "CANARYD_OPERATOR_ACCOUNT",
+        _account,
+        "none",
+        "the operator's service account, whose stale writes of canaries the admission "
+        "policy refuses (config/admission): canaryd check and the start-up log say when "
+        "it does not exist",
     ),
     "timeout": Option(
         "--timeout",

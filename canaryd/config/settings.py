@@ -46,6 +46,9 @@ class Settings:
     """The operator's Prometheus reporter (``--reconciled-by operator-metrics``): by
     default the port the operator config file gives its Prometheus reporter, else
     Flink's default 9249, on this host (the sidecar shares the operator's network)."""
+    operator_account: tuple[str, str] | None = None
+    """(namespace, name) of the operator's service account, which the admission policy
+    judges; None: not said (the sidecar runs as that account)."""
     timeout: float = 60.0
     """Canary cycle: bump every ``timeout``, judge the bump one ``timeout`` later."""
     host: str = "0.0.0.0"

@@ -46,6 +46,8 @@ FLINK_TYPES = (FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS)
 # A built-in type: no generation, no status (pkg/registry/coordination/lease/strategy.go:
 # AllowUnconditionalUpdate false, AllowCreateOnUpdate true).
 LEASES = ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, False, False)
+# What canaryd reads of them: whether the operator's exists (the admission policy's).
+SERVICE_ACCOUNTS = ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, False, False)
 
 
 class ApiError(Exception):

@@ -19,6 +19,7 @@ from typing import Any
 from canaryd.testing.apiserver.resources import (
     LEASES,
     NAMESPACES,
+    SERVICE_ACCOUNTS,
     ApiError,
     ResourceType,
     conflict,
@@ -56,7 +57,9 @@ class Store(abc.ABC):
         history_limit: int,
         auto_finalize_namespaces: bool,
     ) -> None:
-        self.types: dict[str, ResourceType] = {NAMESPACES.plural: NAMESPACES, LEASES.plural: LEASES}
+        self.types: dict[str, ResourceType] = {
+            t.plural: t for t in (NAMESPACES, LEASES, SERVICE_ACCOUNTS)
+        }
         self.types.update({t.plural: t for t in crds})
         self.history_limit = history_limit
         self.auto_finalize_namespaces = auto_finalize_namespaces

@@ -33,6 +33,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{/* The operator's service account the admission policy judges, NAMESPACE/NAME. */}}
+{{- define "canaryd.operatorAccount" -}}
+{{- $account := .Values.admissionPolicy.operatorServiceAccount | default "" | toString -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$" $account) -}}
+{{- fail (printf "admissionPolicy.operatorServiceAccount: give the Flink operator's service account as NAMESPACE/NAME (its chart in the namespace flink-operator: --set admissionPolicy.operatorServiceAccount=flink-operator/flink-operator), or admissionPolicy.enabled=false; got %q. The admission policy refuses the stale writes of that account only" $account) -}}
+{{- end -}}
+{{- $account -}}
+{{- end -}}
+
 {{- define "canaryd.leaseName" -}}
 {{- .Values.highAvailability.leaseName | default (include "canaryd.fullname" .) -}}
 {{- end -}}
@@ -74,6 +83,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if ne .Values.logLevel "info" }}
 - name: CANARYD_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
+{{- end }}
+{{- if .Values.admissionPolicy.enabled }}
+- name: CANARYD_OPERATOR_ACCOUNT
+  value: {{ include "canaryd.operatorAccount" . | quote }}
 {{- end }}
 {{- with .Values.watchNamespaces }}
 - name: WATCH_NAMESPACES
