@@ -18,15 +18,14 @@ Kubernetes has no fencing token, so one writer at a time comes from time.
 sent only while at least ``MIN_WRITE_TIMEOUT`` (1 s, or the write timeout when that is
 less) of the renew deadline is left after the last successful renew (measured from
 when that renew was sent), and what is left, at most ``write_timeout``, is its client
-timeout. So every write is answered or
-abandoned (its connection closed, its late answer never read) by the renew deadline,
-``lease_duration - renew_deadline`` (5 s at the defaults) before a follower may take
-over, whatever the elector task is doing. A renewal answered in time always leaves
-the fence open (the lease timings are refused at start otherwise: config's
-``check_lease_timings``), and a write held back longer than its bump may wait is not
-sent (the writer counts it as ``fenced``). What stays possible is a write the API
-server received before canaryd gave up on it and applies later still: see
-docs/CONFIGURATION.md, "Replicas behind a Lease".
+timeout. So every write is answered or abandoned (its connection closed, its late
+answer never read) by the renew deadline, ``lease_duration - renew_deadline`` (5 s
+at the defaults) before a follower may take over, whatever the elector task is
+doing. A renewal answered in time leaves the fence open (config's
+``check_lease_timings`` refuses timings that would not), and a write held back
+longer than its bump may wait is not sent (``fenced``). What stays possible is a
+write the API server received before canaryd gave up on it and applies later still:
+see docs/CONFIGURATION.md, "Replicas behind a Lease".
 """
 
 from __future__ import annotations
