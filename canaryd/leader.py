@@ -15,13 +15,17 @@ follower takes it at its next look.
 
 Kubernetes has no fencing token, so one writer at a time comes from time.
 ``write_permit()`` is what the writer awaits right before each write: a write is
-sent only while at least ``write_timeout`` of the renew deadline is left after the
-last successful renew (measured from when that renew was sent), and that is its
-client timeout. So every write is answered or abandoned (its connection closed, its
-late answer never read) by the renew deadline, ``lease_duration - renew_deadline``
-(5 s at the defaults) before a follower may take over, whatever the elector task is
-doing. What stays possible is a write the API server received before canaryd gave
-up on it and applies later still: see docs/CONFIGURATION.md, "Replicas behind a Lease".
+sent only while at least ``MIN_WRITE_TIMEOUT`` (1 s, or the write timeout when that is
+less) of the renew deadline is left after the last successful renew (measured from
+when that renew was sent), and what is left, at most ``write_timeout``, is its client
+timeout. So every write is answered or abandoned (its connection closed, its late
+answer never read) by the renew deadline, ``lease_duration - renew_deadline`` (5 s
+at the defaults) before a follower may take over, whatever the elector task is
+doing. A renewal answered in time leaves the fence open (config's
+``check_lease_timings`` refuses timings that would not), and a write held back
+longer than its bump may wait is not sent (``fenced``). What stays possible is a
+write the API server received before canaryd gave up on it and applies later still:
+see docs/CONFIGURATION.md, "Replicas behind a Lease".
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.config import Settings, lease_namespace, lease_seconds
+from canaryd.config import MIN_WRITE_TIMEOUT, Settings, lease_namespace, lease_seconds
 from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 
@@ -106,15 +110,20 @@ class LeaderElector:
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    async def write_permit(self) -> float | None:
+    async def write_permit(self, within: float) -> float | None:
         """The client timeout of a write sent now, once the fence lets it through (a
-        write it holds back waits for the next successful renewal); None once this
-        replica no longer leads: the write is not sent."""
-        timeout = self.settings.write_timeout
+        write it holds back waits for the next successful renewal, at most ``within``
+        seconds: then TimeoutError); None once this replica no longer leads: the write
+        is not sent."""
+        until = None
         while self.leading:
-            if self._clock() + timeout <= self._renewed_at + self.settings.renew_deadline:
-                return timeout
-            await self._renewed.wait()
+            timeout = self.settings.write_timeout
+            left = self._renewed_at + self.settings.renew_deadline - self._clock()
+            if left >= min(timeout, MIN_WRITE_TIMEOUT):
+                return min(timeout, left)
+            until = until or asyncio.get_running_loop().time() + within
+            async with asyncio.timeout_at(until):
+                await self._renewed.wait()
         return None
 
     def _renewal_changed(self) -> None:

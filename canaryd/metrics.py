@@ -40,6 +40,7 @@ BUMP_RESULTS = (
     "written",
     "failed",
     "skipped",
+    "fenced",
     "conflict_exhausted",
     "forbidden",
     "invalid",
@@ -54,6 +55,7 @@ BUMP_RESULTS = (
 BUMPS = _counter(
     "canaryd_bumps",
     "Nonce bumps by result: written, or why none was: failed (transient), skipped, "
+    "fenced (held at the leader's write fence past its retry window), "
     "conflict_exhausted, forbidden, invalid, gone, gone_unconfirmed, gone_but_present, "
     "not_canary, replaced (a re-read found a new object of the name), no_change, "
     "no_generation.",

@@ -7,8 +7,10 @@ The port is unauthenticated and often reachable from every pod, so no client may
 more of canaryd than a request needs (``ConnectionGuard``): every request head within
 ``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, every answer read within
 ``ANSWER_TIMEOUT``, an idle keep-alive connection closed after ``IDLE_TIMEOUT``,
-and at most ``MAX_CONNECTIONS`` open; at the cap a new connection closes the oldest
-one that is sending a head (or idle), so slow clients cannot lock a probe out.
+and at most ``MAX_CONNECTIONS`` open. At the cap a new connection closes the least
+recently active one that has no request in progress (sending a head, or idle between
+requests), so neither slow clients nor many kept-alive ones can lock a probe out; it
+is refused only while every connection is being answered.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from canaryd import metrics
@@ -53,9 +56,6 @@ MAX_HEAD_BYTES = 16 * 1024
 token a few thousand."""
 SWEEP_INTERVAL = 0.25
 """How often the deadlines above are checked while connections are open (seconds)."""
-ANSWERING_GRACE = 1.0
-"""At the cap, a connection whose request head ended less than this ago is being
-answered and is not closed to make room (answers take milliseconds)."""
 
 
 def canary_json(canary: Canary) -> dict[str, object]:
@@ -84,9 +84,9 @@ class ConnectionGuard:
     Wraps aiohttp's protocol factory, so every byte is seen before aiohttp buffers it;
     aiohttp's own keep-alive timeout closes idle connections (``IDLE_TIMEOUT``).
 
-    Deadlines are kept in two insertion-ordered maps (by when a head began, by when it
-    ended) and swept a few times a second while connections are open: no timer per
-    request on the probe's path."""
+    Deadlines are kept in three insertion-ordered maps (by when a head began, when it
+    ended, when its answer was written) and swept a few times a second while
+    connections are open: no timer per request on the probe's path."""
 
     def __init__(
         self,
@@ -96,65 +96,82 @@ class ConnectionGuard:
         answer_timeout: float = ANSWER_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
         max_head_bytes: int = MAX_HEAD_BYTES,
-        answering_grace: float = ANSWERING_GRACE,
         sweep_interval: float = SWEEP_INTERVAL,
     ) -> None:
         self.on_drop = on_drop
         self.header_timeout, self.answer_timeout = header_timeout, answer_timeout
         self.max_connections, self.max_head_bytes = max_connections, max_head_bytes
-        self.answering_grace, self.sweep_interval = answering_grace, sweep_interval
-        self.open: set[GuardedConnection] = set()
+        self.sweep_interval = sweep_interval
+        self.open: dict[object, GuardedConnection] = {}
+        """By transport (what a request knows of its connection)."""
         self.in_head: dict[GuardedConnection, float] = {}
         """Connections sending a request head (a new one included), with when it began
         (a new connection: its accept), oldest first."""
         self.headed: dict[GuardedConnection, float] = {}
-        """The others, with when their last head ended, oldest first."""
+        """Connections being answered, with when their last head ended, oldest first."""
+        self.idle: dict[GuardedConnection, float] = {}
+        """Kept-alive connections between requests, with when their last answer was
+        written, oldest first."""
         self._sweep: asyncio.TimerHandle | None = None
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: GuardedConnection(self, factory)
 
-    def admit(self, connection: GuardedConnection, now: float) -> bool:
-        """Room for a new connection: at the cap, the oldest one sending a head is
-        closed, else the one idle longest (not one being answered); when all are being
-        answered, the new one is refused."""
+    def admit(self, connection: GuardedConnection, transport: object, now: float) -> bool:
+        """Room for a new connection: at the cap, the least recently active one without
+        a request in progress is closed (a head begun longest ago, or an answer written
+        longest ago), never one being answered; when all are, the new one is refused."""
         if len(self.open) >= self.max_connections:
-            victim = next(iter(self.in_head), None)
-            if victim is None:
-                oldest = next(iter(self.headed.items()), None)
-                if oldest is not None and now - oldest[1] >= self.answering_grace:
-                    victim = oldest[0]
+            heading = next(iter(self.in_head.items()), None)
+            idle = next(iter(self.idle.items()), None)
+            victim = min(
+                (c for c in (heading, idle) if c is not None), key=lambda c: c[1], default=None
+            )
             if victim is None:
                 self.on_drop("too_many")
                 return False
-            victim.drop("too_many")
-        self.open.add(connection)
+            victim[0].drop("too_many")
+        self.open[transport] = connection
         self.in_head[connection] = now
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
         return True
 
     def head_begins(self, connection: GuardedConnection, now: float) -> None:
-        del self.headed[connection]
+        self.headed.pop(connection, None)
+        self.idle.pop(connection, None)
         self.in_head[connection] = now
 
     def head_ended(self, connection: GuardedConnection, now: float) -> None:
         del self.in_head[connection]
         self.headed[connection] = now
+        connection.unanswered += 1
+
+    def answered(self, transport: object | None) -> None:
+        """A request's handler returned: its answer is written (a small one at once, in
+        the same step). Its connection is idle once no other request of it waits."""
+        connection = self.open.get(transport)
+        if connection is None:
+            return
+        connection.unanswered -= 1
+        if not connection.unanswered and self.headed.pop(connection, None) is not None:
+            self.idle[connection] = asyncio.get_running_loop().time()
 
     def closed(self, connection: GuardedConnection) -> None:
-        self.open.discard(connection)
+        self.open.pop(connection.transport, None)
         self.in_head.pop(connection, None)
         self.headed.pop(connection, None)
+        self.idle.pop(connection, None)
 
     def sweep(self) -> None:
-        """Close what is past its deadline: a head begun ``header_timeout`` ago, an
-        answer ``answer_timeout`` ago with no next request."""
+        """Close what is past its deadline: a head begun ``header_timeout`` ago, a head
+        ended or an answer written ``answer_timeout`` ago with no next request."""
         self._sweep = None
         now = asyncio.get_running_loop().time()
         for waiting, limit, reason in (
             (self.in_head, self.header_timeout, "header_timeout"),
             (self.headed, self.answer_timeout, "answer_unread"),
+            (self.idle, self.answer_timeout, "answer_unread"),
         ):
             while waiting:
                 connection, since = next(iter(waiting.items()))
@@ -197,7 +214,9 @@ class GuardedConnection(asyncio.Protocol):
     def __init__(self, guard: ConnectionGuard, factory: Callable[[], asyncio.Protocol]) -> None:
         self._guard, self._factory = guard, factory
         self._inner: asyncio.Protocol | None = None
-        self._transport: asyncio.BaseTransport | None = None
+        self.transport: asyncio.BaseTransport | None = None
+        self.unanswered = 0
+        """Requests whose head ended and whose handler has not returned."""
         self._head = b""
         """The current head's bytes so far, when it came in more than one piece."""
         self._in_head = True
@@ -205,8 +224,8 @@ class GuardedConnection(asyncio.Protocol):
         self._dropped = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
-        if not self._guard.admit(self, asyncio.get_running_loop().time()):
+        self.transport = transport
+        if not self._guard.admit(self, transport, asyncio.get_running_loop().time()):
             self._dropped = True
             transport.abort()  # type: ignore[attr-defined]
             return
@@ -288,14 +307,14 @@ class GuardedConnection(asyncio.Protocol):
         self._dropped = True
         self._guard.closed(self)
         self._guard.on_drop(reason)
-        if self._transport is None:
+        if self.transport is None:
             return
         answer = REFUSALS.get(reason)
         if answer is not None:
-            self._transport.write(answer)  # type: ignore[attr-defined]
-            self._transport.close()
+            self.transport.write(answer)  # type: ignore[attr-defined]
+            self.transport.close()
         else:
-            self._transport.abort()  # type: ignore[attr-defined]
+            self.transport.abort()  # type: ignore[attr-defined]
 
 
 class DroppedConnectionLog:
@@ -382,7 +401,16 @@ class HealthServer:
             stuck,
             not_covered,
         )
-        self.app = web.Application(client_max_size=1024)
+        self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
+
+        @web.middleware
+        async def answered(request: web.Request, handler: Handler) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            finally:
+                self.guard.answered(request.transport)
+
+        self.app = web.Application(client_max_size=1024, middlewares=[answered])
         for path, handler in (
             ("/healthz", self.health),
             ("/", self.health),
@@ -394,7 +422,6 @@ class HealthServer:
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
-        self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
 
     async def health(self, request: web.Request) -> web.Response:
         registry = self.registry

@@ -14,7 +14,8 @@ precondition on ``metadata.resourceVersion`` (DESIGN.md, the semantics table):
 - 404: re-read to tell a transient answer from a canary that is gone; only the
   watch drops a canary.
 - Under --leader-elect every write waits for ``permit()``: its client timeout, within
-  the leader's fence (canaryd.leader), or None once this replica no longer leads.
+  the leader's fence (canaryd.leader), or None once this replica no longer leads. A
+  bump the fence holds past its retry window is not written (``fenced``).
 
 ``bump`` returns what came of it; the scheduler acts on that. Nothing here schedules.
 """
@@ -100,11 +101,12 @@ class Writer:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
         self._rng = rng or random.Random()
-        self.permit: Callable[[], Awaitable[float | None]] = lambda: _always_permitted(
+        self.permit: Callable[[float], Awaitable[float | None]] = lambda within: _always_permitted(
             settings.write_timeout
         )
-        """Awaited right before every write: its client timeout, or None when this
-        replica may write no more (the leader elector's ``write_permit``)."""
+        """Awaited right before every write, for at most ``within`` seconds (else
+        TimeoutError): its client timeout, or None when this replica may write no more
+        (the leader elector's ``write_permit``)."""
         self.stopping = False
         self.in_flight = 0
         """Writes sent and not answered yet."""
@@ -176,7 +178,15 @@ class Writer:
                         if canary.nonce == landed.nonce:
                             # The write whose answer was lost was applied.
                             return self._written(canary, fresh, landed)
-                time_limit = None if self.stopping else await self.permit()
+                try:
+                    within = max(0.0, give_up_at - self._clock())
+                    time_limit = None if self.stopping else await self.permit(within)
+                except TimeoutError:
+                    return NotWritten(
+                        "fenced",
+                        "no bump this cycle: the leader's write fence stayed shut (its lease "
+                        "renewals leave no time for a write before the renew deadline)",
+                    )
                 if time_limit is None or self.stopping or not self.registry.owns(canary):
                     return None
                 # Made once the fence let it through: its stages run from its sending,

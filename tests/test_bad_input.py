@@ -325,6 +325,24 @@ def test_a_timeout_in_the_operator_config_as_a_bare_number_is_milliseconds(tmp_p
             {},
             "renew deadline 5s less twice the retry period 2.5s leaves 0s for a write, below 1s",
         ),
+        # Both of those pass, but a renewal answered within its 1 s request timeout may
+        # leave 0.5 s of the renew deadline: the fence shut while the leader renews.
+        (
+            [
+                "--renew-deadline",
+                "1.5s",
+                "--retry-period",
+                "0.1s",
+                "--timeout",
+                "2s",
+                "--lease-duration",
+                "2s",
+            ],
+            {},
+            "--renew-deadline 1.5s, --retry-period 0.1s and --timeout 2s: a lease renewal "
+            "answered within its request timeout (1s) may leave 0.5s of the renew deadline, "
+            "below the 1s a write needs",
+        ),
     ],
 )
 def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch, args, env, says):

@@ -254,11 +254,13 @@ class _Transport:
         self.aborted = True
 
 
-async def test_at_the_cap_a_slow_head_makes_room_then_an_idle_connection_never_an_answer():
-    """Which connection the guard closes for a new one at MAX_CONNECTIONS: the oldest
-    still sending a head; else the longest idle after its answer (past the answering
-    grace); a connection being answered never: then the new one is refused. And an
-    answer not followed by another request is closed after the answer timeout."""
+async def test_at_the_cap_the_least_recently_active_without_a_request_makes_room():
+    """Which connection the guard closes for a new one at MAX_CONNECTIONS: of those with
+    no request in progress (sending a head, a new one included; or kept alive between
+    requests), the least recently active: a head begun longest ago, an answer written
+    longest ago; a connection being answered never: when all are, the new one is
+    refused. And an answer not followed by another request is closed after the answer
+    timeout."""
     from canaryd.server import ConnectionGuard, GuardedConnection
 
     dropped: list[str] = []
@@ -282,20 +284,110 @@ async def test_at_the_cap_a_slow_head_makes_room_then_an_idle_connection_never_a
     assert dropped == ["too_many", "too_many"] and len(guard.open) == 2
     guard.stop()
 
+    # Kept-alive clients between requests: the one answered longest ago makes room,
+    # not the new connection that has not sent its head yet, nor one being answered.
     dropped.clear()
-    idle = ConnectionGuard(dropped.append, max_connections=1, answering_grace=0.0)
-    _, first = connect(idle, request)
-    _, second = connect(idle)
-    assert first.aborted and not second.aborted and dropped == ["too_many"]
-    idle.stop()
+    kept = ConnectionGuard(dropped.append, max_connections=3)
+    _, first = connect(kept, request)
+    _, second = connect(kept, request)
+    kept.answered(first)
+    kept.answered(second)
+    _, busy = connect(kept, request)
+    _, probe = connect(kept)  # the cap: the first answered goes
+    assert first.aborted and not (second.aborted or busy.aborted or probe.aborted)
+    _, another = connect(kept)  # the second answered goes, not the probe
+    assert second.aborted and not (probe.aborted or busy.aborted or another.aborted)
+    assert dropped == ["too_many", "too_many"]
+    kept.stop()
 
     dropped.clear()
     unread = ConnectionGuard(dropped.append, answer_timeout=0.0)
     _, served = connect(unread, request + request[:5])  # pipelined: a second head begins
-    _, kept = connect(unread, request)
+    _, waiting = connect(unread, request)
+    _, answered = connect(unread, request)
+    unread.answered(answered)
     unread.sweep()
-    assert kept.aborted and not served.aborted and dropped == ["answer_unread"]
+    assert waiting.aborted and answered.aborted and not served.aborted
+    assert dropped == ["answer_unread", "answer_unread"]
     unread.stop()
+
+
+KEPT_ALIVE_CLIENTS = 300
+CADENCE = 0.8
+"""Each kept-alive client asks /healthz this often (seconds): real time."""
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """One GET /healthz on a kept-alive connection: its status, the answer read whole."""
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.lower().split(b"\r\n")
+        if line.startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    return int(head.split(b" ", 2)[1])
+
+
+async def test_a_probe_gets_in_past_300_kept_alive_clients_at_the_cap(kube, kubeconfig):
+    """300 well-behaved clients keep their connections alive and ask /healthz every
+    0.8 s: more than MAX_CONNECTIONS (256), none of them idle for a whole second. A
+    fresh connection (a kubelet's probe) is answered at least 9 times of 10, each
+    within a second: at the cap a kept-alive connection idle between requests (the one
+    answered longest ago) is closed for it. It got 0 of 10: only connections idle for a
+    second or more were closed to make room, and the probe was refused. About 5 s of
+    real time (the clients' cadence)."""
+    from canaryd.server import MAX_CONNECTIONS
+
+    async with running_daemon(kube, kubeconfig) as run:
+        port = run.daemon.server.port
+        stop = asyncio.Event()
+        answers: dict[int, int] = {}
+        steady = asyncio.Event()
+        """Set once MAX_CONNECTIONS clients were answered twice: kept alive, at the cap."""
+
+        async def client(number: int) -> None:
+            while not stop.is_set():
+                writer = None
+                try:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    while not stop.is_set():
+                        async with asyncio.timeout(5):
+                            await _ask(reader, writer)
+                        answers[number] = answers.get(number, 0) + 1
+                        if sum(count >= 2 for count in answers.values()) >= MAX_CONNECTIONS:
+                            steady.set()
+                        with contextlib.suppress(TimeoutError):  # the cadence
+                            await asyncio.wait_for(stop.wait(), CADENCE)
+                except (OSError, asyncio.IncompleteReadError, TimeoutError):
+                    with contextlib.suppress(TimeoutError):  # again at the next tick
+                        await asyncio.wait_for(stop.wait(), CADENCE)
+                finally:
+                    if writer is not None:
+                        writer.close()
+
+        clients = [asyncio.create_task(client(n)) for n in range(KEPT_ALIVE_CLIENTS)]
+        try:
+            async with asyncio.timeout(30):
+                await steady.wait()
+            assert len(run.daemon.server.guard.open) == MAX_CONNECTIONS
+            got: list[str] = []
+            for _ in range(10):
+                try:
+                    async with asyncio.timeout(1):
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                        try:
+                            got.append(str(await _ask(reader, writer)))
+                        finally:
+                            writer.close()
+                except (OSError, asyncio.IncompleteReadError, TimeoutError) as err:
+                    got.append(type(err).__name__)
+            print(f"a fresh probe connection at the cap: {got.count('200')} answers of 10")
+            assert got.count("200") >= 9, got
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
 
 
 SLOW_CONNECTIONS = 10_000

@@ -970,7 +970,7 @@ async def test_an_unhealthy_verdict_ages_while_no_bump_is_even_attempted(kube, k
         await run.until_state(CanaryState.HEALTHY)
         held = asyncio.Event()
 
-        async def fenced() -> float | None:
+        async def fenced(within: float) -> float | None:
             await held.wait()
             return None
 
@@ -1063,7 +1063,7 @@ async def test_a_bumps_stages_run_from_its_sending_not_from_a_wait_at_the_lease_
         writer = run.daemon.scheduler.writer
         held = CYCLE / 2
 
-        async def fenced() -> float | None:
+        async def fenced(within: float) -> float | None:
             await asyncio.sleep(held)  # the renewal comes this much later
             return run.daemon.settings.write_timeout
 

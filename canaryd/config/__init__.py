@@ -16,7 +16,6 @@ from canaryd.config.flags import (
     KNOWN_KINDS,
     LOG_LEVELS,
     MIN_TIMEOUT,
-    MIN_WRITE_TIMEOUT,
     RECONCILED_BY,
     build_parser,
     load_settings,
@@ -46,12 +45,12 @@ from canaryd.config.operator_config import (
 from canaryd.config.settings import (
     DEFAULT_KINDS,
     DEFAULT_LABEL,
+    MIN_WRITE_TIMEOUT,
     SA_NAMESPACE_FILE,
     Settings,
     default_identity,
     lease_namespace,
     lease_seconds,
-    lease_write_budget,
 )
 from canaryd.config.values import ConfigError, parse_bool, parse_duration
 
@@ -84,7 +83,6 @@ __all__ = [
     "has_prometheus_reporter",
     "lease_namespace",
     "lease_seconds",
-    "lease_write_budget",
     "load_settings",
     "nested_keys_why",
     "nested_operator_keys",

@@ -33,8 +33,7 @@ from canaryd.config.settings import (
     DEFAULT_KINDS,
     DEFAULT_LABEL,
     Settings,
-    lease_seconds,
-    lease_write_budget,
+    check_lease_timings,
 )
 from canaryd.config.values import ConfigError, parse_bool, parse_duration
 
@@ -51,9 +50,6 @@ LOG_LEVEL_ALIASES = {"warn": "warning"}
 MIN_TIMEOUT = 0.1
 """The shortest cycle canaryd keeps (seconds): below it bumps, watches and judging
 cannot keep pace and verdicts flap. Below a second is for tests."""
-MIN_WRITE_TIMEOUT = 1.0
-"""The shortest write timeout the lease timings may leave a leader (seconds): a bump
-that must be answered sooner than this fails on any ordinary delay."""
 
 
 # Converters: a flag's or environment variable's text (or the operator config file's
@@ -498,7 +494,7 @@ def load_settings(
         changes.update(operator_config_values(path, changes["from_file"]))
     # Every value left out of ``changes`` is the default.
     settings = replace(Settings(), **changes)
-    _check_lease_timings(settings)
+    check_lease_timings(settings)
     return settings
 
 
@@ -522,27 +518,3 @@ def operator_config_values(path: Path, fields: frozenset[str]) -> dict[str, Any]
         values["operator_metrics_url"] = reporter_url(flat)
     return values
 
-
-def _check_lease_timings(settings: Settings) -> None:
-    lease, renew, retry = settings.lease_duration, settings.renew_deadline, settings.retry_period
-    # client-go's NewLeaderElector: LeaseDuration > RenewDeadline > JitterFactor (1.2) x
-    # RetryPeriod, or a leader could lose its lease before it notices.
-    if not lease > renew:
-        raise ConfigError("lease duration must be greater than the renew deadline")
-    # What followers see is what the Lease stores: whole seconds (client-go truncates).
-    stored = lease_seconds(lease)
-    if not stored > renew:
-        raise ConfigError(
-            f"lease duration {lease:g}s is stored in the Lease as {stored} s (whole seconds), "
-            f"which must be greater than the renew deadline {renew:g}s"
-        )
-    if not renew > 1.2 * retry:
-        raise ConfigError("renew deadline must be greater than 1.2 x the retry period")
-    budget = lease_write_budget(settings)
-    if settings.leader_elect and budget < MIN_WRITE_TIMEOUT:
-        raise ConfigError(
-            f"renew deadline {renew:g}s less twice the retry period {retry:g}s leaves "
-            f"{budget:g}s for a write, below {MIN_WRITE_TIMEOUT:g}s: a leader sends a bump "
-            "only while that much of its renew deadline is left (raise --renew-deadline or "
-            "lower --retry-period)"
-        )

@@ -10,6 +10,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from canaryd.config.values import ConfigError
+
 DEFAULT_LABEL = "flink.apache.org/canary"
 DEFAULT_KINDS = ("flinkdeployments", "flinksessionjobs")
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -102,13 +104,14 @@ class Settings:
 
     @property
     def write_timeout(self) -> float:
-        """One bump's PATCH: the request timeout; under --leader-elect at most
-        ``lease_write_budget`` (6 s at the defaults). A leader sends a write only while
-        that much of its renew deadline is left after its last renew, so every write is
+        """One bump's PATCH: the request timeout; under --leader-elect at most the renew
+        deadline less two retry periods (6 s at the defaults). A leader's write is sent
+        only while ``MIN_WRITE_TIMEOUT`` of its renew deadline is left after its last
+        renew, with what is left (at most this) as its timeout, so every write is
         answered or abandoned before any follower may take the lease."""
         if not self.leader_elect:
             return self.request_timeout
-        return min(self.request_timeout, lease_write_budget(self))
+        return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
     @property
     def keepalive_timeout(self) -> float:
@@ -200,10 +203,53 @@ def default_identity() -> str:
     return f"{socket.gethostname()}_{secrets.token_hex(4)}"
 
 
-def lease_write_budget(settings: Settings) -> float:
-    """What the lease timings leave for one write: the renew deadline less two retry
-    periods (the next renew, its round trip and one retry to spare)."""
-    return settings.renew_deadline - 2 * settings.retry_period
+MIN_WRITE_TIMEOUT = 1.0
+"""The shortest write timeout the lease timings may leave a leader (seconds): a bump
+that must be answered sooner than this fails on any ordinary delay."""
+
+
+def check_lease_timings(settings: Settings) -> None:
+    """Every rule the lease timings keep, in one place; raises ConfigError naming the
+    flags. A renewal is sent a retry period after the last one (or sooner: a retry) and
+    may be answered until its request timeout or its renew deadline, whichever comes
+    first; the fence then lets a write through only while ``MIN_WRITE_TIMEOUT`` of the
+    renew deadline is left (or the write timeout, when less: canaryd.leader). Timings
+    under which a renewal answered in time leaves less than that would hold every
+    write back while the leader renews."""
+    lease, renew, retry = settings.lease_duration, settings.renew_deadline, settings.retry_period
+    # client-go's NewLeaderElector: LeaseDuration > RenewDeadline > JitterFactor (1.2) x
+    # RetryPeriod, or a leader could lose its lease before it notices.
+    if not lease > renew:
+        raise ConfigError("lease duration must be greater than the renew deadline")
+    # What followers see is what the Lease stores: whole seconds (client-go truncates).
+    stored = lease_seconds(lease)
+    if not stored > renew:
+        raise ConfigError(
+            f"lease duration {lease:g}s is stored in the Lease as {stored} s (whole seconds), "
+            f"which must be greater than the renew deadline {renew:g}s"
+        )
+    if not renew > 1.2 * retry:
+        raise ConfigError("renew deadline must be greater than 1.2 x the retry period")
+    if not settings.leader_elect:
+        return
+    budget = settings.renew_deadline - 2 * settings.retry_period
+    if budget < MIN_WRITE_TIMEOUT:
+        raise ConfigError(
+            f"renew deadline {renew:g}s less twice the retry period {retry:g}s leaves "
+            f"{budget:g}s for a write, below {MIN_WRITE_TIMEOUT:g}s: a leader sends a bump "
+            "only while that much of its renew deadline is left (raise --renew-deadline or "
+            "lower --retry-period)"
+        )
+    left = max(renew - settings.request_timeout, retry)
+    needed = min(settings.write_timeout, MIN_WRITE_TIMEOUT)
+    if left < needed:
+        raise ConfigError(
+            f"--renew-deadline {renew:g}s, --retry-period {retry:g}s and --timeout "
+            f"{settings.timeout:g}s: a lease renewal answered within its request timeout "
+            f"({settings.request_timeout:g}s) may leave {left:g}s of the renew deadline, "
+            f"below the {needed:g}s a write needs, and the leader's fence shut while it "
+            "renews (raise --renew-deadline or --retry-period)"
+        )
 
 
 def lease_seconds(lease_duration: float) -> int:
