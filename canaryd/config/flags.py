@@ -517,4 +517,3 @@ def operator_config_values(path: Path, fields: frozenset[str]) -> dict[str, Any]
     if "operator_metrics_url" in fields:
         values["operator_metrics_url"] = reporter_url(flat)
     return values
-
