@@ -390,7 +390,8 @@ class ListWatch:
         if err.retry_after is not None:
             delay = max(err.retry_after, self.settings.backoff_initial)
         delay = min(delay, self.settings.backoff_max)
-        self.failures.failed(self.scope, f"{during}_error", f"{err} (retry in {delay:.3f}s)")
+        cause = "unauthorized" if err.status == 401 else "error"  # canaryd_blind's reason
+        self.failures.failed(self.scope, f"{during}_{cause}", f"{err} (retry in {delay:.3f}s)")
         return backing_off(delay, then, rv)
 
 
@@ -459,22 +460,39 @@ class Watcher:
         counts["namespace_missing"] = len(self.kinds) * len(missing)
         return counts
 
-    def not_covered(self) -> list[str]:
-        """The same, as phrases for /readyz: what canaryd cannot check."""
-        phrases = []
+    def blind(self) -> dict[str, str]:
+        """What canaryd cannot check, by ``canaryd_blind`` reason, each with what (for
+        /readyz and /healthz?verbose): scopes answered 403 or 404, not patchable, or
+        refused the credentials (401), watched namespaces that do not exist, wanted
+        kinds not served, and no canary at all once every scope has listed."""
         states = self._scope_states()
-        for state, word in (
-            ("forbidden", "forbidden (403)"),
-            ("gone", "not found (404)"),
-            ("patch_forbidden", "patch forbidden"),
-        ):
-            if scopes := sorted(str(scope) for scope, was in states.items() if was == state):
-                phrases.append(f"{word}: {', '.join(scopes[:20])}")
-        if missing := self._namespaces_missing():
-            phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
-        if kinds := self.discovery.not_served():
-            phrases.append(f"kind not served: {', '.join(kinds)}")
-        return phrases
+
+        def scopes(*wanted: str) -> list[str]:
+            return sorted(str(scope) for scope, state in states.items() if state in wanted)
+
+        unauthorized = sorted(
+            str(scope)
+            for scope in self._watches
+            if (self.failures.cause(scope) or "").endswith("_unauthorized")
+        )
+        if self.discovery.failures.cause(self.kube.host) == "unauthorized":
+            unauthorized.insert(0, "discovery")
+        gone = [f"{scope} (404)" for scope in scopes("gone")]
+        found = {
+            "list_forbidden": scopes("forbidden"),
+            "unauthorized": unauthorized,
+            "namespace_missing": sorted(self._namespaces_missing()),
+            "kind_not_served": self.discovery.not_served() + gone,
+            "patch_forbidden": scopes("patch_forbidden"),
+        }
+        blind = {reason: ", ".join(what[:20]) for reason, what in found.items() if what}
+        if self.ready and not len(self.registry):
+            where = ", ".join(sorted(self.namespaces)) if self.namespaces else "any namespace"
+            blind["no_canaries"] = (
+                f"no {'/'.join(k.plural for k in self.kinds) or 'kind served'} labelled "
+                f"{self.settings.label}=true in {where}"
+            )
+        return blind
 
     def _scope_states(self) -> dict[Scope, str]:
         """Each canary scope's state: forbidden or gone (its list or watch was denied),
@@ -593,7 +611,11 @@ class Watcher:
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can
         check everything again (a 403 scope is also its own watch failure episode)."""
-        phrases = self.not_covered()
+        phrases = [
+            f"{reason}: {what}"
+            for reason, what in self.blind().items()
+            if reason not in ("no_canaries", "unauthorized")  # told by the episodes
+        ]
         if phrases != self._uncovered:
             if phrases:
                 log.warning("not_checked", what=phrases)
