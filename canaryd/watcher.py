@@ -126,6 +126,39 @@ a mass deletion takes no more of the request pool's connections beyond the bumps
 (kube.RESERVED_CONNECTIONS), which lists and the lease need."""
 
 
+async def list_all(
+    kube: KubeClient, path: str, params: Mapping[str, str], time_limit: float
+) -> tuple[list[Mapping[str, Any]], str]:
+    """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
+    grows with the number of canaries past a few hundred objects. A continue token
+    that expired (410: the snapshot was compacted) falls back to one whole list, as
+    client-go's pager does (FullListIfExpired)."""
+    items: list[Mapping[str, Any]] = []
+    page_params, rv = {**params, "limit": str(LIST_PAGE)}, ""
+    while True:
+        try:
+            listed = await kube.request(
+                "list", "GET", path, params=page_params, time_limit=time_limit
+            )
+        except KubeError as err:
+            if err.kind is not ErrorKind.EXPIRED or "continue" not in page_params:
+                raise
+            items, page_params, rv = [], dict(params), ""  # one whole list, no limit
+            continue
+        page = listed.get("items")
+        if page is None:
+            page = []
+        if not isinstance(page, list):
+            raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
+        items.extend(item for item in page if isinstance(item, Mapping))
+        rv = rv or _rv(listed)  # every page is of the first page's snapshot
+        metadata = listed.get("metadata")
+        token = metadata.get("continue") if isinstance(metadata, Mapping) else None
+        if "limit" not in page_params or not isinstance(token, str) or not token:
+            return items, rv
+        page_params = {**page_params, "continue": token}
+
+
 class ListWatch:
     """The list → watch → bookmark → 410-relist loop of one scope.
 
@@ -211,7 +244,9 @@ class ListWatch:
         """One list: the scope's state replaced, then a watch from its resourceVersion."""
         try:
             async with self.list_slots:
-                items, rv = await self._list_pages()
+                items, rv = await list_all(
+                    self.kube, self.scope.path, self.params, self.settings.list_timeout
+                )
         except KubeError as err:
             self._down()
             return self._failed(err, "list", State.LISTING)
@@ -222,40 +257,6 @@ class ListWatch:
             self.on_resumed()
         self._backoff.reset()
         return Next(State.WATCHING, rv)
-
-    async def _list_pages(self) -> tuple[list[Mapping[str, Any]], str]:
-        """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
-        grows with the number of canaries past a few hundred objects. A continue token
-        that expired (410: the snapshot was compacted) falls back to one whole list, as
-        client-go's pager does (FullListIfExpired)."""
-        items: list[Mapping[str, Any]] = []
-        params, rv = {**self.params, "limit": str(LIST_PAGE)}, ""
-        while True:
-            try:
-                listed = await self.kube.request(
-                    "list",
-                    "GET",
-                    self.scope.path,
-                    params=params,
-                    time_limit=self.settings.list_timeout,
-                )
-            except KubeError as err:
-                if err.kind is not ErrorKind.EXPIRED or "continue" not in params:
-                    raise
-                items, params, rv = [], dict(self.params), ""  # one whole list, no limit
-                continue
-            page = listed.get("items")
-            if page is None:
-                page = []
-            if not isinstance(page, list):
-                raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
-            items.extend(item for item in page if isinstance(item, Mapping))
-            rv = rv or _rv(listed)  # every page is of the first page's snapshot
-            metadata = listed.get("metadata")
-            token = metadata.get("continue") if isinstance(metadata, Mapping) else None
-            if "limit" not in params or not isinstance(token, str) or not token:
-                return items, rv
-            params = {**params, "continue": token}
 
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
