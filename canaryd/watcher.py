@@ -468,8 +468,8 @@ class Watcher:
         kinds not served, and no canary at all once every scope has listed."""
         states = self._scope_states()
 
-        def scopes(*wanted: str) -> list[str]:
-            return sorted(str(scope) for scope, state in states.items() if state in wanted)
+        def scopes(wanted: str) -> list[str]:
+            return sorted(str(scope) for scope, state in states.items() if state == wanted)
 
         unauthorized = sorted(
             str(scope)

@@ -801,6 +801,16 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
     assert len(warned) <= 4, warned  # once per change, not per scope or per retry
 
 
+async def test_a_label_no_canary_carries_is_blind_no_canaries(kube, kubeconfig):
+    """A wrong --label: every scope lists, nothing matches: blind at once, not only an
+    alert ten minutes later."""
+    create_canary(kube)  # flink.apache.org/canary
+    async with running_daemon(kube, kubeconfig, label="example.com/canary") as run:
+        ready = await blind_everywhere(run, "no_canaries")
+        assert ready.startswith("OK\nblind no_canaries: no flinkdeployments/flinksessionjobs ")
+        assert "labelled example.com/canary=true in any namespace" in ready, ready
+
+
 async def test_lists_refused_401_are_blind_unauthorized(kube, kubeconfig):
     """Credentials refused on every request (401, also after a reload): /readyz 503
     (nothing is listed) and canaryd_blind{reason="unauthorized"}, named in its body."""
