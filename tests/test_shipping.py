@@ -703,13 +703,15 @@ def test_the_docs_document_check_and_version():
     assert "canaryd check --kubeconfig" in section and "canaryd --version" in section
     for verb in KIND_VERBS:
         assert f"`{verb}`" in section, verb
-    assert "exits 0 when all are granted, 2" in section
+    assert "exits 2 naming what is missing" in section
+    assert "is a `BLIND` line, and it exits 1 naming each; else 0" in " ".join(section.split())
     assert "    ok   list flinkdeployments in team-a" in section
     assert "    MISSING patch flinkdeployments in team-a" in section
     readme = (ROOT / "README.md").read_text()
     brief = " ".join(readme.split("### Before you deploy: `canaryd check`", 1)[1].split())
     assert brief.startswith(".venv/bin/canaryd check --kubeconfig")
-    assert "exit 0 when all are granted, 2 naming what is missing" in brief
+    assert "exit 2 naming what is missing" in brief
+    assert "exit 1 naming why canaryd would be blind, else 0" in brief
     for verb in KIND_VERBS:
         assert verb in brief.split("###", 1)[0], verb
     assert "canaryd --version" in readme
