@@ -133,6 +133,7 @@ class Daemon:
             lambda: self._not_ready(),
             lambda: self.watcher.coverage() if self.watcher is not None else {},
         )
+        self._blind_collector = metrics.BlindCollector(lambda: self._blind())
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -160,11 +161,13 @@ class Daemon:
         return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
 
     async def run(self) -> None:
-        metrics.REGISTRY.register(self._collector)
+        for collector in (self._collector, self._blind_collector):
+            metrics.REGISTRY.register(collector)
         try:
             await self._run()
         finally:
-            metrics.REGISTRY.unregister(self._collector)
+            for collector in (self._collector, self._blind_collector):
+                metrics.REGISTRY.unregister(collector)
 
     async def _run(self) -> None:
         settings = self.settings
@@ -198,7 +201,7 @@ class Daemon:
             else:
                 metrics.LEADER.set(1)  # the only replica: it writes
             self.server = HealthServer(
-                settings, self.registry, self._not_ready, self._role, self.stuck, self._not_covered
+                settings, self.registry, self._not_ready, self._role, self.stuck, self._blind
             )
             try:
                 await self.server.start()
@@ -350,13 +353,11 @@ class Daemon:
         if self.scheduler is not None and not self.scheduler.active:
             self.scheduler.standby(leader)
 
-    def _not_covered(self) -> list[str]:
-        uncovered = self.watcher.not_covered() if self.watcher is not None else []
+    def _blind(self) -> dict[str, str]:
+        """Why canaryd checks nothing or cannot judge, by ``canaryd_blind`` reason."""
+        blind = self.watcher.blind() if self.watcher is not None else {}
         operator = self.scheduler.operator if self.scheduler is not None else None
-        problem = operator.problem if operator is not None else None
-        if problem is not None:
-            uncovered.append(f"operator metrics: {problem}")
-        return uncovered
+        return blind | (operator.blind() if operator is not None else {})
 
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready

@@ -290,6 +290,41 @@ class StateCollector(Collector):
         )
 
 
+BLIND_REASONS = (
+    "no_canaries",
+    "list_forbidden",
+    "unauthorized",
+    "namespace_missing",
+    "kind_not_served",
+    "patch_forbidden",
+    "operator_metrics_unreachable",
+    "operator_metrics_no_series",
+)
+
+
+class BlindCollector(Collector):
+    """``canaryd_blind{reason}``, read at scrape time: 1 for each reason why canaryd
+    checks nothing or cannot judge now (``blind``: reason -> what), 0 for the others,
+    every reason exported from the start."""
+
+    def __init__(self, blind: Callable[[], Mapping[str, str]]) -> None:
+        self._blind = blind
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "canaryd_blind",
+            "1 while canaryd checks nothing or cannot judge, by reason: no_canaries, "
+            "list_forbidden (403), unauthorized (401), namespace_missing, kind_not_served, "
+            "patch_forbidden, operator_metrics_unreachable, operator_metrics_no_series "
+            "(/readyz and /healthz?verbose say what).",
+            labels=["reason"],
+        )
+        blind = self._blind()
+        for reason in BLIND_REASONS:
+            family.add_metric([reason], 1 if reason in blind else 0)
+        yield family
+
+
 # What runs (issue 33): the build, and the process collector's process_* series (CPU,
 # resident memory, open files, start time), in canaryd's own registry.
 BUILD_INFO = Gauge(

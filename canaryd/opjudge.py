@@ -81,7 +81,11 @@ class OperatorJudge:
         self._epoch = clock()
         """Where the cycle's places are counted from (``_place``)."""
         self.problem: str | None = None
-        """Why the operator's metrics cannot judge canaries right now (/readyz says it)."""
+        """Why the operator's metrics cannot judge canaries right now (``blind``)."""
+        self._unusable_since: float | None = None
+        """Since when every read failed or answered without the operator's series."""
+        self._answered = False
+        """The last read answered (blind: without the series, not unreachable)."""
         self.failures = Episodes(
             "operator_metrics_failures",
             subject="url",
@@ -144,13 +148,15 @@ class OperatorJudge:
         url = self.operator.url
         if failed is not None:
             metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
-            self.problem = str(failed)  # /readyz names it; the log tells an episode
+            self.problem = str(failed)  # blind() names it; the log tells an episode
             self.failures.failed(url, failed.cause, str(failed))
+            self._answered = False
         else:
             assert scrape is not None
             metrics.OPERATOR_SCRAPES.labels("ok").inc()
             self.problem = None
             self.failures.recovered(url)
+            self._answered = True
             if not scrape.has_operator_series:
                 self.problem = (
                     f"{url} answered without the operator's metrics (is Flink's "
@@ -162,8 +168,29 @@ class OperatorJudge:
                 else:  # a follower judges nothing; it starts fresh when it leads
                     self._instance_judged = self.operator.instance
             self._note_reconciles(scrape)
+        if self.problem is None:
+            self._unusable_since = None
+        elif self._unusable_since is None:
+            self._unusable_since = started
         if self.schedule.active:
             self._judge_due(started, scrape, failed)
+
+    def blind(self) -> dict[str, str]:
+        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind``
+        reason: no usable answer for a whole cycle (a start-up's grace: the operator's
+        reporter listens some seconds after its process starts), or an answer without
+        a canary's series."""
+        blind: dict[str, str] = {}
+        since = self._unusable_since
+        if self.problem is not None and since is not None:
+            if self._clock() - since < self.settings.timeout:
+                return blind  # within the start-up grace
+            reason = "no_series" if self._answered else "unreachable"
+            blind[f"operator_metrics_{reason}"] = self.problem
+        if self._missing_series:
+            missing = ", ".join(sorted(str(key) for key in self._missing_series)[:20])
+            blind.setdefault("operator_metrics_no_series", f"no series for {missing}")
+        return blind
 
     def _judge_due(
         self,

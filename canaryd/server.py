@@ -21,7 +21,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -392,15 +392,10 @@ class HealthServer:
         not_ready: Callable[[], list[str] | None],
         role: Callable[[], tuple[str, str | None]],
         stuck: Callable[[], str | None],
-        not_covered: Callable[[], list[str]],
+        blind: Callable[[], Mapping[str, str]],
     ) -> None:
         self.settings, self.registry = settings, registry
-        self.not_ready, self.role, self.stuck, self.not_covered = (
-            not_ready,
-            role,
-            stuck,
-            not_covered,
-        )
+        self.not_ready, self.role, self.stuck, self.blind = not_ready, role, stuck, blind
         self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
 
         @web.middleware
@@ -434,6 +429,7 @@ class HealthServer:
                 "role": role,
                 "leader": leader,
                 "canaries": [canary_json(c) for c in registry.canaries()],
+                "blind": self.blind(),
             }
             return web.Response(
                 status=status, text=json.dumps(body), content_type="application/json"
@@ -446,6 +442,7 @@ class HealthServer:
                     f"{canary.state.value} {kind_of(canary.key.kind).kind} "
                     f"{canary.key.namespace}/{canary.key.name}: {canary.reason}"
                 )
+            lines += [f"blind {reason}: {what}" for reason, what in self.blind().items()]
             text = "\n".join(lines) + "\n"
         return web.Response(status=status, text=text)
 
@@ -460,12 +457,12 @@ class HealthServer:
         return web.Response(status=500, text=f"STUCK: {why}")
 
     async def ready(self, request: web.Request) -> web.Response:
-        """Ready: every scope canaryd can watch is listed and connected. What it cannot
-        check at all (a 403, a namespace or a kind that is missing) does not make it
-        unready — nothing there is its to wait for — but the body names it."""
+        """Ready: every scope canaryd can watch is listed and connected. Blind states (a
+        403, a namespace or a kind that is missing, no canary, the operator's metrics)
+        do not make it unready (nothing there is its to wait for), but the body names
+        each, one ``blind REASON: what`` line (canaryd_blind)."""
         waiting = self.not_ready()
-        uncovered = self.not_covered()
-        tail = f"\nnot checked: {'; '.join(uncovered)}" if uncovered else ""
+        tail = "".join(f"\nblind {reason}: {what}" for reason, what in self.blind().items())
         if not waiting:
             return web.Response(text=f"OK{tail}")
         return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")

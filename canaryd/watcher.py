@@ -126,6 +126,39 @@ a mass deletion takes no more of the request pool's connections beyond the bumps
 (kube.RESERVED_CONNECTIONS), which lists and the lease need."""
 
 
+async def list_all(
+    kube: KubeClient, path: str, params: Mapping[str, str], time_limit: float
+) -> tuple[list[Mapping[str, Any]], str]:
+    """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
+    grows with the number of canaries past a few hundred objects. A continue token
+    that expired (410: the snapshot was compacted) falls back to one whole list, as
+    client-go's pager does (FullListIfExpired)."""
+    items: list[Mapping[str, Any]] = []
+    page_params, rv = {**params, "limit": str(LIST_PAGE)}, ""
+    while True:
+        try:
+            listed = await kube.request(
+                "list", "GET", path, params=page_params, time_limit=time_limit
+            )
+        except KubeError as err:
+            if err.kind is not ErrorKind.EXPIRED or "continue" not in page_params:
+                raise
+            items, page_params, rv = [], dict(params), ""  # one whole list, no limit
+            continue
+        page = listed.get("items")
+        if page is None:
+            page = []
+        if not isinstance(page, list):
+            raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
+        items.extend(item for item in page if isinstance(item, Mapping))
+        rv = rv or _rv(listed)  # every page is of the first page's snapshot
+        metadata = listed.get("metadata")
+        token = metadata.get("continue") if isinstance(metadata, Mapping) else None
+        if "limit" not in page_params or not isinstance(token, str) or not token:
+            return items, rv
+        page_params = {**page_params, "continue": token}
+
+
 class ListWatch:
     """The list → watch → bookmark → 410-relist loop of one scope.
 
@@ -211,7 +244,9 @@ class ListWatch:
         """One list: the scope's state replaced, then a watch from its resourceVersion."""
         try:
             async with self.list_slots:
-                items, rv = await self._list_pages()
+                items, rv = await list_all(
+                    self.kube, self.scope.path, self.params, self.settings.list_timeout
+                )
         except KubeError as err:
             self._down()
             return self._failed(err, "list", State.LISTING)
@@ -222,40 +257,6 @@ class ListWatch:
             self.on_resumed()
         self._backoff.reset()
         return Next(State.WATCHING, rv)
-
-    async def _list_pages(self) -> tuple[list[Mapping[str, Any]], str]:
-        """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
-        grows with the number of canaries past a few hundred objects. A continue token
-        that expired (410: the snapshot was compacted) falls back to one whole list, as
-        client-go's pager does (FullListIfExpired)."""
-        items: list[Mapping[str, Any]] = []
-        params, rv = {**self.params, "limit": str(LIST_PAGE)}, ""
-        while True:
-            try:
-                listed = await self.kube.request(
-                    "list",
-                    "GET",
-                    self.scope.path,
-                    params=params,
-                    time_limit=self.settings.list_timeout,
-                )
-            except KubeError as err:
-                if err.kind is not ErrorKind.EXPIRED or "continue" not in params:
-                    raise
-                items, params, rv = [], dict(self.params), ""  # one whole list, no limit
-                continue
-            page = listed.get("items")
-            if page is None:
-                page = []
-            if not isinstance(page, list):
-                raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
-            items.extend(item for item in page if isinstance(item, Mapping))
-            rv = rv or _rv(listed)  # every page is of the first page's snapshot
-            metadata = listed.get("metadata")
-            token = metadata.get("continue") if isinstance(metadata, Mapping) else None
-            if "limit" not in params or not isinstance(token, str) or not token:
-                return items, rv
-            params = {**params, "continue": token}
 
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
@@ -390,7 +391,8 @@ class ListWatch:
         if err.retry_after is not None:
             delay = max(err.retry_after, self.settings.backoff_initial)
         delay = min(delay, self.settings.backoff_max)
-        self.failures.failed(self.scope, f"{during}_error", f"{err} (retry in {delay:.3f}s)")
+        cause = "unauthorized" if err.status == 401 else "error"  # canaryd_blind's reason
+        self.failures.failed(self.scope, f"{during}_{cause}", f"{err} (retry in {delay:.3f}s)")
         return backing_off(delay, then, rv)
 
 
@@ -459,22 +461,39 @@ class Watcher:
         counts["namespace_missing"] = len(self.kinds) * len(missing)
         return counts
 
-    def not_covered(self) -> list[str]:
-        """The same, as phrases for /readyz: what canaryd cannot check."""
-        phrases = []
+    def blind(self) -> dict[str, str]:
+        """What canaryd cannot check, by ``canaryd_blind`` reason, each with what (for
+        /readyz and /healthz?verbose): scopes answered 403 or 404, not patchable, or
+        refused the credentials (401), watched namespaces that do not exist, wanted
+        kinds not served, and no canary at all once every scope has listed."""
         states = self._scope_states()
-        for state, word in (
-            ("forbidden", "forbidden (403)"),
-            ("gone", "not found (404)"),
-            ("patch_forbidden", "patch forbidden"),
-        ):
-            if scopes := sorted(str(scope) for scope, was in states.items() if was == state):
-                phrases.append(f"{word}: {', '.join(scopes[:20])}")
-        if missing := self._namespaces_missing():
-            phrases.append(f"namespace missing: {', '.join(sorted(missing)[:20])}")
-        if kinds := self.discovery.not_served():
-            phrases.append(f"kind not served: {', '.join(kinds)}")
-        return phrases
+
+        def scopes(wanted: str) -> list[str]:
+            return sorted(str(scope) for scope, state in states.items() if state == wanted)
+
+        unauthorized = sorted(
+            str(scope)
+            for scope in self._watches
+            if (self.failures.cause(scope) or "").endswith("_unauthorized")
+        )
+        if self.discovery.failures.cause(self.kube.host) == "unauthorized":
+            unauthorized.insert(0, "discovery")
+        gone = [f"{scope} (404)" for scope in scopes("gone")]
+        found = {
+            "list_forbidden": scopes("forbidden"),
+            "unauthorized": unauthorized,
+            "namespace_missing": sorted(self._namespaces_missing()),
+            "kind_not_served": self.discovery.not_served() + gone,
+            "patch_forbidden": scopes("patch_forbidden"),
+        }
+        blind = {reason: ", ".join(what[:20]) for reason, what in found.items() if what}
+        if self.ready and not len(self.registry):
+            where = ", ".join(sorted(self.namespaces)) if self.namespaces else "any namespace"
+            blind["no_canaries"] = (
+                f"no {'/'.join(k.plural for k in self.kinds) or 'kind served'} labelled "
+                f"{self.settings.label}=true in {where}"
+            )
+        return blind
 
     def _scope_states(self) -> dict[Scope, str]:
         """Each canary scope's state: forbidden or gone (its list or watch was denied),
@@ -593,7 +612,11 @@ class Watcher:
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can
         check everything again (a 403 scope is also its own watch failure episode)."""
-        phrases = self.not_covered()
+        phrases = [
+            f"{reason}: {what}"
+            for reason, what in self.blind().items()
+            if reason not in ("no_canaries", "unauthorized")  # told by the episodes
+        ]
         if phrases != self._uncovered:
             if phrases:
                 log.warning("not_checked", what=phrases)

@@ -17,9 +17,10 @@ from typing import Any
 
 import aiohttp
 
-from canaryd import logs
+from canaryd import logs, metrics
 from canaryd.config import Settings
 from canaryd.daemon import Daemon
+from canaryd.metrics import BLIND_REASONS
 from canaryd.registry import Canary, CanaryKey, CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube
 
@@ -323,3 +324,37 @@ class HalfOpenProxy:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await server.wait_closed()
+
+
+def blind_now() -> set[str]:
+    """The reasons canaryd_blind is 1 for, read as a scrape reads them."""
+    value = metrics.REGISTRY.get_sample_value
+    return {r for r in BLIND_REASONS if value("canaryd_blind", {"reason": r}) == 1}
+
+
+def blind_gauge(scraped: str) -> dict[str, float]:
+    """canaryd_blind by reason, from a /metrics page."""
+    prefix = 'canaryd_blind{reason="'
+    return {
+        line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in scraped.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+async def blind_everywhere(run: Running, *reasons: str) -> str:
+    """Each of ``reasons`` (and no other) in canaryd_blind at 1, every other at 0, a
+    ``blind REASON:`` line each in /readyz's body and /healthz?verbose; /healthz
+    itself 200 (a verdict about the operator, not about canaryd). /readyz's body."""
+    await run.until(lambda: blind_now() == set(reasons), f"canaryd_blind 1 for {reasons} only")
+    _, scraped = await run.get("/metrics")
+    gauge = blind_gauge(scraped)
+    assert set(gauge) == set(BLIND_REASONS), gauge  # every reason exported
+    assert {reason for reason, value in gauge.items() if value == 1} == set(reasons), gauge
+    _, ready = await run.get("/readyz")
+    _, verbose = await run.get("/healthz?verbose")
+    for reason in reasons:
+        assert f"\nblind {reason}: " in ready, ready
+        assert f"\nblind {reason}: " in verbose, verbose
+    assert (await run.get("/healthz"))[0] == 200
+    return ready

@@ -201,6 +201,9 @@ def test_the_deployment_is_the_kustomize_manifests(helm, values, directory):
     service, their_service = one(chart, "Service"), one(kustomized, "Service")
     assert service["spec"]["ports"] == their_service["spec"]["ports"]
     assert service["spec"]["selector"] == selector
+    # Scraped when not Ready too: what the alerts read is said most then.
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert their_service["spec"]["publishNotReadyAddresses"] is True
 
 
 def test_the_cluster_wide_rbac_is_config_rbac(helm):

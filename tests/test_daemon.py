@@ -25,6 +25,7 @@ from tests.conftest import TOKEN
 from tests.harness import (
     CYCLE,
     LABEL,
+    blind_everywhere,
     counter,
     create_canary,
     following,
@@ -795,8 +796,9 @@ async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
 
 async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
     """A namespace that does not exist, a kind that is not served and a namespace whose
-    RBAC answers 403: /healthz stays upstream's 200 (no canaries), but the scope gauge,
-    /readyz's body and one warning say what is not checked."""
+    RBAC answers 403, and so no canary: /healthz stays upstream's 200 (no canaries), but
+    canaryd_blind (one reason each), the scope gauge, /readyz's body (still 200),
+    /healthz?verbose and one warning say what is not checked."""
     from tests.harness import json_lines, json_logs
 
     kube.create_namespace("locked")
@@ -809,12 +811,8 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
             kinds=("flinkdeployments", "widgets.example.com/v1"),
         ) as run:
             watcher = run.daemon.watcher
-            await run.until(
-                lambda: (
-                    watcher.coverage()["forbidden"] == 1
-                    and watcher.coverage()["namespace_missing"] == 1
-                ),
-                "the coverage to be known",
+            await blind_everywhere(
+                run, "list_forbidden", "namespace_missing", "kind_not_served", "no_canaries"
             )
             coverage = watcher.coverage()
             assert coverage["kind_not_served"] == 2  # a kind x two namespaces
@@ -824,16 +822,55 @@ async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
             assert sum(coverage.values()) == 4, coverage
             status, text = await run.get("/readyz")
             assert status == 200, text
-            assert "forbidden (403): flinkdeployments@locked" in text
-            assert "namespace missing: does-not-exist" in text
-            assert "kind not served: widgets.example.com/v1" in text
-            assert await run.get("/healthz") == (200, "OK")
+            assert "blind list_forbidden: flinkdeployments@locked" in text
+            assert "blind namespace_missing: does-not-exist" in text
+            assert "blind kind_not_served: widgets.example.com/v1" in text
+            label = "flink.apache.org/canary"
+            assert f"blind no_canaries: no flinkdeployments labelled {label}=true in " in text
             _, scraped = await run.get("/metrics")
             assert 'canaryd_watch_scopes{state="forbidden"} 1.0' in scraped
             assert 'canaryd_watch_scopes{state="kind_not_served"} 2.0' in scraped
+            # A canary matched: no longer blind for want of one.
+            kube.create_namespace("does-not-exist")
+            create_canary(kube, namespace="does-not-exist")
+            await blind_everywhere(run, "list_forbidden", "kind_not_served")
     warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
     assert warned and warned[-1]["level"] == "warning", warned
-    assert len(warned) <= 3, warned  # once per change, not per scope or per retry
+    assert len(warned) <= 4, warned  # once per change, not per scope or per retry
+
+
+async def test_a_label_no_canary_carries_is_blind_no_canaries(kube, kubeconfig):
+    """A wrong --label: every scope lists, nothing matches: blind at once, not only an
+    alert ten minutes later."""
+    create_canary(kube)  # flink.apache.org/canary
+    async with running_daemon(kube, kubeconfig, label="example.com/canary") as run:
+        ready = await blind_everywhere(run, "no_canaries")
+        assert ready.startswith("OK\nblind no_canaries: no flinkdeployments/flinksessionjobs ")
+        assert "labelled example.com/canary=true in any namespace" in ready, ready
+
+
+async def test_lists_refused_401_are_blind_unauthorized(kube, kubeconfig):
+    """Credentials refused on every request (401, also after a reload): /readyz 503
+    (nothing is listed) and canaryd_blind{reason="unauthorized"}, named in its body."""
+    create_canary(kube)
+    config = yaml.safe_load(kubeconfig.read_text())
+    config["users"][0]["user"]["token"] = "wrong-token-0123456789"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    async with running_daemon(kube, kubeconfig) as run:
+        ready = await blind_everywhere(run, "unauthorized")
+        assert ready.startswith("NOT READY: discovery failed: unauthorized"), ready
+        assert "\nblind unauthorized: discovery" in ready, ready
+
+
+async def test_a_token_revoked_while_running_is_blind_unauthorized_on_the_scopes(kube, kubeconfig):
+    """The scopes' lists refused 401 after a start that worked: each scope is named."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
+        await run.until_tracked()
+        kube.token = "revoked-0123456789"
+        kube.close_watches()
+        ready = await blind_everywhere(run, "unauthorized")
+        assert "blind unauthorized: flinkdeployments, namespaces" in ready, ready
 
 
 async def test_a_missing_patch_permission_is_said_at_start_not_only_by_unknown_canaries(
@@ -862,13 +899,13 @@ async def test_a_missing_patch_permission_is_said_at_start_not_only_by_unknown_c
             )
             coverage = watcher.coverage()
             assert coverage["listed"] == 1 and sum(coverage.values()) == 2, coverage
-            status, text = await run.get("/readyz")
-            assert status == 200, text  # a sidecar's readiness must not take the pod out
-            assert "patch forbidden: flinkdeployments@team-b" in text, text
+            text = await blind_everywhere(run, "patch_forbidden")
+            assert text.startswith("OK\n"), text  # a sidecar's readiness must not take the pod out
+            assert "blind patch_forbidden: flinkdeployments@team-b" in text, text
             _, scraped = await run.get("/metrics")
             assert 'canaryd_watch_scopes{state="patch_forbidden"} 1.0' in scraped
     warned = [r for r in json_lines(capsys.readouterr().err) if r.get("event") == "not_checked"]
-    assert warned and "patch forbidden: flinkdeployments@team-b" in warned[-1]["what"], warned
+    assert warned and "patch_forbidden: flinkdeployments@team-b" in warned[-1]["what"], warned
 
 
 def reviewed_namespaces(kube: FakeKube) -> list[str | None]:

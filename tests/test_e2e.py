@@ -1081,6 +1081,18 @@ async def canaryd_check(kubeconfig: Path, *args: str) -> tuple[int, list[str]]:
     return process.returncode, (out.decode() + err.decode()).splitlines()
 
 
+def a_canary_to_check(plane: Any, namespace: str) -> None:
+    """A canary where ``canaryd check`` looks: without one, canaryd would be blind
+    (no_canaries), and the check exits 1."""
+    canary = {
+        "apiVersion": f"{G}/{V}",
+        "kind": "FlinkDeployment",
+        "metadata": {"name": "checked", "labels": {LABEL: "true"}},
+    }
+    status, body = plane.request("POST", f"/apis/{G}/{V}/namespaces/{namespace}/{FD}", canary)
+    assert status in (201, 409), body
+
+
 async def test_canaryd_check_names_patch_when_a_role_lacks_it_on_a_real_api_server(
     cluster, namespace, tmp_path
 ):
@@ -1157,6 +1169,9 @@ async def test_canaryd_check_names_patch_when_a_role_lacks_it_on_a_real_api_serv
 
     assert cluster.namespaced is not None
     code, lines = await canaryd_check(cluster.namespaced, "--namespace", OWN)
+    assert code == 1 and lines[-2] == f"BLIND no canary labelled {LABEL}=true in {OWN}", lines
+    a_canary_to_check(plane, OWN)
+    code, lines = await canaryd_check(cluster.namespaced, "--namespace", OWN)
     assert code == 0, lines
     assert lines[-1] == f"canaryd check: all 8 permissions granted on {plane.url}", lines
     code, lines = await canaryd_check(cluster.namespaced, "--namespace", namespace)
@@ -1194,6 +1209,7 @@ async def test_the_charts_objects_are_admitted_and_its_rbac_is_what_canaryd_chec
     plane.apply(namespace_object(release))
     watched = f"{release}-watched"
     plane.apply(namespace_object(watched))
+    a_canary_to_check(plane, watched)
     discovery = Discovery(plane)
     variants = {
         "default": [],

@@ -39,8 +39,7 @@ ALERTS = {
     "CanarydNotReady",
     "CanarydDown",
     "CanarydInternalErrors",
-    "CanarydNothingChecked",
-    "CanarydScopeNotChecked",
+    "CanarydBlind",
     "CanarydBumpLatencyBudgetBurn",
     "CanarydBumpLatencyBudgetBurnSlow",
 }
@@ -71,6 +70,7 @@ def label_names() -> dict[str, set[str]]:
         "canaryd_canaries": {"state"},
         "canaryd_ready": set(),
         "canaryd_watch_scopes": {"state"},
+        "canaryd_blind": {"reason"},
     }
     for value in vars(metrics).values():
         name = getattr(value, "_name", None)
@@ -193,6 +193,9 @@ def test_the_monitors_select_what_the_manifests_deploy():
     ports = {p["name"] for p in service["spec"]["ports"]}
     assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= ports
     assert all(e["path"] == "/metrics" for e in service_monitor["spec"]["endpoints"])
+    # A pod that is not Ready is scraped too (canaryd_ready 0, canaryd_blind): its
+    # Service publishes it, whatever the scrape's relabeling does with readiness.
+    assert service["spec"]["publishNotReadyAddresses"] is True
 
     pod_monitor = load("podmonitor.yaml")
     assert pod_monitor["kind"] == "PodMonitor"
@@ -282,3 +285,49 @@ async def test_every_labelled_counter_an_alert_reads_is_exported_at_0_from_the_s
             assert series in samples, series
     for verdict in metrics.VERDICT_KINDS:
         assert f'canaryd_verdicts_total{{verdict="{verdict}"}}' in samples, verdict
+    for reason in metrics.BLIND_REASONS:
+        assert f'canaryd_blind{{reason="{reason}"}}' in samples, reason
+
+
+async def test_the_blind_alert_fires_on_what_a_blind_sidecar_exports(kube, kubeconfig, tmp_path):
+    """The sidecar's blindness, recorded: canaryd judges by the operator's metrics, which
+    refuse every read (a wrong port, the reporter off), while its canary stays pending
+    and /healthz 200. Scraped every 30 s (shipped; the cycle is 1 s here for 60 s), the
+    shipped rules over what it really exported: CanarydBlind fires for its pod within
+    two cycles of canaryd's start-up grace (a cycle of refused reads)."""
+    import asyncio
+
+    from canaryd.testing.process import free_port
+    from tests.kubelet import Recording, Scale, Scrape, Target
+    from tests.promseries import Expect, check_alerts
+
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool is neither on PATH nor downloadable")
+    create_canary(kube)
+    cycle, shipped_cycle = 1.0, 60.0
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    async with running_daemon(
+        kube, kubeconfig, timeout=cycle, reconciled_by="operator-metrics", operator_metrics_url=url
+    ) as run:
+        loop = asyncio.get_running_loop()
+        scale = Scale(cycle / shipped_cycle)
+        recording = Recording(scale, 30.0, loop.time())
+        labels = {"namespace": "flink", "pod": "operator-0", "job": "flink/canaryd"}
+        target = Target("operator-0", "canaryd", 8085, tuple(sorted(labels.items())))
+        for tick in range(9):  # 0 to 240 s shipped
+            at = recording.start + scale(30.0 * tick)
+            await asyncio.sleep(max(0.0, at - loop.time()))  # the scrape interval
+            status, text = await run.get("/metrics")
+            recording.scrapes.append(Scrape(at, target, status == 200, parse_metrics(text)))
+        assert run.tracked().state is CanaryState.PENDING
+        assert (await run.get("/healthz"))[0] == 200
+    check_alerts(
+        recording,
+        [
+            Expect("CanarydBlind", 0, [], why="within canaryd's start-up grace"),
+            Expect("CanarydBlind", 3 * shipped_cycle, ["operator-0"], why="two cycles past it"),
+        ],
+        tmp_path,
+        tool,
+    )

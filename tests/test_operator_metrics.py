@@ -26,7 +26,15 @@ from canaryd.registry import CanaryState, wall_time
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube
 from canaryd.testing.operator import FakeOperator
 from canaryd.testing.process import free_port
-from tests.harness import CYCLE, counter, create_canary, json_lines, json_logs, running_daemon
+from tests.harness import (
+    CYCLE,
+    blind_everywhere,
+    counter,
+    create_canary,
+    json_lines,
+    json_logs,
+    running_daemon,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "operator-metrics.txt"
 CANARY = ("FlinkDeployment", "default", "canary")
@@ -296,6 +304,8 @@ async def test_an_answer_without_the_canarys_series_is_unknown_with_one_warning(
         ):
             canary = await run.until_state(CanaryState.UNKNOWN, namespace="elsewhere", within=3)
             assert 'resourcens="elsewhere"' in canary.reason
+            body = await blind_everywhere(run, "operator_metrics_no_series")
+            assert "no series for flinkdeployments/elsewhere/canary" in body, body
             count = len(run.bumps())
             await run.until_bumps(count + 3)
             assert (await run.get("/healthz"))[0] == 200
@@ -305,7 +315,7 @@ async def test_an_answer_without_the_canarys_series_is_unknown_with_one_warning(
     assert len(warnings) == 1, warnings
 
 
-async def test_an_endpoint_that_is_not_the_operators_is_named_in_readyz(kube, kubeconfig):
+async def test_an_endpoint_that_is_not_the_operators_is_blind_no_series(kube, kubeconfig):
     create_canary(kube)
     # canaryd's own /metrics: it answers, but holds no operator series.
     port = free_port()
@@ -317,8 +327,63 @@ async def test_an_endpoint_that_is_not_the_operators_is_named_in_readyz(kube, ku
         operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
     ) as run:
         await run.until_state(CanaryState.UNKNOWN, within=3)
-        _, body = await run.get("/readyz")
-        assert "not checked" in body and "operator's metrics" in body, body
+        body = await blind_everywhere(run, "operator_metrics_no_series")
+        assert "answered without the operator's metrics" in body, body
+
+
+def test_the_operator_metrics_are_blind_after_a_cycle_of_unusable_reads():
+    """A start-up's grace, on the injected clock: refused reads for less than a cycle
+    are not blind (the operator's reporter listens some seconds after it starts); for a
+    whole cycle, unreachable; an answer without the operator's series, no_series; an
+    answer with them, nothing."""
+    from canaryd.opjudge import OperatorJudge
+    from canaryd.registry import Registry
+
+    class Follower:
+        active = False
+
+    now = [100.0]
+    settings = load_settings(["--reconciled-by", "operator-metrics", "--timeout", "10s"], {})
+    judge = OperatorJudge(
+        settings, Registry(settings.label), Follower(), lambda: 0.0, clock=lambda: now[0]
+    )  # type: ignore[arg-type]
+    refused = ScrapeFailed("refused", "nothing listens")
+    judge._read(now[0], None, refused)
+    now[0] += 9.9
+    judge._read(now[0], None, refused)
+    assert judge.blind() == {}
+    now[0] += 0.1
+    assert judge.blind() == {"operator_metrics_unreachable": "nothing listens"}
+    judge._read(now[0], parse("some_other_exporter_total 1\n"), None)
+    assert set(judge.blind()) == {"operator_metrics_no_series"}  # the same episode
+    judge._read(now[0], parse(FIXTURE.read_text()), None)
+    assert judge.blind() == {}
+    judge._read(now[0], None, refused)
+    assert judge.blind() == {}  # a new grace
+
+
+async def test_operator_metrics_unreachable_past_a_cycle_are_blind_until_they_answer(
+    kube, kubeconfig
+):
+    """The sidecar's blindness (a wrong port, the reporter off): every canary stays
+    ``pending`` (refused: starting or gone) and /healthz 200, so a wedged operator would
+    never be restarted. After a cycle of refused reads (a start-up's grace) it is
+    canaryd_blind{reason="operator_metrics_unreachable"}, in /readyz's body (still 200)
+    and /healthz?verbose; an operator that answers there clears it."""
+    create_canary(kube)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    async with running_daemon(
+        kube, kubeconfig, reconciled_by="operator-metrics", operator_metrics_url=url
+    ) as run:
+        operator = run.daemon.scheduler.operator
+        await run.until(lambda: operator.problem is not None, "a refused read")
+        body = await blind_everywhere(run, "operator_metrics_unreachable")
+        assert body.startswith("OK\n") and "refused" in body, body
+        assert run.canary().state is CanaryState.PENDING
+        async with operator_for(kube, port=port):
+            await run.until_state(CanaryState.HEALTHY, within=5)
+            await blind_everywhere(run)
 
 
 async def test_reads_are_per_interval_not_per_canary(kube, kubeconfig):

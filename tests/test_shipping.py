@@ -414,6 +414,10 @@ async def test_check_exits_2_naming_patch_when_patch_is_denied(kube, kubeconfig)
 
 
 async def test_check_exits_0_when_all_is_allowed(kube, kubeconfig):
+    kube.create_namespace("team-a")
+    for namespace in ("default", "team-a"):
+        create_canary(kube, namespace=namespace)
+    create_canary(kube, name="not-one", namespace="team-a", value="false")  # not a canary
     code, out, err = await run_cli("check", "--kubeconfig", str(kubeconfig))
     assert code == 0, (out, err)
     lines = out.splitlines()
@@ -426,6 +430,10 @@ async def test_check_exits_0_when_all_is_allowed(kube, kubeconfig):
         "ok   patch flinksessionjobs in all namespaces",
         "ok   list namespaces (cluster-scoped)",
         "ok   watch namespaces (cluster-scoped)",
+        "ok   kind flinkdeployments is served",
+        "ok   kind flinksessionjobs is served",
+        "ok   1 canaries in default",
+        "ok   1 canaries in team-a",
     ], out
     assert lines[-1] == f"canaryd check: all 8 permissions granted on {kube.url}"
     # Cluster-wide: reviews without a namespace, as kube-apiserver reads them.
@@ -479,11 +487,95 @@ async def test_check_asks_for_the_lease_and_custom_kinds_as_configured(kube, kub
     } in asked
 
 
+async def test_check_exits_1_naming_a_missing_namespace_and_a_kind_not_served(kube, kubeconfig):
+    """Every permission granted, but canaryd would be blind: a watched namespace that
+    does not exist, a kind whose CRD is not served (found before deployment, not by a
+    daemon whose /healthz says OK)."""
+    kube.create_namespace("canary-0")
+    create_canary(kube, namespace="canary-0")
+    code, out, err = await run_cli(
+        "check",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--namespace",
+        "canary-0,nope",
+        "--kind",
+        "flinkdeployments,widgets.example.com/v1",
+    )
+    assert code == 1, (out, err)
+    lines = out.splitlines()
+    assert lines[-6:-1] == [
+        "ok   kind flinkdeployments is served",
+        "BLIND kind widgets.example.com/v1 is not served (its CRD is not installed)",
+        "ok   namespace canary-0 exists",
+        "BLIND namespace nope does not exist",
+        "ok   1 canaries in canary-0",
+    ], out
+    assert lines[-1] == (
+        f"canaryd check: all 14 permissions granted on {kube.url}, but canaryd would be "
+        "blind: kind_not_served: kind widgets.example.com/v1 is not served (its CRD is not "
+        "installed); namespace_missing: namespace nope does not exist"
+    ), out
+
+
+async def test_check_exits_1_when_no_canary_matches(kube, kubeconfig):
+    """A wrong --label: no canary matches, whatever is labelled with the other."""
+    create_canary(kube)
+    code, out, _ = await run_cli(
+        "check", "--kubeconfig", str(kubeconfig), "--label", "example.com/canary"
+    )
+    assert code == 1, out
+    assert "BLIND no canary labelled example.com/canary=true in any namespace" in out, out
+    assert out.splitlines()[-1].endswith(
+        "but canaryd would be blind: no_canaries: no canary labelled "
+        "example.com/canary=true in any namespace"
+    ), out
+
+
+async def test_check_reads_the_operators_metrics_for_every_canarys_series(kube, kubeconfig):
+    """--reconciled-by operator-metrics: the metrics answer and carry each canary's
+    series (the operator watching only default: the canary elsewhere has none); an
+    address where nothing listens is blind too."""
+    from canaryd.testing.operator import FakeOperator
+    from canaryd.testing.process import free_port
+
+    kube.create_namespace("elsewhere")
+    create_canary(kube)
+    create_canary(kube, namespace="elsewhere")
+    operator = FakeOperator(
+        kube.url, kube.token, namespaces=["default"], kinds=("flinkdeployments",)
+    )
+    await operator.start()
+    try:
+        async with asyncio.timeout(5):
+            await operator.listed.wait()  # its list reconciled the canary of default
+        args = ["--kubeconfig", str(kubeconfig), "--reconciled-by", "operator-metrics"]
+        out = io.StringIO()
+        url = operator.metrics_url
+        settings = load_settings([*args, "--operator-metrics-url", url], {})
+        assert await check(settings, out) == 1
+        lines = out.getvalue().splitlines()
+        assert (
+            f"BLIND {url} has the series of 1 of 2 canaries, not of "
+            "flinkdeployments/elsewhere/canary"
+        ) in lines, lines
+        nowhere = f"http://127.0.0.1:{free_port()}/metrics"
+        out = io.StringIO()
+        settings = load_settings([*args, "--operator-metrics-url", nowhere], {})
+        assert await check(settings, out) == 1
+        assert "blind: operator_metrics_unreachable: the operator's metrics: " in out.getvalue()
+    finally:
+        await operator.stop()
+
+
 async def test_check_says_nested_operator_keys_and_follows_the_operator_configs_namespaces(
     kube, kubeconfig, tmp_path
 ):
     conf = tmp_path / "flink-conf.yaml"
     conf.write_text(NESTED)
+    for namespace in ("team-a", "team-b"):
+        kube.create_namespace(namespace)
+    create_canary(kube, namespace="team-b")
     settings = load_settings(
         [
             "--kubeconfig",
@@ -678,13 +770,15 @@ def test_the_docs_document_check_and_version():
     assert "canaryd check --kubeconfig" in section and "canaryd --version" in section
     for verb in KIND_VERBS:
         assert f"`{verb}`" in section, verb
-    assert "exits 0 when all are granted, 2" in section
+    assert "exits 2 naming what is missing" in section
+    assert "is a `BLIND` line, and it exits 1 naming each; else 0" in " ".join(section.split())
     assert "    ok   list flinkdeployments in team-a" in section
     assert "    MISSING patch flinkdeployments in team-a" in section
     readme = (ROOT / "README.md").read_text()
     brief = " ".join(readme.split("### Before you deploy: `canaryd check`", 1)[1].split())
     assert brief.startswith(".venv/bin/canaryd check --kubeconfig")
-    assert "exit 0 when all are granted, 2 naming what is missing" in brief
+    assert "exit 2 naming what is missing" in brief
+    assert "exit 1 naming why canaryd would be blind, else 0" in brief
     for verb in KIND_VERBS:
         assert verb in brief.split("###", 1)[0], verb
     assert "canaryd --version" in readme
