@@ -65,7 +65,10 @@ class Role:
         for canary in self.registry.canaries():
             if not kept or canary.state is CanaryState.PENDING:
                 self.registry.set_state(
-                    canary, CanaryState.PENDING, "waiting for the first bump to be judged"
+                    canary,
+                    CanaryState.PENDING,
+                    "waiting for the first bump to be judged",
+                    "first_bump",
                 )
 
     def verdict_ttl(self) -> float:
@@ -76,10 +79,11 @@ class Role:
         the verdict would otherwise age a cycle late whenever the judge ran late."""
         return 2 * self.settings.timeout - self.settings.judge_slack
 
-    def no_bump(self, canary: Canary, reason: str) -> None:
-        """Nothing to judge this cycle (``reason``): a failed write is no verdict either
-        way; an unhealthy verdict older than ``verdict_ttl`` turns unknown."""
-        self.registry.no_verdict(canary, reason, self._clock(), self.verdict_ttl())
+    def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
+        """Nothing to judge this cycle (``reason``, of class ``cause``): a failed write is
+        no verdict either way; an unhealthy verdict older than ``verdict_ttl`` turns
+        unknown."""
+        self.registry.no_verdict(canary, reason, cause, self._clock(), self.verdict_ttl())
 
     def judged_unhealthy(self) -> None:
         """A canary turned unhealthy: its verdict ages from now on."""
@@ -103,7 +107,7 @@ class Role:
                 and not self._failing(canary.key)
                 and now - verdict.at >= ttl
             ):
-                self.registry.no_verdict(canary, why, now, ttl)
+                self.registry.no_verdict(canary, why, "not_written", now, ttl)
             unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
         if unhealthy:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to age

@@ -20,6 +20,7 @@ import yaml
 
 from canaryd import metrics
 from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS
 from tests.harness import create_canary, running_daemon
 from tests.kubelet import parse_metrics
 from tests.promseries import promtool
@@ -31,6 +32,7 @@ LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
 MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|=)\s*"([^"]*)"')
 # The labels Prometheus Operator's scrape adds to every sample (target labels).
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
+STATE = "canaryd_canary_state"
 ALERTS = {
     "CanarydCanaryUnhealthy",
     "CanarydOperatorRestartLoop",
@@ -71,6 +73,7 @@ def label_names() -> dict[str, set[str]]:
         "canaryd_canaries": {"state"},
         "canaryd_ready": set(),
         "canaryd_watch_scopes": {"state"},
+        STATE: {"kind", "canary_namespace", "name", "state", "reason"},
     }
     for value in vars(metrics).values():
         name = getattr(value, "_name", None)
@@ -170,6 +173,46 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
         "canaryd_ready",
     ):
         assert needed in used, needed
+
+
+async def test_each_canary_has_a_series_naming_its_state_and_reason_class(kube, kubeconfig):
+    """canaryd_canary_state: one series per tracked canary (kind, canary_namespace,
+    name) with its state and the class of its reason; a dropped canary has none."""
+    kube.create_namespace("team-a")
+    create_canary(kube, "a", namespace="team-a")
+    create_canary(kube, "b")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, "a", "team-a")
+        await run.until_state(CanaryState.HEALTHY, "b")
+        kube.deny(verb="patch", resource="flinkdeployments", namespace="team-a")
+        await run.until_state(CanaryState.UNKNOWN, "a", "team-a")
+
+        async def series() -> dict[tuple[tuple[str, str], ...], float]:
+            status, text = await run.get("/metrics")
+            assert status == 200
+            samples = parse_metrics(text).items()
+            return {labels: value for (name, labels), value in samples if name == STATE}
+
+        def one(namespace: str, name: str, state: str, reason: str) -> tuple[tuple[str, str], ...]:
+            return tuple(
+                sorted(
+                    {
+                        "kind": "flinkdeployments",
+                        "canary_namespace": namespace,
+                        "name": name,
+                        "state": state,
+                        "reason": reason,
+                    }.items()
+                )
+            )
+
+        assert await series() == {
+            one("team-a", "a", "unknown", "forbidden"): 1.0,
+            one("default", "b", "healthy", "in_time"): 1.0,
+        }
+        kube.delete(FLINK_DEPLOYMENTS, "default", "b")
+        await run.until_gone("b")
+        assert await series() == {one("team-a", "a", "unknown", "forbidden"): 1.0}
 
 
 def test_the_grafana_dashboard_is_importable():
