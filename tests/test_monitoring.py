@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS
 from tests.harness import create_canary, running_daemon
-from tests.kubelet import parse_metrics
+from tests.kubelet import kustomize, parse_metrics, render
 from tests.promseries import promtool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +153,8 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
     for (name, sample_labels), _ in parse_metrics(text).items():
         for label, value in sample_labels:
             values.setdefault((name, label), set()).add(value)
+    # A canary's series carries the state it is in (here healthy), any of them.
+    values[(STATE, "state")] |= {state.value for state in CanaryState}
     for expr in exprs:
         for name, selector in NAME.findall(expr):
             for label, op, value in MATCHER.findall(selector or ""):
@@ -255,7 +258,39 @@ def test_the_monitors_select_what_the_manifests_deploy():
     assert set(kustomization["resources"]) == {
         "servicemonitor.yaml",
         "prometheusrule.yaml",
+        "runbook.yaml",
     }
+
+
+def runbook_urls(objects: list[dict[str, Any]]) -> list[str]:
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    return [
+        r["annotations"]["runbook_url"]
+        for group in rule["spec"]["groups"]
+        for r in group["rules"]
+        if "alert" in r
+    ]
+
+
+def test_every_runbook_url_is_absolute_and_set_in_one_place(tmp_path):
+    """Alertmanager shows runbook_url as a link: a path in the repository is none.
+    prometheusrule.yaml carries runbook.yaml's default address; the kustomization
+    writes the one runbook.yaml sets into every rule, and outputs no ConfigMap."""
+    base = load("runbook.yaml")["data"]["baseURL"]
+    assert base.startswith("https://") and not base.endswith("/")
+    shipped = runbook_urls([load("prometheusrule.yaml")])
+    assert len(shipped) == len(ALERTS)
+    assert all(u.startswith(f"{base}/docs/OPERATIONS.md#") for u in shipped), shipped
+    assert runbook_urls(render(MONITORING)) == shipped
+    copy = tmp_path / "monitoring"
+    shutil.copytree(MONITORING, copy)
+    runbook = copy / "runbook.yaml"
+    runbook.write_text(runbook.read_text().replace(base, "https://docs.example/canaryd/v9"))
+    built = render(copy)
+    assert [o["kind"] for o in built if o["kind"] == "ConfigMap"] == []
+    theirs = [u.replace(base, "https://docs.example/canaryd/v9", 1) for u in shipped]
+    assert runbook_urls(built) == theirs
+    assert runbook_urls(kustomize(copy)) == runbook_urls(built)  # without kubectl too
 
 
 def test_promtool_accepts_the_rules_and_their_unit_tests_pass(tmp_path):
