@@ -225,6 +225,7 @@ class Daemon:
                         group.create_task(self._supervise("scheduler", scheduler.run)),
                         group.create_task(self.server.run(), name="health-server"),
                     ]
+                    group.create_task(self._supervise("events", scheduler.events.run))
                     group.create_task(self._supervise("config", self._follow_operator_config))
                     group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
                     if self.elector is not None:

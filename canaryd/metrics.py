@@ -180,7 +180,7 @@ ERROR_PLACES = (
     "watch_decode",
     "watch_request",
     "watchdog_withheld",
-    *(f"task_{task}" for task in ("watcher", "scheduler", "config", "credentials", "leader")),
+    *(f"task_{t}" for t in ("watcher", "scheduler", "config", "credentials", "leader", "events")),
 )
 ERRORS = _counter(
     "canaryd_errors_total",
@@ -285,6 +285,16 @@ class StateCollector(Collector):
             "patch there; a scope that cannot exist is counted too).",
             self._scopes(),
         )
+
+
+VERDICT_EVENTS = _counter(
+    "canaryd_verdict_events_total",
+    "Kubernetes Events on canaries whose verdict changed, by result: created, updated "
+    "(a series: the same Event again), spam_filtered (over a canary's token bucket), "
+    "dropped (the queue full), failed (the write failed).",
+    ["result"],
+    ("created", "updated", "spam_filtered", "dropped", "failed"),
+)
 
 
 def canary_states(canaries: Iterable[Any]) -> bytes:

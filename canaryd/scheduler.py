@@ -33,6 +33,7 @@ import structlog
 from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
+from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.opjudge import OperatorJudge, phase
@@ -78,8 +79,14 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
+        self.events = Events(kube, clock=clock)
+        """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
         self.role = Role(
-            settings, registry, lambda key: self.failures.cause(key) is not None, clock=clock
+            settings,
+            registry,
+            lambda key: self.failures.cause(key) is not None,
+            self.events,
+            clock=clock,
         )
         self.operator: OperatorJudge | None = None
         """--reconciled-by operator-metrics: bumps judged on the operator's metrics."""
@@ -309,7 +316,9 @@ class Scheduler:
             case Healthy():
                 metrics.VERDICTS.labels("healthy").inc()
                 self._deferred.discard(canary)
+                before = canary.state
                 self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, "in_time", now)
+                self.role.told(canary, before)
             case Unhealthy():
                 reason = judgement.reason
                 metrics.VERDICTS.labels("unhealthy").inc()
@@ -319,7 +328,9 @@ class Scheduler:
                 (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
                     "canary_unhealthy", canary=str(canary.key), reason=reason
                 )
+                before = canary.state
                 self.registry.judged(canary, CanaryState.UNHEALTHY, reason, judgement.cause, now)
+                self.role.told(canary, before)
                 self.role.judged_unhealthy()
             case NoVerdict():
                 metrics.VERDICTS.labels(judgement.counted).inc()

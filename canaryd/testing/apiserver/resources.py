@@ -46,6 +46,9 @@ FLINK_TYPES = (FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS)
 # A built-in type: no generation, no status (pkg/registry/coordination/lease/strategy.go:
 # AllowUnconditionalUpdate false, AllowCreateOnUpdate true).
 LEASES = ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, False, False)
+# events.k8s.io/v1 Events: built-in, namespaced, updated unconditionally
+# (pkg/registry/core/event/strategy.go: AllowUnconditionalUpdate true).
+EVENTS = ResourceType("events.k8s.io", "v1", "events", "Event", True, False, False)
 
 
 class ApiError(Exception):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from canaryd.testing.apiserver.resources import (
+    EVENTS,
     LEASES,
     NAMESPACES,
     ApiError,
@@ -56,7 +57,7 @@ class Store(abc.ABC):
         history_limit: int,
         auto_finalize_namespaces: bool,
     ) -> None:
-        self.types: dict[str, ResourceType] = {NAMESPACES.plural: NAMESPACES, LEASES.plural: LEASES}
+        self.types: dict[str, ResourceType] = {t.plural: t for t in (NAMESPACES, LEASES, EVENTS)}
         self.types.update({t.plural: t for t in crds})
         self.history_limit = history_limit
         self.auto_finalize_namespaces = auto_finalize_namespaces
