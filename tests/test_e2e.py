@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -522,6 +523,56 @@ async def test_a_watch_that_really_expires_is_relisted(api, cluster, namespace):
         )
         assert expired >= 1
         await until_healthy(url, namespace)
+
+
+async def test_an_unhealthy_verdict_is_an_event_on_the_canary_that_kubectl_describe_shows(
+    api, cluster, namespace
+):
+    """A canary nobody reconciles (--reconciled-by observed-generation, no operator) is
+    judged unhealthy: an events.k8s.io/v1 Event on it says so with the reason and its
+    class, written by config/rbac's ServiceAccount; the events API finds it by
+    regarding.name, and kubectl describe shows it."""
+    await create_canary(api, namespace)
+    events = client.EventsV1Api(api)
+
+    async def unhealthy() -> list[Any]:
+        found = await events.list_namespaced_event(
+            namespace, field_selector="regarding.name=canary"
+        )
+        return [e for e in found.items if e.reason == "Unhealthy"]
+
+    args = ("--namespace", namespace, "--reconciled-by", "observed-generation")
+    async with canaryd(cluster.canaryd, *args):
+        (event,) = await eventually(unhealthy, "the Unhealthy Event")
+    uid = (await get_canary(api, namespace))["metadata"]["uid"]
+    assert (event.regarding.kind, event.regarding.name, event.regarding.uid) == (
+        "FlinkDeployment",
+        "canary",
+        uid,
+    )
+    assert event.type == "Warning" and event.reporting_controller == "canaryd"
+    assert event.note.startswith("not_reconciled: status.observedGeneration did not reach")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return  # the events API said it; kubectl is not installed here
+    described = await asyncio.create_subprocess_exec(
+        kubectl,
+        "--kubeconfig",
+        str(cluster.admin),
+        "--namespace",
+        namespace,
+        "describe",
+        f"{FD}.{G}",
+        "canary",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        out, _ = await described.communicate()
+    text = out.decode()
+    assert described.returncode == 0, text
+    events_section = text.split("Events:", 1)[1]
+    assert "Warning" in events_section and "Unhealthy" in events_section, text
+    assert "not_reconciled: status.observedGeneration" in events_section, text
 
 
 async def test_the_rbac_manifests_grant_what_canaryd_uses_and_no_more(cluster):
