@@ -11,9 +11,9 @@ tools/record), and never in a bump's way:
   then one every 5 minutes (tools/record's EventSourceObjectSpamFilter);
 - the same Event again (same canary, type, reason) within 6 minutes of the last
   (tools/events' finishTime) is a series: the first is created, each repeat PATCHes
-  its ``series`` (count, lastObservedTime) and note; a series whose Event is gone (a
-  404: Events expire) starts anew. Both caches keep the last 4,096 canaries
-  (tools/record's LRU);
+  its ``series`` (count, lastObservedTime; the note stays the first one's: it is
+  immutable); a series whose Event is gone (a 404: Events expire) starts anew. The
+  last 4,096 canaries are remembered (tools/record's LRU);
 - a write that fails is a KubeError, logged and counted
   (``canaryd_verdict_events_total{result="failed"}``), and not retried.
 """
@@ -107,7 +107,7 @@ class Events:
         earlier = seen.series.get(reason)
         if earlier is not None and now - earlier[2] < SERIES_FOR:
             name, count = earlier[0], earlier[1] + 1
-            patch = {"series": {"count": count, "lastObservedTime": stamp}, "note": event["note"]}
+            patch = {"series": {"count": count, "lastObservedTime": stamp}}
             try:
                 await self.kube.request(
                     "patch",

@@ -773,6 +773,13 @@ async def test_an_event_is_created_and_its_series_patched_or_replaced(kube, api)
     with pytest.raises(ApiException) as gone:
         await events.patch_namespaced_event("canary.2", "default", series)
     assert gone.value.status == 404
+    with pytest.raises(ApiException) as immutable:  # all but the series (ValidateEventUpdate)
+        await events.patch_namespaced_event("canary.1", "default", {"note": "another"})
+    assert (
+        immutable.value.status == 422
+        and "note: Invalid value: field is immutable"
+        in (json.loads(immutable.value.body)["message"])
+    )
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def prepare_for_update(
             )
     meta["resourceVersion"] = old_meta["resourceVersion"]
     if rtype is EVENTS:
-        validate_event(new)
+        validate_event(new, current)
     if rtype.custom:
         # Any change outside metadata bumps generation (strategy.go, PrepareForUpdate:
         # copyNonMetadata + apiequality.Semantic.DeepEqual); metadata-only writes never do.
@@ -123,11 +123,30 @@ def prepare_for_update(
     return new
 
 
-def validate_event(event: dict[str, Any]) -> None:
-    """What kube-apiserver requires of an events.k8s.io/v1 Event on create and update
-    (pkg/apis/core/validation/events.go: ValidateEventCreate, legacyValidateEvent,
-    validateV1EventSeries)."""
+IMMUTABLE_EVENT_FIELDS = (
+    "regarding",
+    "related",
+    "reason",
+    "note",
+    "type",
+    "action",
+    "reportingController",
+    "reportingInstance",
+    "eventTime",
+)
+
+
+def validate_event(event: dict[str, Any], current: dict[str, Any] | None = None) -> None:
+    """What kube-apiserver requires of an events.k8s.io/v1 Event on create and, with
+    ``current``, on update: all but the series is immutable then
+    (pkg/apis/core/validation/events.go: ValidateEventCreate, ValidateEventUpdate,
+    legacyValidateEvent, validateV1EventSeries)."""
     errors = [
+        f"{name}: Invalid value: field is immutable"
+        for name in IMMUTABLE_EVENT_FIELDS
+        if current is not None and event.get(name) != current.get(name)
+    ]
+    errors += [
         f"{name}: Required value"
         for name in ("eventTime", "reportingController", "reportingInstance", "action", "reason")
         if not event.get(name)
