@@ -64,7 +64,8 @@ class Events:
         kind, namespace, name = key
         event = dict(kind=kind, namespace=namespace, name=name, uid=uid, reason=reason)
         try:
-            self.queue.put_nowait({**event, "note": note[:1024]})
+            note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
+            self.queue.put_nowait({**event, "note": note})
         except asyncio.QueueFull:
             metrics.VERDICT_EVENTS.labels("dropped").inc()
             if not self._overflowing:

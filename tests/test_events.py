@@ -64,6 +64,18 @@ async def test_a_verdict_change_is_an_event_on_the_canary_and_a_repeat_its_serie
         kube.release_watch_events()
 
 
+async def test_a_canary_turned_unknown_is_a_warning_event_naming_the_class(kube, kubeconfig):
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        kube.deny(verb="patch", resource="flinkdeployments", namespace="default")
+        await run.until_state(CanaryState.UNKNOWN)
+        await run.until(lambda: len(events_about(kube)) == 1, "the Unknown Event")
+    (event,) = events_about(kube)
+    assert (event["type"], event["reason"]) == ("Warning", "Unknown")
+    assert event["note"].startswith("forbidden: ") and "403" in event["note"]
+
+
 async def test_the_spam_filter_and_the_bounded_queue(kube, kubeconfig, capsys):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
