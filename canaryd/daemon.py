@@ -236,6 +236,7 @@ class Daemon:
                     if settings.operator_account is not None:
                         said = self._say_operator_account(kube, *settings.operator_account)
                         group.create_task(said, name="operator-account")
+                    group.create_task(self._supervise("events", scheduler.events.run))
                     group.create_task(self._supervise("config", self._follow_operator_config))
                     group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
                     if self.elector is not None:

@@ -34,6 +34,9 @@ class Healthy:
 @dataclass(frozen=True, slots=True)
 class Unhealthy:
     reason: str
+    cause: str
+    """Its class (a metric label): not_observed, not_reconciled, watch_not_resumed,
+    operator_unanswered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,14 +183,16 @@ def by_watch(
         return Unhealthy(
             f"generation {bumped} not observed: the watch of {scope} has not resumed "
             f"{now - sync.unsynced_since:.1f}s after {sync.behind_because} (one cycle past "
-            "the deadline)"
+            "the deadline)",
+            "watch_not_resumed",
         )
     return Unhealthy(
         f"status.observedGeneration did not reach generation {bumped} within "
         f"{settings.timeout:g}s (it is {canary.status_observed})"
         if by_status
         else f"generation {bumped} not observed within {settings.timeout:g}s (latest "
-        f"observed {canary.generation})"
+        f"observed {canary.generation})",
+        "not_reconciled" if by_status else "not_observed",
     )
 
 
@@ -235,7 +240,8 @@ def by_operator(
             )
             return Unhealthy(
                 f"generation {bumped} not known reconciled: {failed}; the operator's metrics "
-                f"have answered {silent}, a cycle past the deadline (a frozen operator?)"
+                f"have answered {silent}, a cycle past the deadline (a frozen operator?)",
+                "operator_unanswered",
             )
         if failed.cause == "refused":
             # Nothing listens: the operator is starting, or gone (the kubelet sees that
@@ -279,5 +285,6 @@ def by_operator(
         return NoVerdict(f"no verdict on generation {bumped}: {api_away}", "unreachable")
     return Unhealthy(
         f"the operator finished no reconcile within {settings.timeout:g}s of generation "
-        f"{bumped} (finished reconciles stayed at {value:g})"
+        f"{bumped} (finished reconciles stayed at {value:g})",
+        "not_reconciled",
     )

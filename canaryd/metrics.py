@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -183,7 +183,7 @@ ERROR_PLACES = (
     "watch_decode",
     "watch_request",
     "watchdog_withheld",
-    *(f"task_{task}" for task in ("watcher", "scheduler", "config", "credentials", "leader")),
+    *(f"task_{t}" for t in ("watcher", "scheduler", "config", "credentials", "leader", "events")),
 )
 ERRORS = _counter(
     "canaryd_errors_total",
@@ -323,6 +323,37 @@ class BlindCollector(Collector):
         for reason in BLIND_REASONS:
             family.add_metric([reason], 1 if reason in blind else 0)
         yield family
+
+
+VERDICT_EVENTS = _counter(
+    "canaryd_verdict_events_total",
+    "Kubernetes Events on canaries whose verdict changed, by result: created, updated "
+    "(a series: the same Event again), spam_filtered (over a canary's token bucket), "
+    "dropped (the queue full), failed (the write failed).",
+    ["result"],
+    ("created", "updated", "spam_filtered", "dropped", "failed"),
+)
+
+
+def canary_states(canaries: Iterable[Any]) -> bytes:
+    """``canaryd_canary_state``: 1 for each tracked canary (``canaryd.registry.Canary``),
+    labelled with its state and its reason's class. Rendered here, read at scrape time
+    (a dropped canary has no series; nothing is kept to remove): prometheus_client's
+    exposition takes 10 us a sample, 115 ms a scrape at 10,000 canaries, this 10 ms.
+    Kubernetes names and the classes need no escaping; ``canary_namespace``, since
+    Prometheus' scrape sets ``namespace`` (the target's)."""
+    return "".join(
+        [
+            "# HELP canaryd_canary_state 1 for each tracked canary, labelled with its state "
+            "and the class of its reason (docs/OPERATIONS.md).\n"
+            "# TYPE canaryd_canary_state gauge\n",
+            *(
+                f'canaryd_canary_state{{kind="{c.key.kind}",canary_namespace="{c.key.namespace}",'
+                f'name="{c.key.name}",state="{c.state.value}",reason="{c.cause}"}} 1.0\n'
+                for c in canaries
+            ),
+        ]
+    ).encode()
 
 
 # What runs (issue 33): the build, and the process collector's process_* series (CPU,

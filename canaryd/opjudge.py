@@ -297,7 +297,7 @@ class OperatorJudge:
         canaries = sorted(self.registry.tracked(), key=phase)
         step = self.settings.timeout / 2 / max(1, len(canaries))
         for index, canary in enumerate(canaries):
-            self.registry.fresh_check(canary, reason)
+            self.registry.fresh_check(canary, reason, "operator_restarted")
             self._realign.add(canary.key)
             if not self.schedule.flying(canary):  # one in flight schedules itself
                 self.schedule.push(started + index * step, canary)

@@ -89,6 +89,8 @@ class Canary:
     """Why spec.restartNonce is not usable, when it is not; the next bump repairs it."""
     state: CanaryState = CanaryState.PENDING
     reason: str = "waiting for the first bump to be judged"
+    cause: str = "first_bump"
+    """The reason's class, one of a few fixed words (a metric label; docs/OPERATIONS.md)."""
     bumped_generation: int | None = None
     """The generation our last successful bump produced, until it is judged."""
     last_bumped_generation: int | None = None
@@ -254,7 +256,7 @@ class Registry:
         for listener in self.listeners:
             listener()
 
-    def set_state(self, canary: Canary, state: CanaryState, reason: str) -> None:
+    def set_state(self, canary: Canary, state: CanaryState, reason: str, cause: str) -> None:
         if not self.owns(canary):
             return
         reason = one_line(reason)
@@ -270,8 +272,9 @@ class Registry:
                 state=state.value,
                 previous=canary.state.value,
                 reason=reason,
+                cause=cause,
             )
-        canary.state, canary.reason = state, reason
+        canary.state, canary.reason, canary.cause = state, reason, cause
         self._changed()
 
     def _judged(self, canary: Canary) -> None:
@@ -282,7 +285,9 @@ class Registry:
         canary.deferred_until = None
         canary.late_recheck = False
 
-    def judged(self, canary: Canary, state: CanaryState, reason: str, now: float) -> None:
+    def judged(
+        self, canary: Canary, state: CanaryState, reason: str, cause: str, now: float
+    ) -> None:
         """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (a written bump
         not reconciled in time: the one way to become unhealthy; the verdict is kept so
         that it can age, see ``no_verdict``)."""
@@ -293,7 +298,7 @@ class Registry:
         canary.verdict = (
             Verdict(now, time.time(), one_line(reason)) if state is CanaryState.UNHEALTHY else None
         )
-        self.set_state(canary, state, reason)
+        self.set_state(canary, state, reason, cause)
 
     def deferred(self, canary: Canary, until: float) -> None:
         """The verdict on the pending bump waits for its watch to resume, until ``until``
@@ -317,9 +322,11 @@ class Registry:
         canary.deferred_until = None
         canary.late_recheck = False
         if reason is not None:
-            self.set_state(canary, CanaryState.PENDING, reason)
+            self.set_state(canary, CanaryState.PENDING, reason, "standby")
 
-    def no_verdict(self, canary: Canary, reason: str, now: float, verdict_ttl: float) -> None:
+    def no_verdict(
+        self, canary: Canary, reason: str, cause: str, now: float, verdict_ttl: float
+    ) -> None:
         """No bump to judge this cycle (it could not be written, or what would judge it
         could not be read). A failed write is no verdict either way: it
         neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
@@ -333,18 +340,20 @@ class Registry:
         canary.reconcile_baseline = None
         verdict = canary.verdict
         if canary.state is not CanaryState.UNHEALTHY or verdict is None:
-            self.set_state(canary, CanaryState.UNKNOWN, reason)
+            self.set_state(canary, CanaryState.UNKNOWN, reason, cause)
         elif now - verdict.at < verdict_ttl:
-            self.set_state(canary, CanaryState.UNHEALTHY, f"{verdict.reason}; since then: {reason}")
+            why = f"{verdict.reason}; since then: {reason}"
+            self.set_state(canary, CanaryState.UNHEALTHY, why, canary.cause)
         else:
             at = wall_time(verdict.wall_time)
             self.set_state(
                 canary,
                 CanaryState.UNKNOWN,
                 f"unhealthy at {at} ({verdict.reason}); no bump written since: {reason}",
+                "verdict_expired",
             )
 
-    def fresh_check(self, canary: Canary, reason: str) -> None:
+    def fresh_check(self, canary: Canary, reason: str, cause: str) -> None:
         """What was found so far is about something that no longer exists (the operator
         instance that was checked): no bump waits for a verdict, no verdict stands, and
         the canary is ``pending`` until a bump written from now on is judged."""
@@ -353,7 +362,7 @@ class Registry:
         self._judged(canary)
         canary.reconcile_baseline = None
         canary.verdict = None
-        self.set_state(canary, CanaryState.PENDING, reason)
+        self.set_state(canary, CanaryState.PENDING, reason, cause)
 
     def baseline(self, canary: Canary, baseline: tuple[int, float | None] | None) -> None:
         """The operator's reconcile count read before the next bump (operator-metrics)."""

@@ -17,7 +17,14 @@ import time
 from collections.abc import Callable
 
 from canaryd.config import Settings
+from canaryd.events import Events
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
+
+EVENT_REASONS = {
+    CanaryState.UNHEALTHY: "Unhealthy",
+    CanaryState.UNKNOWN: "Unknown",
+    CanaryState.HEALTHY: "Recovered",
+}
 
 
 class Role:
@@ -26,10 +33,11 @@ class Role:
         settings: Settings,
         registry: Registry,
         failing: Callable[[CanaryKey], bool],
+        events: Events,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry = settings, registry
+        self.settings, self.registry, self.events = settings, registry, events
         self._failing = failing
         """Whether a canary's writes are failing now: it ages at its next failed write,
         which names the cause (``no_bump``)."""
@@ -65,7 +73,10 @@ class Role:
         for canary in self.registry.canaries():
             if not kept or canary.state is CanaryState.PENDING:
                 self.registry.set_state(
-                    canary, CanaryState.PENDING, "waiting for the first bump to be judged"
+                    canary,
+                    CanaryState.PENDING,
+                    "waiting for the first bump to be judged",
+                    "first_bump",
                 )
 
     def verdict_ttl(self) -> float:
@@ -76,10 +87,26 @@ class Role:
         the verdict would otherwise age a cycle late whenever the judge ran late."""
         return 2 * self.settings.timeout - self.settings.judge_slack
 
-    def no_bump(self, canary: Canary, reason: str) -> None:
-        """Nothing to judge this cycle (``reason``): a failed write is no verdict either
-        way; an unhealthy verdict older than ``verdict_ttl`` turns unknown."""
-        self.registry.no_verdict(canary, reason, self._clock(), self.verdict_ttl())
+    def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
+        """Nothing to judge this cycle (``reason``, of class ``cause``): a failed write is
+        no verdict either way; an unhealthy verdict older than ``verdict_ttl`` turns
+        unknown."""
+        before = canary.state
+        self.registry.no_verdict(canary, reason, cause, self._clock(), self.verdict_ttl())
+        self.told(canary, before)
+
+    def told(self, canary: Canary, before: CanaryState) -> None:
+        """A verdict that changed is an Event on the canary (canaryd.events): unhealthy,
+        unknown, or recovered (healthy after either), with its reason and its class."""
+        state, pending = canary.state, before is CanaryState.PENDING
+        if (
+            state is before
+            or state not in EVENT_REASONS
+            or (state is CanaryState.HEALTHY and pending)
+        ):
+            return
+        note = f"{canary.cause}: {canary.reason}"
+        self.events.record(canary.key, canary.uid, EVENT_REASONS[state], note)
 
     def judged_unhealthy(self) -> None:
         """A canary turned unhealthy: its verdict ages from now on."""
@@ -103,7 +130,8 @@ class Role:
                 and not self._failing(canary.key)
                 and now - verdict.at >= ttl
             ):
-                self.registry.no_verdict(canary, why, now, ttl)
+                self.registry.no_verdict(canary, why, "not_written", now, ttl)
+                self.told(canary, CanaryState.UNHEALTHY)
             unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
         if unhealthy:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to age

@@ -33,6 +33,7 @@ import structlog
 from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
+from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.opjudge import OperatorJudge, phase
@@ -78,8 +79,14 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
+        self.events = Events(kube, clock=clock)
+        """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
         self.role = Role(
-            settings, registry, lambda key: self.failures.cause(key) is not None, clock=clock
+            settings,
+            registry,
+            lambda key: self.failures.cause(key) is not None,
+            self.events,
+            clock=clock,
         )
         self.operator: OperatorJudge | None = None
         """--reconciled-by operator-metrics: bumps judged on the operator's metrics."""
@@ -142,7 +149,9 @@ class Scheduler:
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
-            self.registry.set_state(canary, CanaryState.PENDING, self.role.standby_reason)
+            self.registry.set_state(
+                canary, CanaryState.PENDING, self.role.standby_reason, "standby"
+            )
             return
         self.push(self._clock() + phase(canary) * self.settings.timeout, canary)
 
@@ -247,7 +256,7 @@ class Scheduler:
             # A bug must not lose the canary: say so, count it, try next cycle.
             metrics.ERRORS.labels("scheduler").inc()
             log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            self._no_bump(canary, "internal error; see logs")
+            self._no_bump(canary, "internal error; see logs", "internal_error")
             next_due = self._after_failure(due)
         finally:
             if self.flying(canary):
@@ -307,7 +316,9 @@ class Scheduler:
             case Healthy():
                 metrics.VERDICTS.labels("healthy").inc()
                 self._deferred.discard(canary)
-                self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, now)
+                before = canary.state
+                self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, "in_time", now)
+                self.role.told(canary, before)
             case Unhealthy():
                 reason = judgement.reason
                 metrics.VERDICTS.labels("unhealthy").inc()
@@ -317,15 +328,17 @@ class Scheduler:
                 (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
                     "canary_unhealthy", canary=str(canary.key), reason=reason
                 )
-                self.registry.judged(canary, CanaryState.UNHEALTHY, reason, now)
+                before = canary.state
+                self.registry.judged(canary, CanaryState.UNHEALTHY, reason, judgement.cause, now)
+                self.role.told(canary, before)
                 self.role.judged_unhealthy()
             case NoVerdict():
                 metrics.VERDICTS.labels(judgement.counted).inc()
                 self._deferred.discard(canary)
                 if judgement.fresh:
-                    self.registry.fresh_check(canary, judgement.reason)
+                    self.registry.fresh_check(canary, judgement.reason, judgement.counted)
                 else:
-                    self._no_bump(canary, judgement.reason)
+                    self._no_bump(canary, judgement.reason, judgement.counted)
             case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
@@ -387,7 +400,7 @@ class Scheduler:
             return
         metrics.BUMPS.labels(cause).inc()
         self.failures.failed(canary.key, cause, reason)
-        self._no_bump(canary, reason)
+        self._no_bump(canary, reason, cause)
 
-    def _no_bump(self, canary: Canary, reason: str) -> None:
-        self.role.no_bump(canary, reason)
+    def _no_bump(self, canary: Canary, reason: str, cause: str) -> None:
+        self.role.no_bump(canary, reason, cause)

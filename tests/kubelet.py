@@ -167,6 +167,18 @@ def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, A
                 obj = obj[int(step) if isinstance(obj, list) else step]
         return obj
 
+    def parents(obj: Any, path: list[str]) -> list[Any]:
+        """The objects a field path's last step is in: a ``*`` step takes every list
+        item that has the rest of the path (kustomize's wildcard)."""
+        if "*" not in path:
+            return [walk(obj, path)]
+        at = path.index("*")
+        found = []
+        for item in walk(obj, path[:at]):
+            with contextlib.suppress(KeyError, TypeError, StopIteration):
+                found += parents(item, path[at + 1 :])
+        return found
+
     for replacement in spec.get("replacements", []):
         source = replacement["source"]
         (origin,) = [o for o in objects if select(o, source)]
@@ -177,16 +189,20 @@ def replaced(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, A
             for obj in (o for o in objects if select(o, target["select"])):
                 for field_path in target["fieldPaths"]:
                     *parent_path, key = steps(field_path)
-                    parent = walk(obj, parent_path)
-                    last: Any = int(key) if isinstance(parent, list) else key
-                    options = target.get("options", {})
-                    if "delimiter" in options:
-                        parts = str(parent[last]).split(options["delimiter"])
-                        parts[options["index"]] = value
-                        parent[last] = options["delimiter"].join(parts)
-                    else:
-                        parent[last] = value
-    return objects
+                    for parent in parents(obj, parent_path):
+                        if "*" in parent_path and key not in parent:
+                            continue  # a wildcard's item without the field
+                        last: Any = int(key) if isinstance(parent, list) else key
+                        options = target.get("options", {})
+                        if "delimiter" in options:
+                            parts = str(parent[last]).split(options["delimiter"])
+                            parts[options["index"]] = value
+                            parent[last] = options["delimiter"].join(parts)
+                        else:
+                            parent[last] = value
+    # Objects annotated as local configuration are the kustomization's, not output.
+    local = "config.kubernetes.io/local-config"
+    return [o for o in objects if o["metadata"].get("annotations", {}).get(local) != "true"]
 
 
 def patched(objects: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:

@@ -267,10 +267,10 @@ class Soak:
         ) as run:
             original = run.registry.set_state
 
-            def recording(canary: Any, state: CanaryState, reason: str) -> None:
+            def recording(canary: Any, state: CanaryState, reason: str, cause: str) -> None:
                 if canary.state is not state:
                     self.transitions.append((self.clock(), canary.key, state))
-                original(canary, state, reason)
+                original(canary, state, reason, cause)
 
             run.registry.set_state = recording
             for namespace, name in names:

@@ -387,6 +387,10 @@ def test_the_monitoring_objects_are_config_monitoring(helm):
     rule = one(chart, "PrometheusRule")
     their_rule = docs(CONFIG / "monitoring" / "prometheusrule.yaml")[0]
     assert rule["spec"] == their_rule["spec"]
+    # The runbook's default address is config/monitoring's (runbook.yaml).
+    runbook = docs(CONFIG / "monitoring" / "runbook.yaml")[0]["data"]["baseURL"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["prometheusRule"]["runbookBaseURL"] == runbook
     based = one(
         template(
             helm,

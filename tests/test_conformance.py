@@ -331,6 +331,36 @@ async def script(api: Api, forbid: Callable[[], None]) -> dict[str, Any]:
     status, body = await api.call("PUT", f"{leases}/m", {"metadata": {"name": "m"}, "spec": spec})
     facts["PUT a lease that does not exist"] = status_fact(status, body)
 
+    # events.k8s.io/v1 Events (canaryd.events): create, a series PATCH, an immutable
+    # field, one kube-apiserver's validation refuses.
+    events = f"/apis/events.k8s.io/v1/namespaces/{NS}/events"
+    event = {
+        "metadata": {"name": "c.1"},
+        "eventTime": "2026-12-07T03:00:00.000000Z",
+        "reportingController": "canaryd",
+        "reportingInstance": "canaryd-host",
+        "action": "Judged",
+        "reason": "Unhealthy",
+        "type": "Warning",
+        "regarding": {"kind": "FlinkDeployment", "namespace": NS, "name": "c"},
+        "note": "not_observed: generation 2 not observed",
+    }
+    status, body = await api.call("POST", events, event)
+    facts["create an event"] = {**status_fact(status, body), "reason": body.get("reason")}
+    series = {"series": {"count": 2, "lastObservedTime": "2026-12-07T03:01:00.000000Z"}}
+    status, body = await api.call("PATCH", f"{events}/c.1", series, content_type=MERGE)
+    facts["patch an event's series"] = {
+        **status_fact(status, body),
+        "series": body.get("series"),
+        "note": body.get("note"),
+    }
+    status, body = await api.call("PATCH", f"{events}/c.1", {"note": "x"}, content_type=MERGE)
+    facts["patch an event's note"] = status_fact(status, body)
+    status, body = await api.call(
+        "POST", events, {**event, "metadata": {"name": "c.2"}, "action": ""}
+    )
+    facts["create an event without an action"] = status_fact(status, body)
+
     # Namespace lifecycle.
     status, body = await api.call("DELETE", f"/api/v1/namespaces/{NS}")
     facts["delete a namespace"] = {"code": status, "phase": (body.get("status") or {}).get("phase")}

@@ -253,10 +253,12 @@ def test_every_alert_has_a_runbook_section_its_runbook_url_names():
     sections = re.findall(r"^### (\w+)$", runbook, flags=re.MULTILINE)
     assert sorted(sections) == sorted(found), "one section per alert, no more"
     headings = anchors(OPERATIONS)
+    runbook_yaml = ROOT / "config" / "monitoring" / "runbook.yaml"
+    base = yaml.safe_load(runbook_yaml.read_text())["data"]["baseURL"]
     for name, annotated in found.items():
         url = annotated.get("runbook_url", "")
         path, _, anchor = url.partition("#")
-        assert path == "docs/OPERATIONS.md", (name, url)
+        assert path == f"{base}/docs/OPERATIONS.md", (name, url)
         assert anchor in headings and anchor == slug(name), (name, url)
         body = section(runbook, f"### {name}")
         assert "fires when" in body and len(body.split()) > 20, name

@@ -527,6 +527,91 @@ async def test_a_watch_that_really_expires_is_relisted(api, cluster, namespace):
         await until_healthy(url, namespace)
 
 
+async def test_verdict_changes_are_events_on_the_canary_that_kubectl_describe_shows(
+    api, cluster, namespace
+):
+    """A canary nobody reconciles (--reconciled-by observed-generation, no operator) is
+    judged unhealthy: an events.k8s.io/v1 Event on it says so with the reason and its
+    class, written by config/rbac's ServiceAccount; the events API finds it by
+    regarding.name, and kubectl describe shows it. Reconciled again (status written as
+    an operator writes it): a Recovered Event; left again: the Unhealthy Event's series
+    (a PATCH kube-apiserver accepts)."""
+    await create_canary(api, namespace)
+    events = client.EventsV1Api(api)
+
+    async def about_canary(reason: str, count: int | None = None) -> list[Any]:
+        found = await events.list_namespaced_event(
+            namespace, field_selector="regarding.name=canary"
+        )
+        return [
+            e
+            for e in found.items
+            if e.reason == reason and (count is None or (e.series and e.series.count) == count)
+        ]
+
+    async def reconcile(stop: asyncio.Event) -> None:
+        """An operator's part: status.observedGeneration follows the generation."""
+        while not stop.is_set():
+            body = await get_canary(api, namespace)
+            generation = body["metadata"]["generation"]
+            if (body.get("status") or {}).get("observedGeneration") != generation:
+                with contextlib.suppress(ApiException):  # a bump came between: next round
+                    await crd(api).patch_namespaced_custom_object_status(
+                        G,
+                        V,
+                        namespace,
+                        FD,
+                        "canary",
+                        {"status": {"observedGeneration": generation}},
+                        _content_type=MERGE,
+                    )
+            await asyncio.sleep(0.05)
+
+    args = ("--namespace", namespace, "--reconciled-by", "observed-generation")
+    async with canaryd(cluster.canaryd, *args):
+        (event,) = await eventually(lambda: about_canary("Unhealthy"), "the Unhealthy Event")
+        stop = asyncio.Event()
+        operator = asyncio.create_task(reconcile(stop))
+        try:
+            (recovered,) = await eventually(
+                lambda: about_canary("Recovered"), "the Recovered Event"
+            )
+        finally:
+            stop.set()
+            await operator
+        await eventually(lambda: about_canary("Unhealthy", 2), "the Unhealthy Event's series")
+    uid = (await get_canary(api, namespace))["metadata"]["uid"]
+    assert (event.regarding.kind, event.regarding.name, event.regarding.uid) == (
+        "FlinkDeployment",
+        "canary",
+        uid,
+    )
+    assert event.type == "Warning" and event.reporting_controller == "canaryd"
+    assert event.note.startswith("not_reconciled: status.observedGeneration did not reach")
+    assert recovered.type == "Normal" and recovered.note.startswith("in_time: ")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return  # the events API said it all; kubectl is not installed here
+    described = await asyncio.create_subprocess_exec(
+        kubectl,
+        "--kubeconfig",
+        str(cluster.admin),
+        "--namespace",
+        namespace,
+        "describe",
+        f"{FD}.{G}",
+        "canary",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        out, _ = await described.communicate()
+    text = out.decode()
+    assert described.returncode == 0, text
+    shown = text.split("Events:", 1)[1]
+    assert "Unhealthy" in shown and "not_reconciled: status.observedGeneration" in shown, text
+    assert "Recovered" in shown, text
+
+
 async def test_the_rbac_manifests_grant_what_canaryd_uses_and_no_more(cluster):
     plane = cluster.needs_plane()
     from tests.controlplane.launcher import CANARYD_NAMESPACE

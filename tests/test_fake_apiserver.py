@@ -736,6 +736,70 @@ async def test_a_put_of_a_missing_lease_creates_it(kube, api):
     assert kube.requests[-1].status == 201  # leaseStrategy.AllowCreateOnUpdate
 
 
+# ---------------------------------------------------------------------- events
+# events.k8s.io/v1 Events as kube-apiserver serves them (pkg/registry/core/event,
+# pkg/apis/core/validation/events.go: ValidateEventCreate, validateV1EventSeries).
+
+
+def event_body(**fields: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": "canary.1"},
+        "eventTime": "2026-12-07T03:00:00.000000Z",
+        "reportingController": "canaryd",
+        "reportingInstance": "canaryd-host",
+        "action": "Judged",
+        "reason": "Unhealthy",
+        "type": "Warning",
+        "regarding": {"kind": "FlinkDeployment", "namespace": "default", "name": "canary"},
+        "note": "not_observed: generation 2 not observed",
+    }
+    return {**body, **fields}
+
+
+async def test_an_event_is_created_and_its_series_patched_or_replaced(kube, api):
+    events = client.EventsV1Api(api)
+    created = await events.create_namespaced_event("default", event_body())
+    assert created.reason == "Unhealthy" and created.metadata.namespace == "default"
+    assert kube.requests[-1].status == 201
+    series = {"series": {"count": 2, "lastObservedTime": "2026-12-07T03:01:00.000000Z"}}
+    patched = await events.patch_namespaced_event("canary.1", "default", series)
+    assert patched.series.count == 2 and patched.note == created.note
+    replaced = await events.replace_namespaced_event(  # unconditional: no resourceVersion
+        "canary.1", "default", event_body(series={**series["series"], "count": 3})
+    )
+    assert replaced.series.count == 3
+    with pytest.raises(ApiException) as gone:
+        await events.patch_namespaced_event("canary.2", "default", series)
+    assert gone.value.status == 404
+    with pytest.raises(ApiException) as immutable:  # all but the series (ValidateEventUpdate)
+        await events.patch_namespaced_event("canary.1", "default", {"note": "another"})
+    assert (
+        immutable.value.status == 422
+        and "note: Invalid value: field is immutable"
+        in (json.loads(immutable.value.body)["message"])
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"action": ""}, "action: Required value"),
+        ({"reportingController": None}, "reportingController: Required value"),
+        ({"eventTime": None}, "eventTime: Required value"),
+        ({"type": "Bad"}, "type: Invalid value"),
+        ({"note": "x" * 1025}, "note: Too long"),
+        ({"regarding": {"kind": "FlinkDeployment", "namespace": "other", "name": "c"}}, "match"),
+        ({"series": {"count": 1, "lastObservedTime": "2026-12-07T03:00:00Z"}}, "series.count"),
+    ],
+)
+async def test_an_event_kube_apiserver_would_refuse_is_422(kube, api, fields, error):
+    with pytest.raises(ApiException) as refused:
+        await client.EventsV1Api(api).create_namespaced_event("default", event_body(**fields))
+    assert refused.value.status == 422 and error in json.loads(refused.value.body)["message"]
+
+
 async def test_clients_are_told_apart_by_token_and_faults_can_target_one(kube, tmp_path):
     a = kube.add_client("system:serviceaccount:canaryd:a")
     b = kube.add_client("system:serviceaccount:canaryd:b")

@@ -146,10 +146,10 @@ class Run:
         self.violations = self.kube.violations
         original = self.registry.set_state
 
-        def checked(canary: Any, state: CanaryState, reason: str) -> None:
+        def checked(canary: Any, state: CanaryState, reason: str, cause: str) -> None:
             if state is CanaryState.UNHEALTHY and reason.startswith("generation "):
                 self.check_unhealthy(canary.uid, int(reason.split()[1]))
-            original(canary, state, reason)
+            original(canary, state, reason, cause)
 
         self.registry.set_state = checked  # type: ignore[method-assign]
 

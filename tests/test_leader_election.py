@@ -708,7 +708,13 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
         },
     )
     (canary,) = registry.canaries()
-    registry.judged(canary, CanaryState.UNHEALTHY, "generation 2 not observed", scheduler._clock())
+    registry.judged(
+        canary,
+        CanaryState.UNHEALTHY,
+        "generation 2 not observed",
+        "not_observed",
+        scheduler._clock(),
+    )
     scheduler.standby(None)  # a hiccup: kept
     assert canary.state is CanaryState.UNHEALTHY
     scheduler.standby("replica-b")  # another holder: fresh

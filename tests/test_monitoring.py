@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ import yaml
 
 from canaryd import metrics
 from canaryd.registry import CanaryState
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS
 from tests.harness import create_canary, running_daemon
-from tests.kubelet import parse_metrics
+from tests.kubelet import kustomize, parse_metrics, render
 from tests.promseries import promtool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,7 @@ LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
 MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|=)\s*"([^"]*)"')
 # The labels Prometheus Operator's scrape adds to every sample (target labels).
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
+STATE = "canaryd_canary_state"
 ALERTS = {
     "CanarydCanaryUnhealthy",
     "CanarydOperatorRestartLoop",
@@ -71,6 +74,7 @@ def label_names() -> dict[str, set[str]]:
         "canaryd_ready": set(),
         "canaryd_watch_scopes": {"state"},
         "canaryd_blind": {"reason"},
+        STATE: {"kind", "canary_namespace", "name", "state", "reason"},
     }
     for value in vars(metrics).values():
         name = getattr(value, "_name", None)
@@ -149,6 +153,8 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
     for (name, sample_labels), _ in parse_metrics(text).items():
         for label, value in sample_labels:
             values.setdefault((name, label), set()).add(value)
+    # A canary's series carries the state it is in (here healthy), any of them.
+    values[(STATE, "state")] |= {state.value for state in CanaryState}
     for expr in exprs:
         for name, selector in NAME.findall(expr):
             for label, op, value in MATCHER.findall(selector or ""):
@@ -170,6 +176,46 @@ async def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported(k
         "canaryd_ready",
     ):
         assert needed in used, needed
+
+
+async def test_each_canary_has_a_series_naming_its_state_and_reason_class(kube, kubeconfig):
+    """canaryd_canary_state: one series per tracked canary (kind, canary_namespace,
+    name) with its state and the class of its reason; a dropped canary has none."""
+    kube.create_namespace("team-a")
+    create_canary(kube, "a", namespace="team-a")
+    create_canary(kube, "b")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, "a", "team-a")
+        await run.until_state(CanaryState.HEALTHY, "b")
+        kube.deny(verb="patch", resource="flinkdeployments", namespace="team-a")
+        await run.until_state(CanaryState.UNKNOWN, "a", "team-a")
+
+        async def series() -> dict[tuple[tuple[str, str], ...], float]:
+            status, text = await run.get("/metrics")
+            assert status == 200
+            samples = parse_metrics(text).items()
+            return {labels: value for (name, labels), value in samples if name == STATE}
+
+        def one(namespace: str, name: str, state: str, reason: str) -> tuple[tuple[str, str], ...]:
+            return tuple(
+                sorted(
+                    {
+                        "kind": "flinkdeployments",
+                        "canary_namespace": namespace,
+                        "name": name,
+                        "state": state,
+                        "reason": reason,
+                    }.items()
+                )
+            )
+
+        assert await series() == {
+            one("team-a", "a", "unknown", "forbidden"): 1.0,
+            one("default", "b", "healthy", "in_time"): 1.0,
+        }
+        kube.delete(FLINK_DEPLOYMENTS, "default", "b")
+        await run.until_gone("b")
+        assert await series() == {one("team-a", "a", "unknown", "forbidden"): 1.0}
 
 
 def test_the_grafana_dashboard_is_importable():
@@ -215,7 +261,39 @@ def test_the_monitors_select_what_the_manifests_deploy():
     assert set(kustomization["resources"]) == {
         "servicemonitor.yaml",
         "prometheusrule.yaml",
+        "runbook.yaml",
     }
+
+
+def runbook_urls(objects: list[dict[str, Any]]) -> list[str]:
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    return [
+        r["annotations"]["runbook_url"]
+        for group in rule["spec"]["groups"]
+        for r in group["rules"]
+        if "alert" in r
+    ]
+
+
+def test_every_runbook_url_is_absolute_and_set_in_one_place(tmp_path):
+    """Alertmanager shows runbook_url as a link: a path in the repository is none.
+    prometheusrule.yaml carries runbook.yaml's default address; the kustomization
+    writes the one runbook.yaml sets into every rule, and outputs no ConfigMap."""
+    base = load("runbook.yaml")["data"]["baseURL"]
+    assert base.startswith("https://") and not base.endswith("/")
+    shipped = runbook_urls([load("prometheusrule.yaml")])
+    assert len(shipped) == len(ALERTS)
+    assert all(u.startswith(f"{base}/docs/OPERATIONS.md#") for u in shipped), shipped
+    assert runbook_urls(render(MONITORING)) == shipped
+    copy = tmp_path / "monitoring"
+    shutil.copytree(MONITORING, copy)
+    runbook = copy / "runbook.yaml"
+    runbook.write_text(runbook.read_text().replace(base, "https://docs.example/canaryd/v9"))
+    built = render(copy)
+    assert [o["kind"] for o in built if o["kind"] == "ConfigMap"] == []
+    theirs = [u.replace(base, "https://docs.example/canaryd/v9", 1) for u in shipped]
+    assert runbook_urls(built) == theirs
+    assert runbook_urls(kustomize(copy)) == runbook_urls(built)  # without kubectl too
 
 
 def test_promtool_accepts_the_rules_and_their_unit_tests_pass(tmp_path):

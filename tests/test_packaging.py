@@ -125,6 +125,7 @@ def test_rbac_grants_exactly_what_canaryd_uses():
         ("flink.apache.org", "flinkdeployments"): {"get", "list", "watch", "patch"},
         ("flink.apache.org", "flinksessionjobs"): {"get", "list", "watch", "patch"},
         ("", "namespaces"): {"list", "watch"},  # the Namespaces watch; no single get
+        ("events.k8s.io", "events"): {"create", "patch"},  # canaryd.events
     }
     for variant in (CONFIG / "rbac", CONFIG / "rbac" / "namespaced"):
         granted: dict[tuple[str, str], set[str]] = {}

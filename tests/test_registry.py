@@ -53,7 +53,7 @@ def test_counts_match_a_recount_after_any_sequence(operations):
         elif op[0] == "state":
             canary = registry.get(CanaryKey("flinkdeployments", op[1], op[2]))
             if canary is not None:
-                registry.set_state(canary, op[3], "test")
+                registry.set_state(canary, op[3], "test", "test")
         else:
             registry.forget_namespace(op[1], "namespace_closed")
         recount = Counter(c.state.value for c in registry.canaries())
@@ -101,11 +101,11 @@ def test_bumped_then_judged_healthy_or_unhealthy():
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 1_700_000_000.0)
     assert (canary.bumped_generation, canary.last_bumped_generation) == (2, 2)
     assert canary.bump_deadline == 70.1 and canary.stages["answered"] == pytest.approx(0.1)
-    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", 70.1)
+    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", "not_observed", 70.1)
     assert canary.state is CanaryState.UNHEALTHY and canary.verdict is not None
     assert (canary.bumped_generation, canary.judged_generation) == (None, 2)
     registry.bumped(canary, 3, 71.0, 71.1, 131.1, 1_700_000_060.0)
-    registry.judged(canary, CanaryState.HEALTHY, "observed", 131.1)
+    registry.judged(canary, CanaryState.HEALTHY, "observed", "in_time", 131.1)
     assert canary.state is CanaryState.HEALTHY and canary.verdict is None
     assert registry.counts()["unhealthy"] == 0 and registry.healthy
 
@@ -118,21 +118,24 @@ def test_deferred_and_rechecking_wait_and_a_verdict_clears_them():
     registry.rechecking(canary)
     assert canary.deferred_until == 130.1 and canary.late_recheck
     assert canary.state is CanaryState.PENDING  # waiting is no verdict
-    registry.judged(canary, CanaryState.HEALTHY, "observed", 100.0)
+    registry.judged(canary, CanaryState.HEALTHY, "observed", "in_time", 100.0)
     assert canary.deferred_until is None and not canary.late_recheck
 
 
 def test_no_verdict_keeps_an_unhealthy_verdict_for_two_cycles_then_ages_it():
     registry = Registry(LABEL)
     canary = tracked(registry)
-    registry.no_verdict(canary, "bump failed: 503", 1.0, 120.0)
-    assert canary.state is CanaryState.UNKNOWN  # replaces pending
+    registry.no_verdict(canary, "bump failed: 503", "failed", 1.0, 120.0)
+    assert (canary.state, canary.cause) == (CanaryState.UNKNOWN, "failed")  # replaces pending
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
-    registry.judged(canary, CanaryState.UNHEALTHY, "generation 2 not observed", 70.1)
-    registry.no_verdict(canary, "bump failed: 503", 100.0, 120.0)
+    registry.judged(
+        canary, CanaryState.UNHEALTHY, "generation 2 not observed", "not_observed", 70.1
+    )
+    registry.no_verdict(canary, "bump failed: 503", "failed", 100.0, 120.0)
     assert canary.state is CanaryState.UNHEALTHY and "since then: bump failed" in canary.reason
-    registry.no_verdict(canary, "forbidden", 200.0, 120.0)
-    assert canary.state is CanaryState.UNKNOWN
+    assert canary.cause == "not_observed"  # the verdict's class, while it stands
+    registry.no_verdict(canary, "forbidden", "forbidden", 200.0, 120.0)
+    assert (canary.state, canary.cause) == (CanaryState.UNKNOWN, "verdict_expired")
     assert "unhealthy at" in canary.reason and "no bump written since: forbidden" in canary.reason
 
 
@@ -140,10 +143,10 @@ def test_fresh_check_forgets_the_verdict_and_what_was_pending():
     registry = Registry(LABEL)
     canary = tracked(registry)
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
-    registry.judged(canary, CanaryState.UNHEALTHY, "no reconcile", 70.1)
+    registry.judged(canary, CanaryState.UNHEALTHY, "no reconcile", "not_reconciled", 70.1)
     registry.bumped(canary, 3, 71.0, 71.1, 131.1, 0.0)
     registry.baseline(canary, (0, 4.0))
-    registry.fresh_check(canary, "operator restarted at T: re-checking")
+    registry.fresh_check(canary, "operator restarted at T: re-checking", "operator_restarted")
     assert canary.state is CanaryState.PENDING and canary.verdict is None
     assert canary.bumped_generation is None and canary.reconcile_baseline is None
     assert canary.judged_generation == 3
@@ -154,7 +157,7 @@ def test_standing_by_keeps_or_resets_the_verdict_and_judges_nothing(keep):
     registry = Registry(LABEL)
     canary = tracked(registry)
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
-    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", 70.1)
+    registry.judged(canary, CanaryState.UNHEALTHY, "not observed", "not_observed", 70.1)
     registry.bumped(canary, 3, 71.0, 71.1, 131.1, 0.0)
     registry.standing_by(canary, None if keep else "standby: b holds the lease")
     assert canary.bumped_generation is None and canary.judged_generation == 2

@@ -29,6 +29,7 @@ contracts check it):
 from canaryd.testing.apiserver.faults import Fault, RbacDeny
 from canaryd.testing.apiserver.handlers import RequestRecord
 from canaryd.testing.apiserver.resources import (
+    EVENTS,
     FLINK_DEPLOYMENTS,
     FLINK_GROUP,
     FLINK_SESSION_JOBS,
@@ -57,6 +58,7 @@ NOT_MODELLED = (
     "client certificates and any authentication other than one bearer token",
     "bookmark timing: kube-apiserver's watch cache sends about one a minute; the fake "
     "every bookmark_interval (canaryd's idle watchdog outlasts both)",
+    "Events' time to live (kube-apiserver's --event-ttl, 1 h) and their core/v1 view",
     "authorization per request only: an open watch outlives a removed RoleBinding, "
     "as on kube-apiserver (checked by tests/test_e2e.py), and SelfSubjectAccessReviews "
     "answered as those denials decide, but nothing else of RBAC",
@@ -65,6 +67,7 @@ NOT_MODELLED = (
 compares the rest with a real kube-apiserver in ``make e2e``."""
 
 __all__ = [
+    "EVENTS",
     "FLINK_DEPLOYMENTS",
     "FLINK_GROUP",
     "FLINK_SESSION_JOBS",

@@ -48,6 +48,9 @@ FLINK_TYPES = (FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS)
 LEASES = ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True, False, False)
 # What canaryd reads of them: whether the operator's exists (the admission policy's).
 SERVICE_ACCOUNTS = ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, False, False)
+# events.k8s.io/v1 Events: built-in, namespaced, updated unconditionally
+# (pkg/registry/core/event/strategy.go: AllowUnconditionalUpdate true).
+EVENTS = ResourceType("events.k8s.io", "v1", "events", "Event", True, False, False)
 
 
 class ApiError(Exception):

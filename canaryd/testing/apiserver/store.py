@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from canaryd.testing.apiserver.resources import (
+    EVENTS,
     LEASES,
     NAMESPACES,
     SERVICE_ACCOUNTS,
@@ -58,7 +59,7 @@ class Store(abc.ABC):
         auto_finalize_namespaces: bool,
     ) -> None:
         self.types: dict[str, ResourceType] = {
-            t.plural: t for t in (NAMESPACES, LEASES, SERVICE_ACCOUNTS)
+            t.plural: t for t in (NAMESPACES, LEASES, SERVICE_ACCOUNTS, EVENTS)
         }
         self.types.update({t.plural: t for t in crds})
         self.history_limit = history_limit

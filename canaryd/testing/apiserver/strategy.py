@@ -13,7 +13,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from canaryd.testing.apiserver.resources import NAMESPACES, ApiError, ResourceType
+from canaryd.testing.apiserver.resources import EVENTS, NAMESPACES, ApiError, ResourceType
 
 
 def now() -> str:
@@ -47,6 +47,8 @@ def prepare_for_create(rtype: ResourceType, obj: dict[str, Any], namespace: str 
         meta["generation"] = 1
         if rtype.status_subresource:
             obj.pop("status", None)
+    if rtype is EVENTS:
+        validate_event(obj)
     if rtype is NAMESPACES:
         # pkg/registry/core/namespace/strategy.go PrepareForCreate: phase Active,
         # the "kubernetes" finalizer that the namespace controller removes.
@@ -110,6 +112,8 @@ def prepare_for_update(
                 f"{sorted(added)}",
             )
     meta["resourceVersion"] = old_meta["resourceVersion"]
+    if rtype is EVENTS:
+        validate_event(new, current)
     if rtype.custom:
         # Any change outside metadata bumps generation (strategy.go, PrepareForUpdate:
         # copyNonMetadata + apiequality.Semantic.DeepEqual); metadata-only writes never do.
@@ -117,3 +121,56 @@ def prepare_for_update(
         if not status_only and not same_json(_without_metadata(new), _without_metadata(current)):
             meta["generation"] += 1
     return new
+
+
+IMMUTABLE_EVENT_FIELDS = (
+    "regarding",
+    "related",
+    "reason",
+    "note",
+    "type",
+    "action",
+    "reportingController",
+    "reportingInstance",
+    "eventTime",
+)
+
+
+def validate_event(event: dict[str, Any], current: dict[str, Any] | None = None) -> None:
+    """What kube-apiserver requires of an events.k8s.io/v1 Event on create and, with
+    ``current``, on update: all but the series is immutable then
+    (pkg/apis/core/validation/events.go: ValidateEventCreate, ValidateEventUpdate,
+    legacyValidateEvent, validateV1EventSeries)."""
+    errors = [
+        f"{name}: Invalid value: field is immutable"
+        for name in IMMUTABLE_EVENT_FIELDS
+        if current is not None and event.get(name) != current.get(name)
+    ]
+    errors += [
+        f"{name}: Required value"
+        for name in ("eventTime", "reportingController", "reportingInstance", "action", "reason")
+        if not event.get(name)
+    ]
+    if event.get("type") not in ("Normal", "Warning"):
+        errors.append(f'type: Invalid value: "": has invalid value: {event.get("type")}')
+    if len(str(event.get("note") or "")) > 1024:
+        errors.append("note: Too long: may not be more than 1024 bytes")
+    regarding = event.get("regarding") or {}
+    namespace = event["metadata"].get("namespace")
+    if regarding.get("namespace") and regarding["namespace"] != namespace:
+        errors.append(
+            f'regarding.namespace: Invalid value: "{regarding["namespace"]}": does not '
+            "match event.namespace"
+        )
+    series = event.get("series")
+    if series is not None:
+        count = series.get("count") if isinstance(series, dict) else None
+        if not isinstance(count, int) or count < 2:
+            errors.append(f"series.count: Invalid value: {count}: should be at least 2")
+        if not isinstance(series, dict) or not series.get("lastObservedTime"):
+            errors.append("series.lastObservedTime: Required value")
+    if errors:
+        name = event["metadata"].get("name")
+        raise ApiError(
+            422, "Invalid", f'Event.events.k8s.io "{name}" is invalid: [{", ".join(errors)}]'
+        )

@@ -1,0 +1,153 @@
+"""Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, so that
+``kubectl describe`` says which canary and why (canaryd.role tells what changed).
+
+Written as client-go's recorders write theirs (k8s.io/client-go tools/events and
+tools/record), and never in a bump's way:
+
+- ``record`` does not wait: the Event goes on a bounded queue (1,000: tools/events'
+  maxQueuedEvents) that one task, ``run``, drains; when it is full the Event is
+  dropped, counted and logged (once until the queue has drained);
+- a token bucket per canary drops what a flapping canary writes beyond a burst of 25,
+  then one every 5 minutes (tools/record's EventSourceObjectSpamFilter);
+- the same Event again (same canary, type, reason) within 6 minutes of the last
+  (tools/events' finishTime) is a series: the first is created, each repeat PATCHes
+  its ``series`` (count, lastObservedTime; the note stays the first one's: it is
+  immutable); a series whose Event is gone (a 404: Events expire) starts anew. The
+  last 4,096 canaries are remembered (tools/record's LRU);
+- a write that fails is a KubeError, logged and counted
+  (``canaryd_verdict_events_total{result="failed"}``), and not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from canaryd import metrics
+from canaryd.kube import KubeClient, KubeError, kind_of, segment
+
+log = structlog.get_logger("canaryd.events")
+
+QUEUED = 1000
+BURST, REFILL = 25, 1 / 300
+SERIES_FOR = 360.0
+REMEMBERED = 4096
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What was written about one canary: its token bucket and its series by reason."""
+
+    tokens: float
+    at: float
+    series: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    """By reason: the Event's name, its count, and when it was last written."""
+
+
+class Events:
+    def __init__(self, kube: KubeClient, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kube = kube
+        self._clock = clock
+        self.queue: asyncio.Queue[dict[str, str]] = asyncio.Queue(QUEUED)
+        self._seen: OrderedDict[str, _Seen] = OrderedDict()
+        self._overflowing = False
+        self.instance = f"canaryd-{socket.gethostname()}"[:128]
+
+    def record(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> None:
+        """An Event about the canary ``key`` (of ``uid``), queued; never waits."""
+        kind, namespace, name = key
+        event = dict(kind=kind, namespace=namespace, name=name, uid=uid, reason=reason)
+        try:
+            note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
+            self.queue.put_nowait({**event, "note": note})
+        except asyncio.QueueFull:
+            metrics.VERDICT_EVENTS.labels("dropped").inc()
+            if not self._overflowing:
+                self._overflowing = True
+                log.warning("events_dropped", why=f"{QUEUED} Events wait to be written", **event)
+
+    async def run(self) -> None:
+        while True:
+            event = await self.queue.get()
+            try:
+                result = await self._write(event)
+            except KubeError as err:
+                result = "failed"
+                log.warning("event_not_written", error=str(err), **event)
+            metrics.VERDICT_EVENTS.labels(result).inc()
+            if self.queue.empty():
+                self._overflowing = False
+
+    def _spam(self, uid: str, now: float) -> _Seen | None:
+        """The canary's record if its token bucket has a token (one is taken)."""
+        seen = self._seen.pop(uid, None) or _Seen(BURST, now)
+        self._seen[uid] = seen  # the most recently used last
+        if len(self._seen) > REMEMBERED:
+            self._seen.popitem(last=False)
+        seen.tokens = min(BURST, seen.tokens + (now - seen.at) * REFILL)
+        seen.at = now
+        if seen.tokens < 1:
+            return None
+        seen.tokens -= 1
+        return seen
+
+    async def _write(self, event: dict[str, str]) -> str:
+        now, wall = self._clock(), time.time()
+        seen = self._spam(event["uid"], now)
+        if seen is None:
+            return "spam_filtered"
+        namespace, reason = event["namespace"], event["reason"]
+        stamp = micro_time(wall)
+        path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"
+        earlier = seen.series.get(reason)
+        if earlier is not None and now - earlier[2] < SERIES_FOR:
+            name, count = earlier[0], earlier[1] + 1
+            patch = {"series": {"count": count, "lastObservedTime": stamp}}
+            try:
+                await self.kube.request(
+                    "patch",
+                    "PATCH",
+                    f"{path}/{segment(name)}",
+                    body=patch,
+                    content_type="application/merge-patch+json",
+                )
+                seen.series[reason] = (name, count, now)
+                return "updated"
+            except KubeError as err:
+                if err.status != 404:
+                    raise
+        kind = kind_of(event["kind"])
+        name = f"{event['name']}.{time.time_ns():x}"
+        body = {
+            "apiVersion": "events.k8s.io/v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": namespace},
+            "eventTime": stamp,
+            "reportingController": "canaryd",
+            "reportingInstance": self.instance,
+            "action": "Judged",
+            "reason": reason,
+            "type": "Normal" if reason == "Recovered" else "Warning",
+            "regarding": {
+                "apiVersion": f"{kind.group}/{kind.version}",
+                "kind": kind.kind,
+                "namespace": namespace,
+                "name": event["name"],
+                "uid": event["uid"],
+            },
+            "note": event["note"],
+        }
+        await self.kube.request("create", "POST", path, body=body)
+        seen.series[reason] = (name, 1, now)
+        return "created"
+
+
+def micro_time(wall: float) -> str:
+    """A MicroTime: RFC 3339 in UTC with microseconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1e6):06d}Z"
