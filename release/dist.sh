@@ -47,7 +47,7 @@ if [ "$(cat "$cache/dist.key" 2>/dev/null)" = "$key" ] && (cd dist 2>/dev/null &
 	t "dist/ is up to date ($key)"
 	exit 0
 fi
-bash tests/node/packages.sh buildah debootstrap
+bash tests/node/packages.sh buildah debootstrap debian-archive-keyring
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
 git ls-files -z -co --exclude-standard | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -x -C "$src"
@@ -86,9 +86,14 @@ for platform in $platforms; do
 		t "debootstrap $suite $arch with $packages (a few minutes)"
 		rootfs=$cache/rootfs-$key
 		rm -rf "$rootfs"
-		mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
-		debootstrap --arch="$arch" --variant=minbase --include="$packages" "$suite" "$rootfs" \
-			"${mirror:-http://deb.debian.org/debian}" >"$cache/debootstrap.log" 2>&1 \
+		# This machine's Debian mirror if it is Debian (CI's Ubuntu: Debian's own, its keyring).
+		mirror=http://deb.debian.org/debian
+		if grep -qx ID=debian /etc/os-release; then
+			mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+		fi
+		keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+		debootstrap --arch="$arch" --variant=minbase --include="$packages" --keyring="$keyring" \
+			"$suite" "$rootfs" "${mirror:-http://deb.debian.org/debian}" >"$cache/debootstrap.log" 2>&1 \
 			|| { tail -20 "$cache/debootstrap.log" >&2; exit 1; }
 		rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
 		mkdir "$src/base-$arch"
