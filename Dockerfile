@@ -1,4 +1,5 @@
-# canaryd container image: `docker build -t canaryd:0.1.0 .`
+# canaryd container image: `docker build -t canaryd:0.1.0 .`; the released one,
+# ghcr.io/ORG/canaryd, is this file built by `make dist` (release/dist.sh).
 #
 # Stage 1 builds a virtualenv with canaryd and its dependencies; stage 2 copies
 # only that venv onto a clean slim base. The image runs as a numeric non-root
@@ -7,6 +8,8 @@
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# make dist passes the commit's time: pip's bytecode is then hash-checked, not dated.
+ARG SOURCE_DATE_EPOCH
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e node e2e-node operator helm e2e-operator kubeconfig clean
+.PHONY: install test lint format demo soak bench controlplane e2e node e2e-node operator helm e2e-operator kubeconfig dist clean
 
 install: $(STAMP)
 
@@ -62,17 +62,17 @@ e2e: $(STAMP) controlplane helm
 
 # A real single-node cluster on this machine (tests/node, as root): the control plane
 # above, the kubelet built from the same Go module (k8s.io/kubernetes v1.35.4), Debian's
-# containerd, runc and CNI plugins (installed with apt-get when missing), and images
-# built with buildah: canaryd from this Dockerfile on a Debian bookworm base made with
-# debootstrap, and a pause image. A no-op once built; cold: about 10 minutes.
+# containerd, runc and CNI plugins (installed with apt-get when missing), and a pause
+# image built with buildah. A no-op once built; cold: about 10 minutes.
 node: controlplane
 	bash tests/node/setup.sh
 
-# canaryd in real pods under that kubelet (tests/test_e2e_node.py): the image as shipped,
+# canaryd in real pods under that kubelet (tests/test_e2e_node.py): the image and the
+# chart as released (make dist's dist/canaryd-V.oci.tar and dist/canaryd-V.tgz),
 # config/standalone applied with kubectl and authenticating in-cluster, the shipped probes
 # (canaryd wedged; a stuck delivery path and a write outage through the fault proxy in
 # front of the API server), the sidecar's operator liveness (canaryd absent 5 minutes: the
-# operator restarted 0 times; an unhealthy verdict: once), and charts/canaryd installed
+# operator restarted 0 times; an unhealthy verdict: once), and that chart installed
 # with `helm install` (Helm of `make helm`): its pod Ready, non-root and read-only, bumping;
 # `helm test` passing, and failing without patch; its admission policy refusing the
 # operator's stale copy; upgraded to high availability, one replica of two bumping;
@@ -80,7 +80,7 @@ node: controlplane
 # against tests/fixtures/node-restarts.json, which `make test` checks the simulation
 # against too (docs/NODE.md). About 16 minutes; leaves the host as it found it (sysctls,
 # cgroups, mounts, the bridge, fixed paths).
-e2e-node: $(STAMP) node helm
+e2e-node: $(STAMP) node helm dist
 	CANARYD_E2E=node $(BIN)/python -m pytest -p no:cacheprovider -rs -s tests/test_e2e_node.py
 
 # The upstream Flink Kubernetes Operator (release-1.15.0, Flink 1.20.0) built with Maven
@@ -107,10 +107,24 @@ helm:
 # first (the control plane, the operator: FLINK_OPERATOR_SRC as for `operator`, Helm, the
 # node, the image); about 22 minutes, as root. Not in CI: it needs Java, Maven and a copy
 # of the operator's source.
-e2e-operator: $(STAMP) controlplane operator helm node
+e2e-operator: $(STAMP) controlplane operator helm node dist
 	bash tests/operator/image.sh
 	CANARYD_E2E=operator $(BIN)/python -m pytest -p no:cacheprovider -rs -s \
 		tests/test_helm.py tests/test_operator.py tests/test_e2e_operator_node.py
+
+# Every release artifact into dist/ (release/dist.sh): the wheel and sdist (flink-canaryd
+# on PyPI), the chart (canaryd-V.tgz), the image as an OCI archive with its
+# org.opencontainers.image.* labels (buildah on a debootstrap base, as root), a CycloneDX
+# SBOM of the image's Python packages, SHA256SUMS; every timestamp the commit's. The
+# release workflow (.github/workflows/release.yaml) runs it on a v* tag with
+# PLATFORMS="linux/amd64 linux/arm64" and ORG, the GitHub owner whose registry
+# (ghcr.io/ORG) it pushes to. Then tests/test_release.py checks what it built. A no-op
+# when nothing changed since; cold: about 8 minutes (the base); warm: about 3.
+ORG ?= ORG
+PLATFORMS ?=
+dist: $(STAMP) helm
+	ORG='$(ORG)' PLATFORMS='$(PLATFORMS)' bash release/dist.sh
+	CANARYD_DIST=1 ORG='$(ORG)' $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_release.py
 
 # A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
 # ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.

@@ -1,11 +1,13 @@
 """canaryd in real pods under a real kubelet: ``make e2e-node`` (tests/node).
 
-The image is the repository's Dockerfile built with buildah on a local Debian base; the
-manifests are config/ applied with kubectl as the README says (the image set with
-kustomize), plus what a cluster without scheduler or registry needs: ``nodeName`` and
-``imagePullPolicy: Never``; and charts/canaryd installed with ``helm install`` as the
-README says (its values, the operator's service account given as it says, but for the
-image's tag, ``image.pullPolicy=Never``, the cycle and the namespace; its pods bound to
+The image is the one ``make dist`` built and a release publishes (dist/canaryd-V.oci.tar:
+the repository's Dockerfile built with buildah on a Debian base); the manifests are
+config/ applied with kubectl as the README says (the image set with kustomize), plus
+what a cluster without scheduler or registry needs: ``nodeName`` and
+``imagePullPolicy: Never``; and the chart as released (dist/canaryd-V.tgz) installed with
+``helm install`` as the README says (its values, the operator's service account given as
+it says, the released image among them, but for ``image.pullPolicy=Never``, the cycle and
+the namespace; its pods bound to
 the node by tests/node/cluster.py's ``Binder``). Timings are the shipped ones (probe
 periods, thresholds, grace periods, back-off) but for canaryd's cycle, 10 s instead of
 1 min. Restarts are read from the pods' status, as ``kubectl get pods`` shows them. In
@@ -27,8 +29,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.node.cluster import CANARYD_IMAGE
-from tests.test_chart import CHART, helm_binary
+from canaryd import __version__
+from tests.node.cluster import CANARYD_IMAGE, DIST
+from tests.test_chart import helm_binary
 from tests.test_packaging import CHART_DEFAULT_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +39,7 @@ CONFIG = ROOT / "config"
 OVERLAYS = ROOT / ".cache" / "node" / "overlays"
 CYCLE = "10s"
 """canaryd's cycle here; everything else is shipped."""
+IMAGE_NAME, _, IMAGE_TAG = CANARYD_IMAGE.rpartition(":")
 OPERATOR = "flink-kubernetes-operator"
 
 pytestmark = [
@@ -176,34 +180,36 @@ def against_fixture(scenario: str, topology: str, container: str, count: int) ->
 
 # ------------------------------------------------------------------ the chart
 #
-# charts/canaryd installed with `helm install` (Helm of `make helm`) as the README says,
-# the operator's service account given as it says, but for the image (this node's, never
-# pulled), the cycle and the namespace. These run first and the release is uninstalled
-# after them: its canaryd watches every namespace, and would bump the canaries of the
-# tests below too.
+# make dist's chart package installed with `helm install` (Helm of `make helm`) as the
+# README says, the operator's service account given as it says, but for the image's pull
+# policy (the image is this node's, never pulled), the cycle and the namespace. These run
+# first and the release is uninstalled after them: its canaryd watches every namespace,
+# and would bump the canaries of the tests below too.
 
+CHART = DIST / f"canaryd-{__version__}.tgz"
+"""The chart as released (make dist)."""
 CHART_NAMESPACE = "e2e-chart"
 """The release's namespace (the README's is canaryd, which config/standalone takes below)."""
 CHART_CANARIES = "e2e-chart-canaries"
 RELEASE = "canaryd"
-CHART_VALUES = ("image.tag=e2e", "image.pullPolicy=Never", f"timeout={CYCLE}")
+CHART_VALUES = ("image.pullPolicy=Never", f"timeout={CYCLE}")
 """What differs from the README's values here."""
-FLINK = "/apis/flink.apache.org/v1beta1/namespaces/{}/flinkdeployments"
 
 
 @functools.cache
 def readme_install() -> tuple[str, ...]:
     """The README's ``helm install`` of the chart, word for word after the chart's
-    path, but for REGISTRY (this node's: localhost) and ``--namespace`` (Release.helm
-    gives CHART_NAMESPACE)."""
+    reference and version (CHART is the package a release publishes there), but for
+    ``--namespace`` (Release.helm gives CHART_NAMESPACE)."""
     text = (ROOT / "README.md").read_text()
-    start = r"\n    (helm install canaryd charts/canaryd "
+    start = r"\n    (helm install canaryd oci://\S+/charts/canaryd "
     (command,) = re.findall(start + r"(?:[^\n]*\\\n)*[^\n]*)", text)
     words = command.replace("\\\n", " ").split()
-    assert words[:4] == ["helm", "install", RELEASE, "charts/canaryd"] and "#" not in words, words
-    at = words.index("--namespace")
-    del words[at : at + 2]
-    return tuple(w.replace("REGISTRY/", "localhost/") for w in words[4:])
+    assert words[:3] == ["helm", "install", RELEASE] and "#" not in words, words
+    for flag in ("--version", "--namespace"):
+        at = words.index(flag)
+        del words[at : at + 2]
+    return tuple(words[4:])
 
 
 def operator_account() -> tuple[str, str]:
@@ -673,7 +679,7 @@ def standalone(node: Any) -> Iterator[Path]:
             "apiVersion": "kustomize.config.k8s.io/v1beta1",
             "kind": "Kustomization",
             "resources": [relative(CONFIG / "standalone", "standalone")],
-            "images": [{"name": "canaryd", "newName": "localhost/canaryd", "newTag": "e2e"}],
+            "images": [{"name": "canaryd", "newName": IMAGE_NAME, "newTag": IMAGE_TAG}],
             "patches": [
                 {
                     "target": {"kind": "Deployment", "name": "canaryd"},
@@ -747,7 +753,7 @@ def test_the_image_as_shipped(node, standalone):
     assert wait(finished, "canaryd --version to finish", 120) == "Succeeded"
     status, log = node.plane.request("GET", f"/api/v1/namespaces/{STANDALONE}/pods/version/log")
     assert status == 200 and log is None  # plain text, not JSON: read it raw below
-    assert node.kubectl("-n", STANDALONE, "logs", "version").strip() == "canaryd 0.1.0"
+    assert node.kubectl("-n", STANDALONE, "logs", "version").strip() == f"canaryd {__version__}"
     node.plane.request("DELETE", f"/api/v1/namespaces/{STANDALONE}/pods/version")
 
 
@@ -889,8 +895,8 @@ def sidecar(
                 {"name": "canaryd", "newName": new_name, "newTag": tag},
                 {
                     "name": "ghcr.io/apache/flink-kubernetes-operator",
-                    "newName": "localhost/canaryd",
-                    "newTag": "e2e",
+                    "newName": IMAGE_NAME,
+                    "newTag": IMAGE_TAG,
                 },
             ],
             "patches": [
@@ -957,7 +963,7 @@ def test_canaryd_absent_never_restarts_the_operator(node, operator_role):
     same stand-in with the httpGet probe this replaced is restarted meanwhile (so the
     kubelet did probe)."""
     sidecar(node, "e2e-no-image", "localhost/canaryd:not-there")
-    sidecar(node, "e2e-exit-2", "localhost/canaryd:e2e", "--timeout=soon")
+    sidecar(node, "e2e-exit-2", CANARYD_IMAGE, "--timeout=soon")
     sidecar(node, "e2e-http-probe", "localhost/canaryd:not-there", liveness=HTTP_PROBE)
     for namespace in ("e2e-no-image", "e2e-exit-2", "e2e-http-probe"):
         wait(
@@ -996,7 +1002,7 @@ def test_an_unhealthy_verdict_restarts_the_operator_once(node, operator_role):
     restarts the operator container; the new operator process reconciles, so it is
     restarted exactly once."""
     namespace = "e2e-verdict"
-    sidecar(node, namespace, "localhost/canaryd:e2e")
+    sidecar(node, namespace, CANARYD_IMAGE)
     wait(
         lambda: canary_state(node, namespace, 8086, namespace) == "healthy",
         "the canary healthy through the sidecar",
@@ -1030,7 +1036,7 @@ FAULTS = "e2e-faults"
 
 @pytest.fixture(scope="module")
 def faults_sidecar(node: Any, operator_role: None, standalone: Path) -> str:
-    sidecar(node, FAULTS, "localhost/canaryd:e2e")
+    sidecar(node, FAULTS, CANARYD_IMAGE)
     return FAULTS
 
 

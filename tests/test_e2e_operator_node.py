@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.node.cluster import CANARYD_IMAGE
 from tests.operator import real
 from tests.test_helm import _built as tool
 
@@ -51,7 +52,6 @@ RELEASE = "flink-kubernetes-operator"
 RELEASE_NAMESPACE = "flink-operator"
 OPERATOR = "flink-kubernetes-operator"
 """The operator's container (the chart's name)."""
-CANARYD_IMAGE = "localhost/canaryd:e2e"
 CYCLE = 10
 """The operator's canary timeout here, seconds (canaryd reads it from the operator's
 config)."""

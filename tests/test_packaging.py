@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from canaryd import __version__
 from canaryd.config import Settings, build_parser, load_settings
 from tests.kubelet import KUBECTL, docs, kustomize, render
 
@@ -511,7 +512,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         timeout=300,
         capture_output=True,
     )
-    (wheel,) = wheels.glob("canaryd-*.whl")
+    (wheel,) = wheels.glob(f"flink_canaryd-{__version__}-*.whl")  # canaryd is PyPI's other one
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
@@ -529,7 +530,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     version = subprocess.run(
         [str(env_dir / "bin" / "canaryd"), "--version"], capture_output=True, text=True, timeout=60
     )
-    assert version.stdout.strip() == "canaryd 0.1.0"
+    assert version.stdout.strip() == f"canaryd {__version__}"
 
 
 # ------------------------------------------------------------------- HA variant

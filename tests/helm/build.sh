@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# `make helm`: builds Helm (helm.sh/helm/v3, pinned in go.mod here) and kustomize
-# (sigs.k8s.io/kustomize/kustomize/v5, pinned in kustomize/go.mod) from their Go modules
-# into .cache/helm/<version>/bin and .cache/kustomize/<version>/bin, for the tests of
-# charts/canaryd (make test) and the Helm post-renderer (config/helm). Does nothing when those
-# pinned builds are there.
-# Test infrastructure only: users bring their own helm, and kustomize or kubectl.
+# `make helm`: builds Helm (helm.sh/helm/v3, pinned in go.mod here), kustomize
+# (sigs.k8s.io/kustomize/kustomize/v5, pinned in kustomize/go.mod) and actionlint
+# (github.com/rhysd/actionlint, pinned in actionlint/go.mod) from their Go modules into
+# .cache/{helm,kustomize,actionlint}/<version>/bin, for the tests of charts/canaryd (make
+# test), the Helm post-renderer (config/helm), `make dist`'s chart package and the release
+# workflow's lint (tests/test_release.py). Does nothing when those pinned builds are there.
+# Test and release infrastructure only: users bring their own helm, and kustomize or kubectl.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 helm=$(sed -n 's/^require helm.sh\/helm\/v3 \(v[0-9.]*\)$/\1/p' "$here/go.mod")
 kustomize=$(sed -n 's/^require sigs.k8s.io\/kustomize\/kustomize\/v5 \(v[0-9.]*\)$/\1/p' \
 	"$here/kustomize/go.mod")
+actionlint=$(sed -n 's/^require github.com\/rhysd\/actionlint \(v[0-9.]*\)$/\1/p' "$here/actionlint/go.mod")
 helm_out=${CANARYD_HELM_DIR:-$root/.cache/helm/$helm}
 kustomize_out=${CANARYD_KUSTOMIZE_DIR:-$root/.cache/kustomize/$kustomize}
+actionlint_out=$root/.cache/actionlint/$actionlint
 built() { [ -x "$1/bin/$2" ] && [ -f "$1/built" ]; }
-if built "$helm_out" helm && built "$kustomize_out" kustomize; then
-	echo "helm $helm and kustomize $kustomize: already built in $helm_out and $kustomize_out"
+if built "$helm_out" helm && built "$kustomize_out" kustomize && built "$actionlint_out" actionlint; then
+	echo "helm $helm, kustomize $kustomize and actionlint $actionlint: already built in .cache"
 	exit 0
 fi
 command -v go >/dev/null || { echo "make helm needs Go (go.dev/doc/install)" >&2; exit 2; }
@@ -47,4 +50,12 @@ if ! built "$kustomize_out" kustomize; then
 		sigs.k8s.io/kustomize/kustomize/v5)
 	echo "$kustomize" > "$kustomize_out/built"
 	echo "kustomize built in $kustomize_out in $(( $(date +%s) - started )) s"
+fi
+if ! built "$actionlint_out" actionlint; then
+	mkdir -p "$actionlint_out/bin"
+	echo "building actionlint $actionlint"
+	(cd "$here/actionlint" && go build -trimpath -ldflags "-s -w" \
+		-o "$actionlint_out/bin/actionlint" github.com/rhysd/actionlint/cmd/actionlint)
+	echo "$actionlint" > "$actionlint_out/built"
+	echo "actionlint built in $actionlint_out"
 fi

@@ -1,7 +1,8 @@
 """A real single-node cluster on this machine for ``make e2e-node``: the control plane of
 ``make e2e`` (etcd, kube-apiserver, kube-controller-manager) set up as a cluster runs
 pods, Debian's containerd and runc, and the kubelet built by tests/node/build.sh, with
-the images of tests/node/images.sh imported into containerd (pods use them with
+canaryd's image as released (``make dist``'s OCI archive in dist/) and the pause image of
+tests/node/images.sh imported into containerd (pods use them with
 ``imagePullPolicy: Never``).
 
 What differs from ``make e2e``'s control plane, and why:
@@ -50,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from canaryd import __version__
 from tests.controlplane.faultproxy import FaultProxy
 from tests.controlplane.faultproxy import build as build_faultproxy
 from tests.controlplane.launcher import ROOT, ControlPlane
@@ -69,7 +71,10 @@ LOCK = Path("/run/lock/canaryd-node.lock")
 """Held while a node runs: a second ``make e2e-node`` on the machine waits for it."""
 LOCK_WAIT = 3600.0
 IMAGES = ROOT / ".cache" / "node" / "images"
-CANARYD_IMAGE = "localhost/canaryd:e2e"
+DIST = ROOT / "dist"
+CANARYD_IMAGE = f"ghcr.io/{os.environ.get('ORG', 'ORG').lower()}/canaryd:{__version__}"
+"""The name of the image in ``make dist``'s archive (dist/canaryd-V.oci.tar): the released
+one, which the chart of dist/ runs by default."""
 PAUSE_IMAGE = "localhost/pause:canaryd-node"
 
 
@@ -294,7 +299,7 @@ class Node:
             str(p)
             for p in (
                 kubelet_binary(),
-                IMAGES / "canaryd.tar",
+                DIST / f"canaryd-{__version__}.oci.tar",
                 IMAGES / "pause.tar",
                 Path("/usr/lib/cni/bridge"),
             )
@@ -305,7 +310,7 @@ class Node:
             if not shutil.which(tool)
         ]
         if missing:
-            raise RuntimeError(f"missing {', '.join(missing)}: run `make node`")
+            raise RuntimeError(f"missing {', '.join(missing)}: run `make node` and `make dist`")
         busy = [p for p in KUBELET_PORTS if _listening(p)]
         if busy or Path("/var/lib/kubelet/device-plugins/kubelet.sock").exists():
             raise RuntimeError(f"another kubelet runs here (ports {busy}): one node per machine")
@@ -444,8 +449,10 @@ state = "{w / "containerd" / "state"}"
         self._start("containerd", ["containerd", "--config", str(w / "containerd.toml")])
         self._wait("containerd", self.socket.exists)
         self._wait("containerd's API", lambda: self.ctr("version", check=False) != "")
-        for image in ("pause.tar", "canaryd.tar"):
-            self.ctr("images", "import", str(IMAGES / image), timeout=300)
+        self.ctr("images", "import", str(IMAGES / "pause.tar"), timeout=300)
+        self.ctr("images", "import", str(DIST / f"canaryd-{__version__}.oci.tar"), timeout=300)
+        if CANARYD_IMAGE not in self.ctr("images", "ls", "-q").split():
+            raise RuntimeError(f"dist/canaryd-{__version__}.oci.tar has no {CANARYD_IMAGE}")
 
     def _service_address(self) -> None:
         """The ``kubernetes`` Service's address on this host, forwarded to kube-apiserver."""
