@@ -318,8 +318,9 @@ class KubeClient:
         """A failing credential plugin, or credentials refused again right after a
         reload (an authentication webhook down), is retried after 1 s, doubling to 30 s:
         a lasting 401 runs no reload per refused request."""
-        self._refused_reloaded = False
-        """Credentials were refused right after a reload (until a request succeeds)."""
+        self._refused_version: int | None = None
+        """The credentials refused right after a reload (until a request succeeds): their
+        retries refused at once are one refusal, one backoff step."""
         self._credentials_version = 0
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
@@ -532,18 +533,18 @@ class KubeClient:
                         reason="Timeout",
                     )
                 continue
-            if status == 401 and attempt == 2:
+            if status == 401 and attempt == 2 and self._refused_version != version:
                 # Freshly reloaded credentials were refused too: the next reload waits
                 # (an authentication webhook down would otherwise cost a reload, an exec
                 # plugin run, per refused request).
-                self._refused_reloaded = True
+                self._refused_version = version
                 self._reload_not_before = time.monotonic() + self._reload_backoff.next()
             elif status < 300:
                 self._reload_backoff.reset()
-                self._refused_reloaded = False
+                self._refused_version = None
             if status >= 300:
-                reloaded = status == 401 and self._refused_reloaded
-                note = " (also after reloading the credentials)" if reloaded else ""
+                again = status == 401 and self._refused_version is not None
+                note = " (also after reloading the credentials)" if again else ""
                 raise error_from_response(status, payload, retry_after, note)
             try:
                 decoded = decode_json(payload)

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import socket
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -487,6 +488,36 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
         refused_for = asyncio.get_running_loop().time() - reloads[start] if reloads[start:] else 0
         # 1 s, 2 s, 4 s... apart: a handful, not one per refused request.
         assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)
+
+
+async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube, tmp_path):
+    """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
+    refused too, one step of its backoff: the next reload may come 1 s later (before:
+    a step per refused retry, 30 s)."""
+    from canaryd.kube import KubeClient, KubeError, load_configuration
+
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configuration, reload, _ = await load_configuration(str(config), None)
+    reloads = 0
+
+    async def counted(target: Any) -> Any:
+        nonlocal reloads
+        reloads += 1
+        return await reload(target)
+
+    client = KubeClient(configuration, reload=counted)
+    kube.inject(Fault(verb="get", code=401, times=-1))
+    try:
+        answers = await asyncio.gather(
+            *(client.request("get", "GET", "/api/v1/namespaces/default") for _ in range(20)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(a, KubeError) and a.status == 401 for a in answers), answers
+        assert len(kube.requests_for("get")) == 40  # each sent again once, reloaded
+        assert reloads == 1
+        assert client._reload_not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
+    finally:
+        await client.close()
 
 
 async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadline(
