@@ -115,6 +115,7 @@ def kube_client(configuration: Any, settings: Settings, reload: Any) -> KubeClie
         keepalive_timeout=settings.keepalive_timeout,
         writes_in_flight=settings.max_bumps_in_flight,
         reload=reload,
+        kubeconfig=kubeconfig_files(kubeconfig_path(settings.kubeconfig)) if reload else (),
     )
 
 

@@ -26,7 +26,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -300,9 +300,12 @@ class KubeClient:
         keepalive_timeout: float = 15.0,
         writes_in_flight: int = 256,
         reload: Any = None,
+        kubeconfig: Sequence[str] = (),
     ) -> None:
         self._config = configuration
         self._reload = reload
+        self._kubeconfig = tuple(kubeconfig)
+        """The files ``reload`` reads: a change is a rotation too (certificate-authority-data)."""
         self.host = str(configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         self._connect_timeout = min(connect_timeout, request_timeout)
@@ -374,10 +377,12 @@ class KubeClient:
         self._unanswered = max(self._unanswered, sent)
 
     def _tls_files(self) -> tuple[object, ...]:
-        """What tells rotated TLS files (CA bundle, client certificate and key): each
-        one's path, modification time and size."""
+        """What tells rotated TLS files (CA bundle, client certificate and key, and the
+        kubeconfig, which may hold them as data): each one's path, modification time and
+        size."""
         stamp: list[object] = []
-        for path in (self._config.ssl_ca_cert, self._config.cert_file, self._config.key_file):
+        cfg = self._config
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._kubeconfig):
             try:
                 info = os.stat(path) if path else None
             except OSError:

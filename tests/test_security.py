@@ -520,6 +520,62 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         await client.close()
 
 
+async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_changes(
+    ca, server_context, tmp_path, monkeypatch
+):
+    """Issue 42: the API server's CA is rotated and the kubeconfig's
+    certificate-authority-data with it: the file's change makes a new TLS context, as a
+    rotated CA file does, and the next connection trusts the new CA (before: only CA
+    files were watched; the embedded data was read at start only)."""
+    from canaryd import kube as kube_module
+    from canaryd.config import Settings
+    from canaryd.daemon import connect
+
+    handshakes = Handshakes(server_context)
+    reloaded = asyncio.Event()
+    real = kube_module.k8s_config.load_kube_config
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        loaded = await real(*args, **kwargs)
+        reloaded.set()
+        return loaded
+
+    monkeypatch.setattr(kube_module.k8s_config, "load_kube_config", noted)
+    # The look for rotated files: every minute, here at once.
+    monkeypatch.setattr(kube_module.KubeClient, "next_refresh_in", lambda *_: 0.01)
+    kube = FakeKube(token=TOKEN)
+    path = tmp_path / "kubeconfig"
+
+    def trust(authority: trustme.CA) -> None:
+        config = kube.kubeconfig()
+        data = base64.b64encode(authority.cert_pem.bytes()).decode()
+        config["clusters"][0]["cluster"]["certificate-authority-data"] = data
+        path.write_text(yaml.safe_dump(config))
+
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        trust(ca)
+        client = await connect(Settings(kubeconfig=str(path)))
+        reloaded.clear()
+        refresher = asyncio.create_task(client.keep_credentials_fresh())
+        try:
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            rotated = trustme.CA()
+            rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
+            trust(rotated)
+            try:
+                async with asyncio.timeout(10):
+                    await reloaded.wait()
+            except TimeoutError:
+                raise AssertionError("the changed kubeconfig was not read again") from None
+            seen = handshakes.count
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            assert handshakes.count > seen  # a new connection, which trusts the new CA
+        finally:
+            refresher.cancel()
+            await client.close()
+
+
 async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadline(
     kube, tmp_path, monkeypatch
 ):
