@@ -19,10 +19,12 @@ scheduler resends it identical, see canaryd.scheduler).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import math
 import os
+import signal
 import socket
 import ssl
 import time
@@ -37,6 +39,9 @@ import structlog
 from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.config import kube_config
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
@@ -527,17 +532,14 @@ class KubeClient:
                 self._not_answered(sent)
                 raise self._no_answer(verb, path, err) from err
             count_request(verb, status)
-            if status == 401 and attempt == 1 and await self._reload_credentials(version):
-                if asyncio.get_running_loop().time() >= deadline:
-                    # A slow reload (an exec plugin) used the call's time: sent now, a
-                    # leader's write could land past its fence.
-                    count_request(verb, "error")
-                    raise KubeError(
-                        ErrorKind.TRANSIENT,
-                        "no time left to send it again after reloading the credentials",
-                        reason="Timeout",
-                    )
-                continue
+            late = False
+            if status == 401 and attempt == 1:
+                reloaded = await self._reload_credentials(version, deadline)
+                # A slow or hung reload (an exec plugin) used the call's time: not sent
+                # again (a leader's write could land past its fence).
+                late = asyncio.get_running_loop().time() >= deadline
+                if reloaded and not late:
+                    continue
             if status == 401 and attempt == 2 and self._refused_version != version:
                 # Freshly reloaded credentials were refused too: the next reload waits
                 # (an authentication webhook down would otherwise cost a reload, an exec
@@ -550,6 +552,8 @@ class KubeClient:
             if status >= 300:
                 again = status == 401 and self._refused_version is not None
                 note = " (also after reloading the credentials)" if again else ""
+                if late:
+                    note = " (reloading the credentials took the call's time: not sent again)"
                 raise error_from_response(status, payload, retry_after, note)
             try:
                 decoded = decode_json(payload)
@@ -568,35 +572,49 @@ class KubeClient:
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reload_credentials(self, version: int | None = None) -> bool:
+    async def _reload_credentials(
+        self, version: int | None = None, deadline: float | None = None
+    ) -> bool:
         """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
         rotated). ``version``: the credentials a refused request was sent with; when a
         reload has happened since, that one answers it (100 requests refused at once
-        make one reload, not 100 runs of an exec plugin)."""
+        make one reload, not 100 runs of an exec plugin). Within ``deadline`` (the
+        call's; else the request timeout): a reload still running then fails (its exec
+        plugin killed), and a wait for another's ends."""
         if self._reload is None:
             return False
-        async with self._reload_lock:
-            if version is not None and version != self._credentials_version:
-                return self._reload_ok  # a reload since answers this request too
-            if time.monotonic() < self._reload_not_before:
-                return False  # the last reload failed, or was refused: backing off
-            try:
-                loaded = await self._reload(self._config)
-            except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
-                metrics.ERRORS.labels("credentials").inc()
-                delay = self._reload_backoff.next()
-                self._reload_not_before = time.monotonic() + delay
-                self._credentials_version += 1  # the waiters have their answer: no
-                self._reload_ok = False
-                log.warning(
-                    "credentials_reload_failed", error=type(err).__name__, retry_in=round(delay, 3)
-                )
-                return False
-            self._credentials_version += 1
-            self._reload_ok = True
-            self.note_credentials(loaded)
-            self.tls_rotated()
-            return True
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._request_timeout
+        try:
+            async with asyncio.timeout_at(deadline), self._reload_lock:
+                if version is not None and version != self._credentials_version:
+                    return self._reload_ok  # a reload since answers this request too
+                if time.monotonic() < self._reload_not_before:
+                    return False  # the last reload failed, or was refused: backing off
+                try:
+                    loaded = await self._reload(self._config)
+                # Cancelled: at the deadline, or at shutdown (then cancelled on).
+                except (Exception, asyncio.CancelledError) as err:
+                    metrics.ERRORS.labels("credentials").inc()
+                    delay = self._reload_backoff.next()
+                    self._reload_not_before = time.monotonic() + delay
+                    self._credentials_version += 1  # the waiters have their answer: no
+                    self._reload_ok = False
+                    log.warning(
+                        "credentials_reload_failed",
+                        error=type(err).__name__,
+                        retry_in=round(delay, 3),
+                    )
+                    if isinstance(err, asyncio.CancelledError):
+                        raise
+                    return False
+                self._credentials_version += 1
+                self._reload_ok = True
+                self.note_credentials(loaded)
+                self.tls_rotated()
+                return True
+        except TimeoutError:
+            return False  # the request is answered by what refused it
 
     def note_credentials(self, loader: Any) -> None:
         """What the kubeconfig loader tells of the credentials' lifetime."""
@@ -723,6 +741,44 @@ def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------- credentials
+
+
+class _ExecProvider(ExecProvider):
+    """kubernetes-asyncio's exec credential plugin run (kube_config's, replaced below),
+    with the plugin in a process group of its own that is killed and reaped when the run
+    ends otherwise than by the plugin's exit: cancelled at its call's deadline or at
+    shutdown. A hung plugin, or a command it started, outlives neither."""
+
+    async def run(self, previous_response: str | None = None) -> Any:
+        spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
+        info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
+        process = await asyncio.create_subprocess_exec(
+            *self.args,
+            env={**self.env, "KUBERNETES_EXEC_INFO": json.dumps(info)},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = await process.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            raise
+        if process.returncode:
+            said = err.decode("utf-8", "replace").strip()
+            raise ConfigException(f"exec: process returned {process.returncode}. {said}")
+        answer = decode_json(out)  # ValueError: a failed reload too
+        if not isinstance(answer, dict) or answer.get("apiVersion") != self.api_version:
+            raise ConfigException(f"exec: not an ExecCredential of {self.api_version}")
+        if not isinstance(answer.get("status"), dict):
+            raise ConfigException("exec: an ExecCredential without a status")
+        return answer["status"]
+
+
+kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
 def kubeconfig_path(kubeconfig: str | None) -> str:

@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,15 @@ import pytest
 import yaml
 
 from canaryd import metrics
-from canaryd.kube import MAX_WATCH_LINE
+from canaryd.kube import (
+    MAX_WATCH_LINE,
+    MERGE_PATCH,
+    KubeClient,
+    KubeError,
+    failure_cause,
+    load_configuration,
+    object_path,
+)
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.conftest import TOKEN
@@ -31,6 +39,7 @@ from tests.harness import (
     running_daemon,
     write_dynamic_config,
 )
+from tests.test_startup import until_true
 
 # ---------------------------------------------------------------- watching
 
@@ -664,7 +673,7 @@ async def test_a_scope_not_listed_yet_after_a_namespace_switch_defers_the_verdic
 
 
 EXEC_PLUGIN = """\
-import datetime, json, os, pathlib, sys
+import datetime, json, os, pathlib, subprocess, sys
 here = pathlib.Path(sys.argv[1])
 runs = here / "runs"
 # Counted atomically: the test reads the count while the plugin may be running.
@@ -672,6 +681,11 @@ runs = here / "runs"
 os.replace(here / "runs.new", runs)
 if (here / "fail").exists():
     sys.exit("the identity provider is down")
+if (here / "hang").exists():  # hung, with a child of its own (a shell plugin's command)
+    child = subprocess.Popen(["sleep", "3600"])
+    (here / "hung.new").write_text(f"{os.getpid()} {child.pid}")
+    os.replace(here / "hung.new", here / "hung")
+    child.wait()
 lifetime = float((here / "lifetime").read_text())
 expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
 print(json.dumps({
@@ -705,6 +719,11 @@ def exec_kubeconfig(kube: FakeKube, tmp_path: Path, token: str, lifetime: float)
     return path
 
 
+EXEC_CYCLE = 2.0
+"""The cycle of the daemons on an exec plugin: a run of it (a Python process, 0.2-0.4 s
+on a loaded machine) must end within its call's time limit, half the cycle."""
+
+
 def plugin_runs(tmp_path: Path) -> int:
     return int((tmp_path / "runs").read_text())
 
@@ -714,10 +733,10 @@ async def test_exec_credentials_are_renewed_before_they_expire(kube, tmp_path):
     of its lifetime, so no request is ever refused for an expired token."""
     create_canary(kube)
     kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=2.0)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until_state(CanaryState.HEALTHY)
-        assert plugin_runs(tmp_path) == 1
-        await run.until(lambda: plugin_runs(tmp_path) >= 3, "two renewals", within=10)
+    async with running_daemon(kube, kubeconfig, timeout=EXEC_CYCLE) as run:
+        await run.until_state(CanaryState.HEALTHY, within=3 * EXEC_CYCLE)
+        runs = plugin_runs(tmp_path)
+        await run.until(lambda: plugin_runs(tmp_path) >= runs + 2, "two renewals", within=10)
         assert not [r for r in kube.requests if r.status == 401]
 
 
@@ -731,8 +750,10 @@ async def thirty_canaries_on_an_exec_plugin(
     for name in names:
         create_canary(kube, name)
     kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
+    async with running_daemon(kube, kubeconfig, timeout=EXEC_CYCLE) as run:
+        await run.until(
+            lambda: all(run.bumps(n) for n in names), "every canary bumped", 3 * EXEC_CYCLE
+        )
         yield run, names, plugin_runs(tmp_path)
 
 
@@ -749,6 +770,7 @@ async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
                 >= written + len(names)
             ),
             "a cycle of bumps with the new token",
+            3 * EXEC_CYCLE,
         )
         refused = len([r for r in kube.requests if r.status == 401])
         assert refused >= 2, refused
@@ -843,10 +865,106 @@ async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(ku
         await run.until(
             lambda: len([r for r in kube.requests if r.status == 401]) >= len(names),
             "a cycle of refused bumps",
-            within=5,
+            within=3 * EXEC_CYCLE,
         )
         assert run.daemon.watcher is not None
         assert plugin_runs(tmp_path) - runs <= 3, plugin_runs(tmp_path) - runs
+
+
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie (ended, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def reaped(pid: int) -> bool:
+    """Whether a process is gone, its exit status collected: no zombie left."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+@contextlib.contextmanager
+def hung_plugin(tmp_path: Path) -> Iterator[Callable[[], list[int]]]:
+    """The exec plugin hangs from here (the token it would renew is revoked); yields
+    what it wrote once hung: its pid and its child's. Whatever the test leaves of them
+    is killed at the end."""
+    (tmp_path / "hang").write_text("1")
+    hung = tmp_path / "hung"
+    pids = lambda: [int(pid) for pid in hung.read_text().split()] if hung.exists() else []  # noqa: E731
+    try:
+        yield pids
+    finally:
+        for pid in pids():
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_hung_credential_plugin_ends_with_the_request_that_ran_it(kube, tmp_path):
+    """Issue 42: a PATCH refused (401) reloads the credentials and the exec plugin hangs:
+    the PATCH ends within its time limit as unauthorised, the plugin is killed and
+    reaped, its child killed too (before: the PATCH waited on the plugin for good)."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    configuration, reload, _ = await load_configuration(str(config), None)
+    client = KubeClient(configuration, reload=reload)
+    limit = 3.0
+    with hung_plugin(tmp_path) as pids:
+        kube.token = "revoked-and-not-renewed-123"
+        started = asyncio.get_running_loop().time()
+        patch = asyncio.create_task(
+            client.request(
+                "patch",
+                "PATCH",
+                object_path("flinkdeployments", "default", "canary"),
+                body={"spec": {"restartNonce": 1}},
+                content_type=MERGE_PATCH,
+                time_limit=limit,
+            )
+        )
+        try:
+            await until_true(lambda: bool(pids()) or patch.done(), "the plugin to hang")
+            assert pids(), "the plugin did not start within the PATCH's time limit"
+            plugin, child = pids()
+            done, _ = await asyncio.wait({patch}, timeout=limit + 5)
+            assert done, "the PATCH outlived its time limit: it waits on the hung plugin"
+            elapsed = asyncio.get_running_loop().time() - started
+            assert elapsed < limit + 1, elapsed
+            error = patch.exception()
+            assert isinstance(error, KubeError) and failure_cause(error) == "unauthorized", error
+            assert "reloading the credentials took the call's time" in str(error), error
+            assert reaped(plugin), "the plugin was not reaped"
+            await until_true(lambda: not running(child), "the plugin's child to be killed")
+        finally:
+            patch.cancel()
+            await client.close()
+
+
+async def test_sigterm_while_a_credential_plugin_hangs_exits_0_in_time(kube, tmp_path):
+    """Issue 42: bumps refused and the plugin that would renew the token hung: SIGTERM
+    stops canaryd within its write timeout (1 s on a 2 s cycle), exit 0, and the plugin
+    is gone (before: canaryd waited on the plugin for good)."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    proc = await start_process(config, "--timeout", "2s")
+    output = asyncio.ensure_future(proc.communicate())  # read all along: never a full pipe
+    try:
+        patches = lambda status: [r for r in kube.requests_for("patch") if r.status == status]  # noqa: E731
+        await until_true(lambda: bool(patches(200)), "a bump", within=20)
+        with hung_plugin(tmp_path) as pids:
+            kube.token = "revoked-and-not-renewed-123"
+            await until_true(lambda: bool(pids() and patches(401)), "a refused bump", within=20)
+            proc.send_signal(signal.SIGTERM)
+            done, _ = await asyncio.wait({output}, timeout=8)
+            assert done, "canaryd still runs 8 s after SIGTERM: it waits on the hung plugin"
+            assert proc.returncode == 0, output.result()[1].decode()[-2000:]
+            for pid in pids():
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await output
 
 
 async def test_one_discovery_404_does_not_drop_every_canary(kube, kubeconfig):
