@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
@@ -39,6 +40,7 @@ from tests.harness import (
     running_daemon,
     write_dynamic_config,
 )
+from tests.test_shipping import run_cli
 from tests.test_startup import until_true
 
 # ---------------------------------------------------------------- watching
@@ -965,6 +967,92 @@ async def test_sigterm_while_a_credential_plugin_hangs_exits_0_in_time(kube, tmp
         if proc.returncode is None:
             proc.kill()
         await output
+
+
+async def start_on(plugin: Path, kube: FakeKube) -> asyncio.subprocess.Process:
+    """canaryd on an exec plugin (hung by the test), one canary there to bump."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, plugin, TOKEN, lifetime=3600)
+    return await start_process(config, "--timeout", f"{EXEC_CYCLE:g}s")
+
+
+async def test_a_credential_plugin_hung_at_start_is_an_episode_named_in_readyz(kube, tmp_path):
+    """Issue 42: the exec plugin hangs at start: each run ends at the request timeout
+    (1 s on a 2 s cycle), killed and reaped, and is tried again with backoff, the
+    failure named in /readyz and told as one episode; once the plugin answers, canaryd
+    starts (before: canaryd waited on the plugin for good, no health port open)."""
+    with hung_plugin(tmp_path) as pids:
+        proc = await start_on(tmp_path, kube)
+        lines: list[str] = []
+        try:
+            await read_until(proc, '"health_server_listening"', lines, within=10)
+        except TimeoutError:
+            proc.kill()
+            await proc.communicate()
+            raise AssertionError("no health port within 10 s: it waits on the plugin") from None
+        port = json.loads(lines[-1])["port"]
+        output = asyncio.ensure_future(proc.communicate())  # read all along
+        http = aiohttp.ClientSession()
+        try:
+            await until_true(lambda: bool(pids()), "the plugin to hang", within=20)
+            first = pids()
+            await until_true(lambda: plugin_runs(tmp_path) >= 2, "a second run", within=20)
+            for pid in first:
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                status, text = response.status, await response.text()
+            assert status == 503, text
+            assert "cannot load Kubernetes credentials" in text, text
+            assert "not loaded within the request timeout (1s)" in text, text
+            (tmp_path / "hang").unlink()  # the plugin answers again
+            await until_true(lambda: bool(kube.requests_for("patch")), "a bump", within=20)
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(10):
+                await output
+        finally:
+            await http.close()
+            if proc.returncode is None:
+                proc.kill()
+            await output
+    assert proc.returncode == 0
+    logged = [*lines, *output.result()[1].decode().splitlines()]
+    records = [json.loads(line) for line in logged if line.startswith("{")]
+    started = [r for r in records if r["event"] == "credential_failures_started"]
+    assert len(started) == 1 and started[0]["cause"] == "credentials", started
+    assert len([r for r in records if r["event"] == "credential_failures_ended"]) == 1
+
+
+async def test_sigterm_while_a_credential_plugin_hangs_at_start_exits_0_in_time(kube, tmp_path):
+    """Issue 42: SIGTERM while the exec plugin of the first credential load hangs: exit 0
+    within 5 s, the plugin and its child killed and reaped (before: the signal handlers
+    were not installed yet, so SIGTERM killed canaryd (-15) and left the plugin
+    running)."""
+    with hung_plugin(tmp_path) as pids:
+        proc = await start_on(tmp_path, kube)
+        output = asyncio.ensure_future(proc.communicate())
+        try:
+            await until_true(lambda: bool(pids()), "the plugin to hang", within=20)
+            proc.send_signal(signal.SIGTERM)
+            done, _ = await asyncio.wait({output}, timeout=5)
+            assert done, "canaryd still runs 5 s after SIGTERM: it waits on the hung plugin"
+            assert proc.returncode == 0, output.result()[1].decode()[-2000:]
+            for pid in pids():
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await output
+
+
+async def test_check_on_a_hung_credential_plugin_exits_2_in_time(kube, tmp_path):
+    """Issue 42: ``canaryd check`` gives the exec plugin the request timeout (1 s on a
+    2 s cycle), then exits 2 naming it, the plugin killed and reaped (before: it hung)."""
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    with hung_plugin(tmp_path) as pids:
+        code, _, err = await run_cli("check", "--kubeconfig", str(config), "--timeout", "2s")
+        assert code == 2 and "not loaded within the request timeout (1s)" in err, err
+        for pid in pids():
+            await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
 
 
 async def test_one_discovery_404_does_not_drop_every_canary(kube, kubeconfig):
