@@ -34,6 +34,7 @@ from canaryd.config import (
     operator_config_values,
     read_operator_config,
 )
+from canaryd.episodes import Episodes
 from canaryd.kube import (
     KubeClient,
     KubeError,
@@ -53,20 +54,26 @@ from canaryd.watcher import Watcher
 log = structlog.get_logger("canaryd.daemon")
 
 
+class CredentialsError(ConfigError):
+    """Credentials not loaded: ``canaryd check`` exits 2; the daemon tries again."""
+
+
 async def connect(settings: Settings) -> KubeClient:
     """A client with the credentials kubectl would use (in-cluster when no kubeconfig is
     given and KUBERNETES_SERVICE_HOST is set), and the timings and the pool derived from
-    the settings. Credentials that cannot be loaded are a ``ConfigError``."""
-    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-    where = "in-cluster service account" if in_cluster else kubeconfig_path(settings.kubeconfig)
-    context = settings.context
-    if not in_cluster:
-        context = context or check_kubeconfig(where)
+    the settings. Credentials not loaded within the request timeout (an exec plugin
+    still running then is killed and reaped: kube._ExecProvider) are a
+    ``CredentialsError``."""
+    where, context = credentials_source(settings)
     try:
-        configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
-    except Exception as err:  # any loader failure is a configuration problem
+        async with asyncio.timeout(settings.request_timeout) as bound:
+            configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
+    except Exception as err:  # any loader failure
+        metrics.ERRORS.labels("credentials").inc()
         detail = logs.scrub(str(err)) or type(err).__name__
-        raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
+        if bound.expired():
+            detail = f"not loaded within the request timeout ({settings.request_timeout:g}s)"
+        raise CredentialsError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
     problem = server_url_problem(str(configuration.host or ""))
     if problem is not None:
         raise ConfigError(f"kubeconfig {where}: {problem}")
@@ -74,6 +81,16 @@ async def connect(settings: Settings) -> KubeClient:
     kube = kube_client(configuration, settings, reload)
     kube.note_credentials(loader)
     return kube
+
+
+def credentials_source(settings: Settings) -> tuple[str, str | None]:
+    """Where the credentials come from, and the context: a kubeconfig missing or not
+    one is a ``ConfigError``."""
+    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    if in_cluster:
+        return "in-cluster service account", settings.context
+    where = kubeconfig_path(settings.kubeconfig)
+    return where, settings.context or check_kubeconfig(where)
 
 
 def check_kubeconfig(value: str) -> str | None:
@@ -117,6 +134,7 @@ def kube_client(configuration: Any, settings: Settings, reload: Any) -> KubeClie
         keepalive_timeout=settings.keepalive_timeout,
         writes_in_flight=settings.max_bumps_in_flight,
         reload=reload,
+        kubeconfig=kubeconfig_files(kubeconfig_path(settings.kubeconfig)) if reload else (),
     )
 
 
@@ -148,6 +166,7 @@ class Daemon:
         self._file_said: dict[str, Any] = {}
         """The settings the operator config file gave at its last re-read (before the
         first, those canaryd runs with): a change is logged once."""
+        self._credentials_problem: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -171,85 +190,121 @@ class Daemon:
 
     async def _run(self) -> None:
         settings = self.settings
-        kube = await connect(settings)
+        credentials_source(settings)  # a kubeconfig missing: exit 2 before anything runs
+        self.server = HealthServer(
+            settings, self.registry, self._not_ready, self._role, self.stuck, self._blind
+        )
         try:
-            open_files = raise_open_files_limit()
-            log.info(
-                "open_files_limit",
-                soft=open_files.soft if open_files.soft is not None else "unlimited",
-                hard=open_files.hard if open_files.hard is not None else "unlimited",
-                raised_from=open_files.raised_from,
-                problem=open_files.problem,
-            )
-            self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
-            self.registry.attach(scheduler)
-            self.watcher = Watcher(
-                settings, self.registry, kube, open_files, on_scope_resumed=scheduler.scope_resumed
-            )
-            metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
-            if settings.leader_elect:
-                self.elector = LeaderElector(
-                    settings,
-                    kube,
-                    settings.identity or default_identity(),
-                    on_started_leading=scheduler.activate,
-                    on_stopped_leading=scheduler.standby,
-                    on_new_leader=self._new_leader,
+            await self.server.start()
+        except OSError as err:
+            raise ConfigError(
+                f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
+            ) from err
+        kube: KubeClient | None = None
+        self._signals(install=True)  # before the credentials: an exec plugin may hang
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._tasks = [group.create_task(self.server.run(), name="health-server")]
+                group.create_task(self._until_stopped(), name="shutdown")
+                group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
+                kube = await self._connect()
+                open_files = raise_open_files_limit()
+                log.info(
+                    "open_files_limit",
+                    soft=open_files.soft if open_files.soft is not None else "unlimited",
+                    hard=open_files.hard if open_files.hard is not None else "unlimited",
+                    raised_from=open_files.raised_from,
+                    problem=open_files.problem,
                 )
-                scheduler.writer.permit = self.elector.write_permit
-                scheduler.standby(None)  # until this replica holds the lease
-            else:
-                metrics.LEADER.set(1)  # the only replica: it writes
-            self.server = HealthServer(
-                settings, self.registry, self._not_ready, self._role, self.stuck, self._blind
-            )
-            try:
-                await self.server.start()
-            except OSError as err:
-                raise ConfigError(
-                    f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
-                ) from err
-            self._signals(install=True)
-            operator_config = self._say_operator_config()
-            log.info(
-                "canaryd_started",
-                version=__version__,
-                python=platform.python_version(),
-                api_server=kube.host,
-                kinds=list(settings.kinds),
-                namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
-                timeout=settings.timeout,
-                label=settings.label,
-                reconciled_by=settings.reconciled_by,
-                follows_operator_config=self.follows_operator_config,
-                operator_config=operator_config,
-            )
-            if settings.reconciled_by == "operator-metrics":
-                self._check_operator_reporter()
-            try:
-                async with asyncio.TaskGroup() as group:
-                    self._tasks = [
-                        group.create_task(self._supervise("watcher", self.watcher.run)),
-                        group.create_task(self._supervise("scheduler", scheduler.run)),
-                        group.create_task(self.server.run(), name="health-server"),
-                    ]
-                    if settings.operator_account is not None:
-                        said = self._say_operator_account(kube, *settings.operator_account)
-                        group.create_task(said, name="operator-account")
-                    group.create_task(self._supervise("events", scheduler.events.run))
-                    group.create_task(self._supervise("config", self._follow_operator_config))
-                    group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
-                    if self.elector is not None:
-                        group.create_task(self._supervise("leader", self.elector.run))
-                    group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
-                    group.create_task(self._until_stopped(), name="shutdown")
-                    self.started.set()
-            except* _Shutdown:
-                pass
-            log.info("canaryd_stopped", why="signal")
+                self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
+                self.registry.attach(scheduler)
+                self.watcher = Watcher(
+                    settings,
+                    self.registry,
+                    kube,
+                    open_files,
+                    on_scope_resumed=scheduler.scope_resumed,
+                )
+                metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
+                if settings.leader_elect:
+                    self.elector = LeaderElector(
+                        settings,
+                        kube,
+                        settings.identity or default_identity(),
+                        on_started_leading=scheduler.activate,
+                        on_stopped_leading=scheduler.standby,
+                        on_new_leader=self._new_leader,
+                    )
+                    scheduler.writer.permit = self.elector.write_permit
+                    scheduler.standby(None)  # until this replica holds the lease
+                else:
+                    metrics.LEADER.set(1)  # the only replica: it writes
+                operator_config = self._say_operator_config()
+                log.info(
+                    "canaryd_started",
+                    version=__version__,
+                    python=platform.python_version(),
+                    api_server=kube.host,
+                    kinds=list(settings.kinds),
+                    namespaces=sorted(settings.namespaces) if settings.namespaces else "all",
+                    timeout=settings.timeout,
+                    label=settings.label,
+                    reconciled_by=settings.reconciled_by,
+                    follows_operator_config=self.follows_operator_config,
+                    operator_config=operator_config,
+                )
+                if settings.reconciled_by == "operator-metrics":
+                    self._check_operator_reporter()
+                self._tasks += [
+                    group.create_task(self._supervise("watcher", self.watcher.run)),
+                    group.create_task(self._supervise("scheduler", scheduler.run)),
+                ]
+                if settings.operator_account is not None:
+                    said = self._say_operator_account(kube, *settings.operator_account)
+                    group.create_task(said, name="operator-account")
+                group.create_task(self._supervise("events", scheduler.events.run))
+                group.create_task(self._supervise("config", self._follow_operator_config))
+                group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
+                if self.elector is not None:
+                    group.create_task(self._supervise("leader", self.elector.run))
+                self.started.set()
+        except* _Shutdown:
+            pass
+        except* ConfigError as errors:  # raised in the group: a bad kubeconfig, exit 2
+            raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)
-            await kube.close()
+            if kube is not None:
+                await kube.close()
+        log.info("canaryd_stopped", why="signal")
+
+    async def _connect(self) -> KubeClient:
+        """The client once its credentials are loaded: until then every failure (an exec
+        plugin that fails, or hangs past the request timeout) is one episode named in
+        /readyz, tried again with backoff."""
+        failures = Episodes(
+            "credential_failures",
+            subject="credentials",
+            subjects="credentials",
+            detail_event="credentials_failed",
+            interval=lambda: self.settings.timeout,
+            logger_name="canaryd.daemon",
+        )
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
+        try:
+            while True:
+                try:
+                    kube = await connect(self.settings)
+                except CredentialsError as err:
+                    self._credentials_problem = str(err)
+                    failures.failed("start-up", "credentials", str(err))
+                    await asyncio.sleep(backoff.next())
+                    continue
+                self._credentials_problem = None
+                failures.recovered("start-up")
+                return kube
+        finally:
+            failures.stopped("canaryd stopped")
 
     def _say_operator_config(self) -> str | None:
         """Which operator config file is read; a warning when the directory holds both
@@ -366,6 +421,8 @@ class Daemon:
     def _not_ready(self) -> list[str] | None:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
+        if self._credentials_problem is not None:
+            return [self._credentials_problem]
         if self.watcher is None or not self.watcher.discovery.discovered.is_set():
             problem = self.watcher.discovery.problem if self.watcher is not None else None
             return [f"discovery failed: {problem}" if problem else "discovery not done"]

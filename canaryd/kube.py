@@ -19,14 +19,16 @@ scheduler resends it identical, see canaryd.scheduler).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import math
 import os
+import signal
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -37,6 +39,9 @@ import structlog
 from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.config import kube_config
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
@@ -300,9 +305,12 @@ class KubeClient:
         keepalive_timeout: float = 15.0,
         writes_in_flight: int = 256,
         reload: Any = None,
+        kubeconfig: Sequence[str] = (),
     ) -> None:
         self._config = configuration
         self._reload = reload
+        self._kubeconfig = tuple(kubeconfig)
+        """The files ``reload`` reads: a change is a rotation too (certificate-authority-data)."""
         self.host = str(configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         self._connect_timeout = min(connect_timeout, request_timeout)
@@ -318,8 +326,9 @@ class KubeClient:
         """A failing credential plugin, or credentials refused again right after a
         reload (an authentication webhook down), is retried after 1 s, doubling to 30 s:
         a lasting 401 runs no reload per refused request."""
-        self._refused_reloaded = False
-        """Credentials were refused right after a reload (until a request succeeds)."""
+        self._refused_version: int | None = None
+        """The credentials refused right after a reload (until a request succeeds): their
+        retries refused at once are one refusal, one backoff step."""
         self._credentials_version = 0
         """Bumped by every reload: a 401 on credentials older than the current ones is
         answered by the reload that already happened (one reload per expiry)."""
@@ -373,10 +382,12 @@ class KubeClient:
         self._unanswered = max(self._unanswered, sent)
 
     def _tls_files(self) -> tuple[object, ...]:
-        """What tells rotated TLS files (CA bundle, client certificate and key): each
-        one's path, modification time and size."""
+        """What tells rotated TLS files (CA bundle, client certificate and key, and the
+        kubeconfig, which may hold them as data): each one's path, modification time and
+        size."""
         stamp: list[object] = []
-        for path in (self._config.ssl_ca_cert, self._config.cert_file, self._config.key_file):
+        cfg = self._config
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._kubeconfig):
             try:
                 info = os.stat(path) if path else None
             except OSError:
@@ -521,29 +532,28 @@ class KubeClient:
                 self._not_answered(sent)
                 raise self._no_answer(verb, path, err) from err
             count_request(verb, status)
-            if status == 401 and attempt == 1 and await self._reload_credentials(version):
-                if asyncio.get_running_loop().time() >= deadline:
-                    # A slow reload (an exec plugin) used the call's time: sent now, a
-                    # leader's write could land past its fence.
-                    count_request(verb, "error")
-                    raise KubeError(
-                        ErrorKind.TRANSIENT,
-                        "no time left to send it again after reloading the credentials",
-                        reason="Timeout",
-                    )
-                continue
-            if status == 401 and attempt == 2:
+            late = False
+            if status == 401 and attempt == 1:
+                reloaded = await self._reload_credentials(version, deadline)
+                # A slow or hung reload (an exec plugin) used the call's time: not sent
+                # again (a leader's write could land past its fence).
+                late = asyncio.get_running_loop().time() >= deadline
+                if reloaded and not late:
+                    continue
+            if status == 401 and attempt == 2 and self._refused_version != version:
                 # Freshly reloaded credentials were refused too: the next reload waits
                 # (an authentication webhook down would otherwise cost a reload, an exec
                 # plugin run, per refused request).
-                self._refused_reloaded = True
+                self._refused_version = version
                 self._reload_not_before = time.monotonic() + self._reload_backoff.next()
             elif status < 300:
                 self._reload_backoff.reset()
-                self._refused_reloaded = False
+                self._refused_version = None
             if status >= 300:
-                reloaded = status == 401 and self._refused_reloaded
-                note = " (also after reloading the credentials)" if reloaded else ""
+                again = status == 401 and self._refused_version is not None
+                note = " (also after reloading the credentials)" if again else ""
+                if late:
+                    note = " (reloading the credentials took the call's time: not sent again)"
                 raise error_from_response(status, payload, retry_after, note)
             try:
                 decoded = decode_json(payload)
@@ -562,35 +572,49 @@ class KubeClient:
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reload_credentials(self, version: int | None = None) -> bool:
+    async def _reload_credentials(
+        self, version: int | None = None, deadline: float | None = None
+    ) -> bool:
         """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
         rotated). ``version``: the credentials a refused request was sent with; when a
         reload has happened since, that one answers it (100 requests refused at once
-        make one reload, not 100 runs of an exec plugin)."""
+        make one reload, not 100 runs of an exec plugin). Within ``deadline`` (the
+        call's; else the request timeout): a reload still running then fails (its exec
+        plugin killed), and a wait for another's ends."""
         if self._reload is None:
             return False
-        async with self._reload_lock:
-            if version is not None and version != self._credentials_version:
-                return self._reload_ok  # a reload since answers this request too
-            if time.monotonic() < self._reload_not_before:
-                return False  # the last reload failed, or was refused: backing off
-            try:
-                loaded = await self._reload(self._config)
-            except Exception as err:  # noqa: BLE001 - credentials can fail in many ways; say so
-                metrics.ERRORS.labels("credentials").inc()
-                delay = self._reload_backoff.next()
-                self._reload_not_before = time.monotonic() + delay
-                self._credentials_version += 1  # the waiters have their answer: no
-                self._reload_ok = False
-                log.warning(
-                    "credentials_reload_failed", error=type(err).__name__, retry_in=round(delay, 3)
-                )
-                return False
-            self._credentials_version += 1
-            self._reload_ok = True
-            self.note_credentials(loaded)
-            self.tls_rotated()
-            return True
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._request_timeout
+        try:
+            async with asyncio.timeout_at(deadline), self._reload_lock:
+                if version is not None and version != self._credentials_version:
+                    return self._reload_ok  # a reload since answers this request too
+                if time.monotonic() < self._reload_not_before:
+                    return False  # the last reload failed, or was refused: backing off
+                try:
+                    loaded = await self._reload(self._config)
+                # Cancelled: at the deadline, or at shutdown (then cancelled on).
+                except (Exception, asyncio.CancelledError) as err:
+                    metrics.ERRORS.labels("credentials").inc()
+                    delay = self._reload_backoff.next()
+                    self._reload_not_before = time.monotonic() + delay
+                    self._credentials_version += 1  # the waiters have their answer: no
+                    self._reload_ok = False
+                    log.warning(
+                        "credentials_reload_failed",
+                        error=type(err).__name__,
+                        retry_in=round(delay, 3),
+                    )
+                    if isinstance(err, asyncio.CancelledError):
+                        raise
+                    return False
+                self._credentials_version += 1
+                self._reload_ok = True
+                self.note_credentials(loaded)
+                self.tls_rotated()
+                return True
+        except TimeoutError:
+            return False  # the request is answered by what refused it
 
     def note_credentials(self, loader: Any) -> None:
         """What the kubeconfig loader tells of the credentials' lifetime."""
@@ -717,6 +741,44 @@ def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------- credentials
+
+
+class _ExecProvider(ExecProvider):
+    """kubernetes-asyncio's exec credential plugin run (kube_config's, replaced below),
+    with the plugin in a process group of its own that is killed and reaped when the run
+    ends otherwise than by the plugin's exit: cancelled at its call's deadline or at
+    shutdown. A hung plugin, or a command it started, outlives neither."""
+
+    async def run(self, previous_response: str | None = None) -> Any:
+        spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
+        info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
+        process = await asyncio.create_subprocess_exec(
+            *self.args,
+            env={**self.env, "KUBERNETES_EXEC_INFO": json.dumps(info)},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = await process.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            raise
+        if process.returncode:
+            said = err.decode("utf-8", "replace").strip()
+            raise ConfigException(f"exec: process returned {process.returncode}. {said}")
+        answer = decode_json(out)  # ValueError: a failed reload too
+        if not isinstance(answer, dict) or answer.get("apiVersion") != self.api_version:
+            raise ConfigException(f"exec: not an ExecCredential of {self.api_version}")
+        if not isinstance(answer.get("status"), dict):
+            raise ConfigException("exec: an ExecCredential without a status")
+        return answer["status"]
+
+
+kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
 def kubeconfig_path(kubeconfig: str | None) -> str:

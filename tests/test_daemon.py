@@ -10,15 +10,24 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
 from canaryd import metrics
-from canaryd.kube import MAX_WATCH_LINE
+from canaryd.kube import (
+    MAX_WATCH_LINE,
+    MERGE_PATCH,
+    KubeClient,
+    KubeError,
+    failure_cause,
+    load_configuration,
+    object_path,
+)
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from tests.conftest import TOKEN
@@ -33,6 +42,8 @@ from tests.harness import (
     running_daemon,
     write_dynamic_config,
 )
+from tests.test_shipping import run_cli
+from tests.test_startup import until_true
 
 # ---------------------------------------------------------------- watching
 
@@ -703,7 +714,7 @@ async def test_a_scope_not_listed_yet_after_a_namespace_switch_defers_the_verdic
 
 
 EXEC_PLUGIN = """\
-import datetime, json, os, pathlib, sys
+import datetime, json, os, pathlib, subprocess, sys
 here = pathlib.Path(sys.argv[1])
 runs = here / "runs"
 # Counted atomically: the test reads the count while the plugin may be running.
@@ -711,6 +722,11 @@ runs = here / "runs"
 os.replace(here / "runs.new", runs)
 if (here / "fail").exists():
     sys.exit("the identity provider is down")
+if (here / "hang").exists():  # hung, with a child of its own (a shell plugin's command)
+    child = subprocess.Popen(["sleep", "3600"])
+    (here / "hung.new").write_text(f"{os.getpid()} {child.pid}")
+    os.replace(here / "hung.new", here / "hung")
+    child.wait()
 lifetime = float((here / "lifetime").read_text())
 expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
 print(json.dumps({
@@ -744,6 +760,11 @@ def exec_kubeconfig(kube: FakeKube, tmp_path: Path, token: str, lifetime: float)
     return path
 
 
+EXEC_CYCLE = 2.0
+"""The cycle of the daemons on an exec plugin: a run of it (a Python process, 0.2-0.4 s
+on a loaded machine) must end within its call's time limit, half the cycle."""
+
+
 def plugin_runs(tmp_path: Path) -> int:
     return int((tmp_path / "runs").read_text())
 
@@ -753,10 +774,10 @@ async def test_exec_credentials_are_renewed_before_they_expire(kube, tmp_path):
     of its lifetime, so no request is ever refused for an expired token."""
     create_canary(kube)
     kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=2.0)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until_state(CanaryState.HEALTHY)
-        assert plugin_runs(tmp_path) == 1
-        await run.until(lambda: plugin_runs(tmp_path) >= 3, "two renewals", within=10)
+    async with running_daemon(kube, kubeconfig, timeout=EXEC_CYCLE) as run:
+        await run.until_state(CanaryState.HEALTHY, within=3 * EXEC_CYCLE)
+        runs = plugin_runs(tmp_path)
+        await run.until(lambda: plugin_runs(tmp_path) >= runs + 2, "two renewals", within=10)
         assert not [r for r in kube.requests if r.status == 401]
 
 
@@ -770,8 +791,10 @@ async def thirty_canaries_on_an_exec_plugin(
     for name in names:
         create_canary(kube, name)
     kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
-    async with running_daemon(kube, kubeconfig) as run:
-        await run.until(lambda: all(run.bumps(n) for n in names), "every canary bumped")
+    async with running_daemon(kube, kubeconfig, timeout=EXEC_CYCLE) as run:
+        await run.until(
+            lambda: all(run.bumps(n) for n in names), "every canary bumped", 3 * EXEC_CYCLE
+        )
         yield run, names, plugin_runs(tmp_path)
 
 
@@ -788,6 +811,7 @@ async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
                 >= written + len(names)
             ),
             "a cycle of bumps with the new token",
+            3 * EXEC_CYCLE,
         )
         refused = len([r for r in kube.requests if r.status == 401])
         assert refused >= 2, refused
@@ -970,10 +994,192 @@ async def test_a_failing_credential_plugin_is_run_once_for_all_and_backed_off(ku
         await run.until(
             lambda: len([r for r in kube.requests if r.status == 401]) >= len(names),
             "a cycle of refused bumps",
-            within=5,
+            within=3 * EXEC_CYCLE,
         )
         assert run.daemon.watcher is not None
         assert plugin_runs(tmp_path) - runs <= 3, plugin_runs(tmp_path) - runs
+
+
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie (ended, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def reaped(pid: int) -> bool:
+    """Whether a process is gone, its exit status collected: no zombie left."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+@contextlib.contextmanager
+def hung_plugin(tmp_path: Path) -> Iterator[Callable[[], list[int]]]:
+    """The exec plugin hangs from here (the token it would renew is revoked); yields
+    what it wrote once hung: its pid and its child's. Whatever the test leaves of them
+    is killed at the end."""
+    (tmp_path / "hang").write_text("1")
+    hung = tmp_path / "hung"
+    pids = lambda: [int(pid) for pid in hung.read_text().split()] if hung.exists() else []  # noqa: E731
+    try:
+        yield pids
+    finally:
+        for pid in pids():
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_hung_credential_plugin_ends_with_the_request_that_ran_it(kube, tmp_path):
+    """Issue 42: a PATCH refused (401) reloads the credentials and the exec plugin hangs:
+    the PATCH ends within its time limit as unauthorised, the plugin is killed and
+    reaped, its child killed too (before: the PATCH waited on the plugin for good)."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    configuration, reload, _ = await load_configuration(str(config), None)
+    client = KubeClient(configuration, reload=reload)
+    limit = 3.0
+    with hung_plugin(tmp_path) as pids:
+        kube.token = "revoked-and-not-renewed-123"
+        started = asyncio.get_running_loop().time()
+        patch = asyncio.create_task(
+            client.request(
+                "patch",
+                "PATCH",
+                object_path("flinkdeployments", "default", "canary"),
+                body={"spec": {"restartNonce": 1}},
+                content_type=MERGE_PATCH,
+                time_limit=limit,
+            )
+        )
+        try:
+            await until_true(lambda: bool(pids()) or patch.done(), "the plugin to hang")
+            assert pids(), "the plugin did not start within the PATCH's time limit"
+            plugin, child = pids()
+            done, _ = await asyncio.wait({patch}, timeout=limit + 5)
+            assert done, "the PATCH outlived its time limit: it waits on the hung plugin"
+            elapsed = asyncio.get_running_loop().time() - started
+            assert elapsed < limit + 1, elapsed
+            error = patch.exception()
+            assert isinstance(error, KubeError) and failure_cause(error) == "unauthorized", error
+            assert "reloading the credentials took the call's time" in str(error), error
+            assert reaped(plugin), "the plugin was not reaped"
+            await until_true(lambda: not running(child), "the plugin's child to be killed")
+        finally:
+            patch.cancel()
+            await client.close()
+
+
+async def test_sigterm_while_a_credential_plugin_hangs_exits_0_in_time(kube, tmp_path):
+    """Issue 42: bumps refused and the plugin that would renew the token hung: SIGTERM
+    stops canaryd within its write timeout (1 s on a 2 s cycle), exit 0, and the plugin
+    is gone (before: canaryd waited on the plugin for good)."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    proc = await start_process(config, "--timeout", "2s")
+    output = asyncio.ensure_future(proc.communicate())  # read all along: never a full pipe
+    try:
+        patches = lambda status: [r for r in kube.requests_for("patch") if r.status == status]  # noqa: E731
+        await until_true(lambda: bool(patches(200)), "a bump", within=20)
+        with hung_plugin(tmp_path) as pids:
+            kube.token = "revoked-and-not-renewed-123"
+            await until_true(lambda: bool(pids() and patches(401)), "a refused bump", within=20)
+            proc.send_signal(signal.SIGTERM)
+            done, _ = await asyncio.wait({output}, timeout=8)
+            assert done, "canaryd still runs 8 s after SIGTERM: it waits on the hung plugin"
+            assert proc.returncode == 0, output.result()[1].decode()[-2000:]
+            for pid in pids():
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await output
+
+
+async def start_on(plugin: Path, kube: FakeKube) -> asyncio.subprocess.Process:
+    """canaryd on an exec plugin (hung by the test), one canary there to bump."""
+    create_canary(kube)
+    config = exec_kubeconfig(kube, plugin, TOKEN, lifetime=3600)
+    return await start_process(config, "--timeout", f"{EXEC_CYCLE:g}s")
+
+
+async def test_a_credential_plugin_hung_at_start_is_an_episode_named_in_readyz(kube, tmp_path):
+    """Issue 42: the exec plugin hangs at start: each run ends at the request timeout
+    (1 s on a 2 s cycle), killed and reaped, and is tried again with backoff, the
+    failure named in /readyz and told as one episode; once the plugin answers, canaryd
+    starts (before: canaryd waited on the plugin for good, no health port open)."""
+    with hung_plugin(tmp_path) as pids:
+        proc = await start_on(tmp_path, kube)
+        lines: list[str] = []
+        try:
+            await read_until(proc, '"health_server_listening"', lines, within=10)
+        except TimeoutError:
+            proc.kill()
+            await proc.communicate()
+            raise AssertionError("no health port within 10 s: it waits on the plugin") from None
+        port = json.loads(lines[-1])["port"]
+        output = asyncio.ensure_future(proc.communicate())  # read all along
+        http = aiohttp.ClientSession()
+        try:
+            await until_true(lambda: bool(pids()), "the plugin to hang", within=20)
+            first = pids()
+            await until_true(lambda: plugin_runs(tmp_path) >= 2, "a second run", within=20)
+            for pid in first:
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                status, text = response.status, await response.text()
+            assert status == 503, text
+            assert "cannot load Kubernetes credentials" in text, text
+            assert "not loaded within the request timeout (1s)" in text, text
+            (tmp_path / "hang").unlink()  # the plugin answers again
+            await until_true(lambda: bool(kube.requests_for("patch")), "a bump", within=20)
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(10):
+                await output
+        finally:
+            await http.close()
+            if proc.returncode is None:
+                proc.kill()
+            await output
+    assert proc.returncode == 0
+    logged = [*lines, *output.result()[1].decode().splitlines()]
+    records = [json.loads(line) for line in logged if line.startswith("{")]
+    started = [r for r in records if r["event"] == "credential_failures_started"]
+    assert len(started) == 1 and started[0]["cause"] == "credentials", started
+    assert len([r for r in records if r["event"] == "credential_failures_ended"]) == 1
+
+
+async def test_sigterm_while_a_credential_plugin_hangs_at_start_exits_0_in_time(kube, tmp_path):
+    """Issue 42: SIGTERM while the exec plugin of the first credential load hangs: exit 0
+    within 5 s, the plugin and its child killed and reaped (before: the signal handlers
+    were not installed yet, so SIGTERM killed canaryd (-15) and left the plugin
+    running)."""
+    with hung_plugin(tmp_path) as pids:
+        proc = await start_on(tmp_path, kube)
+        output = asyncio.ensure_future(proc.communicate())
+        try:
+            await until_true(lambda: bool(pids()), "the plugin to hang", within=20)
+            proc.send_signal(signal.SIGTERM)
+            done, _ = await asyncio.wait({output}, timeout=5)
+            assert done, "canaryd still runs 5 s after SIGTERM: it waits on the hung plugin"
+            assert proc.returncode == 0, output.result()[1].decode()[-2000:]
+            for pid in pids():
+                await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await output
+
+
+async def test_check_on_a_hung_credential_plugin_exits_2_in_time(kube, tmp_path):
+    """Issue 42: ``canaryd check`` gives the exec plugin the request timeout (1 s on a
+    2 s cycle), then exits 2 naming it, the plugin killed and reaped (before: it hung)."""
+    config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    with hung_plugin(tmp_path) as pids:
+        code, _, err = await run_cli("check", "--kubeconfig", str(config), "--timeout", "2s")
+        assert code == 2 and "not loaded within the request timeout (1s)" in err, err
+        for pid in pids():
+            await until_true(lambda: not running(pid), f"process {pid} to end")  # noqa: B023
 
 
 async def test_one_discovery_404_does_not_drop_every_canary(kube, kubeconfig):

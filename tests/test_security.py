@@ -8,6 +8,7 @@ import base64
 import contextlib
 import socket
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -579,6 +580,92 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
         refused_for = asyncio.get_running_loop().time() - reloads[start] if reloads[start:] else 0
         # 1 s, 2 s, 4 s... apart: a handful, not one per refused request.
         assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)
+
+
+async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube, tmp_path):
+    """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
+    refused too, one step of its backoff: the next reload may come 1 s later (before:
+    a step per refused retry, 30 s)."""
+    from canaryd.kube import KubeClient, KubeError, load_configuration
+
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configuration, reload, _ = await load_configuration(str(config), None)
+    reloads = 0
+
+    async def counted(target: Any) -> Any:
+        nonlocal reloads
+        reloads += 1
+        return await reload(target)
+
+    client = KubeClient(configuration, reload=counted)
+    kube.inject(Fault(verb="get", code=401, times=-1))
+    try:
+        answers = await asyncio.gather(
+            *(client.request("get", "GET", "/api/v1/namespaces/default") for _ in range(20)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(a, KubeError) and a.status == 401 for a in answers), answers
+        assert len(kube.requests_for("get")) == 40  # each sent again once, reloaded
+        assert reloads == 1
+        assert client._reload_not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
+    finally:
+        await client.close()
+
+
+async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_changes(
+    ca, server_context, tmp_path, monkeypatch
+):
+    """Issue 42: the API server's CA is rotated and the kubeconfig's
+    certificate-authority-data with it: the file's change makes a new TLS context, as a
+    rotated CA file does, and the next connection trusts the new CA (before: only CA
+    files were watched; the embedded data was read at start only)."""
+    from canaryd import kube as kube_module
+    from canaryd.config import Settings
+    from canaryd.daemon import connect
+
+    handshakes = Handshakes(server_context)
+    reloaded = asyncio.Event()
+    real = kube_module.k8s_config.load_kube_config
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        loaded = await real(*args, **kwargs)
+        reloaded.set()
+        return loaded
+
+    monkeypatch.setattr(kube_module.k8s_config, "load_kube_config", noted)
+    # The look for rotated files: every minute, here at once.
+    monkeypatch.setattr(kube_module.KubeClient, "next_refresh_in", lambda *_: 0.01)
+    kube = FakeKube(token=TOKEN)
+    path = tmp_path / "kubeconfig"
+
+    def trust(authority: trustme.CA) -> None:
+        config = kube.kubeconfig()
+        data = base64.b64encode(authority.cert_pem.bytes()).decode()
+        config["clusters"][0]["cluster"]["certificate-authority-data"] = data
+        path.write_text(yaml.safe_dump(config))
+
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        trust(ca)
+        client = await connect(Settings(kubeconfig=str(path)))
+        reloaded.clear()
+        refresher = asyncio.create_task(client.keep_credentials_fresh())
+        try:
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            rotated = trustme.CA()
+            rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
+            trust(rotated)
+            try:
+                async with asyncio.timeout(10):
+                    await reloaded.wait()
+            except TimeoutError:
+                raise AssertionError("the changed kubeconfig was not read again") from None
+            seen = handshakes.count
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            assert handshakes.count > seen  # a new connection, which trusts the new CA
+        finally:
+            refresher.cancel()
+            await client.close()
 
 
 async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadline(

@@ -419,6 +419,27 @@ async def test_transient_failure_that_persists_is_unknown_not_unhealthy(kube, ku
         assert set(await health.stop()) == {200}
 
 
+async def test_a_bump_refused_401_whose_credential_plugin_hangs_is_unknown_never_unhealthy(
+    kube, tmp_path
+):
+    from tests.test_daemon import EXEC_CYCLE, exec_kubeconfig, hung_plugin, running
+    from tests.test_startup import until_true
+
+    create_canary(kube)
+    config = exec_kubeconfig(kube, tmp_path, kube.token, lifetime=3600)
+    async with running_daemon(kube, config, timeout=EXEC_CYCLE) as run:
+        await run.until_state(CanaryState.HEALTHY, within=3 * EXEC_CYCLE)
+        health = HealthWatch(run)
+        with hung_plugin(tmp_path) as pids:
+            kube.token = "revoked-and-not-renewed-123"
+            canary = await run.until_state(CanaryState.UNKNOWN, within=3 * EXEC_CYCLE)
+            assert "bump failed: 401" in canary.reason, canary.reason
+            # The plugin that hung the first reload was killed at that bump's deadline.
+            await until_true(lambda: bool(pids()) and not running(pids()[0]), "the plugin killed")
+            assert run.tracked().state is CanaryState.UNKNOWN
+        assert set(await health.stop()) == {200}
+
+
 async def test_404_on_a_bump_and_its_reread_pauses_it_and_only_the_watch_drops_it(kube, kubeconfig):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
