@@ -688,9 +688,9 @@ class KubeClient:
                 read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
+                count_request("watch", response.status)
                 body = await response.read() if response.status >= 300 else b""
                 self._note_answer(sent, response.status, body)
-                count_request("watch", response.status)
                 if response.status == 401:
                     await self._reload_credentials(version)  # the retry uses fresh ones
                 if response.status >= 300:
