@@ -193,8 +193,8 @@ def classify_status(status: int) -> ErrorKind:
 
 
 NOT_SERVED = b"404 page not found\n"
-"""kube-apiserver's answer to a path it does not serve (a kind not installed): Go's
-http.NotFound, its one 4xx that is not a Status object."""
+"""kube-apiserver's answer to a path it does not serve (a kind not installed), Go's
+http.NotFound: not a Status object (checked on v1.35.4)."""
 
 
 def serving(status: int, body: bytes) -> bool:
