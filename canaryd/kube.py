@@ -197,6 +197,27 @@ def classify_status(status: int) -> ErrorKind:
     return _STATUS_KINDS.get(status, ErrorKind.INVALID)
 
 
+NOT_SERVED = b"404 page not found\n"
+"""kube-apiserver's answer to a path it does not serve (a kind not installed), Go's
+http.NotFound: not a Status object (checked on v1.35.4)."""
+
+
+def serving(status: int, body: bytes) -> bool:
+    """Whether an answer shows the API server serving (docs/DESIGN.md, what counts as
+    the API server answering): a 2xx, or a 4xx other than 429 that kube-apiserver sent,
+    a Status object or NOT_SERVED. A 5xx, a 429, a redirect, or any other body (a
+    gateway's error page) is no sign of it."""
+    if 200 <= status < 300 or (status == 404 and body == NOT_SERVED):
+        return True
+    if status < 400 or status >= 500 or status == 429:
+        return False
+    try:
+        answer = decode_json(body)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and answer.get("kind") == "Status"
+
+
 def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
     """classify_status, reading the Status object where the code alone does not tell:
     kube-apiserver's "Too large resource version" (a 504 Timeout with the cause
@@ -367,19 +388,24 @@ class KubeClient:
 
     @property
     def answered_since(self) -> float:
-        """time.monotonic() at which the latest request the API server answered (any
-        status, a watch's included) was sent: whether it was reachable at all after some
-        moment. The send time, not the answer's: an answer read after that moment to a
+        """time.monotonic() at which the latest request the API server answered serving
+        (``serving``; a watch's included) was sent: whether it was serving at all after
+        some moment. The send time, not the answer's: an answer read after that moment to a
         request sent before it (already in the socket when the server went away) says
-        nothing about after. -inf while a request sent later got no answer (no
-        connection, none in time): the server has stopped answering since."""
+        nothing about after. -inf while a request sent later got no such answer (no
+        connection, none in time, a 503): the server has stopped serving since."""
         return self._answered if self._answered >= self._unanswered else -math.inf
 
-    def _not_answered(self, sent: float) -> None:
-        """An exchange sent at ``sent`` failed. Whether it was answered first (its status
-        came, then the body or the stream broke) need not be known: then ``_answered`` is
-        already at least ``sent``, and ``answered_since`` is unchanged."""
-        self._unanswered = max(self._unanswered, sent)
+    def _note_answer(self, sent: float, status: int = 0, body: bytes = b"") -> None:
+        """An exchange sent at ``sent`` was answered ``status`` with ``body`` (0: it
+        failed): answered when that shows the server serving, else unanswered. Whether a
+        watch that failed was answered first (its 200 came, then the stream broke) need
+        not be known: then ``_answered`` is already at least ``sent``, and
+        ``answered_since`` is unchanged."""
+        if serving(status, body):
+            self._answered = max(self._answered, sent)
+        else:
+            self._unanswered = max(self._unanswered, sent)
 
     def _tls_files(self) -> tuple[object, ...]:
         """What tells rotated TLS files (CA bundle, client certificate and key, and the
@@ -521,15 +547,15 @@ class KubeClient:
                         timeout=self._timeout,
                         **self._request_kwargs(),
                     ) as reply:
-                        self._answered = max(self._answered, sent)  # its status came
                         status, payload = reply.status, await reply.read()
                         retry_after = reply.headers.get("Retry-After")
+                        self._note_answer(sent, status, payload)
             except KubeError:
                 raise  # the credentials could not be had
             except Exception as err:
                 if headers is None:  # the deadline passed while they were being had
                     raise error_from_exception(err, "Credentials") from err
-                self._not_answered(sent)
+                self._note_answer(sent)
                 raise self._no_answer(verb, path, err) from err
             count_request(verb, status)
             late = False
@@ -686,13 +712,14 @@ class KubeClient:
                 read_bufsize=MAX_WATCH_LINE // 2,  # aiohttp's line limit is twice this
                 **self._request_kwargs(),
             ) as response:
-                self._answered = max(self._answered, sent)
                 count_request("watch", response.status)
+                body = await response.read() if response.status >= 300 else b""
+                self._note_answer(sent, response.status, body)
                 if response.status == 401:
                     await self._reload_credentials(version)  # the retry uses fresh ones
                 if response.status >= 300:
                     raise error_from_response(
-                        response.status, await response.read(), response.headers.get("Retry-After")
+                        response.status, body, response.headers.get("Retry-After")
                     )
                 if on_connected is not None:
                     on_connected()
@@ -713,7 +740,7 @@ class KubeClient:
         except KubeError:
             raise
         except Exception as err:
-            self._not_answered(sent)
+            self._note_answer(sent)
             connecting = isinstance(err, aiohttp.ConnectionTimeoutError)
             if isinstance(err, aiohttp.ServerTimeoutError) and not connecting:
                 raise KubeError(

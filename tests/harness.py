@@ -22,7 +22,7 @@ from canaryd.config import Settings
 from canaryd.daemon import Daemon
 from canaryd.metrics import BLIND_REASONS
 from canaryd.registry import Canary, CanaryKey, CanaryState
-from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube, Fault
 
 LABEL = "flink.apache.org/canary"
 
@@ -179,6 +179,28 @@ def create_canary(
 ) -> dict[str, Any]:
     rtype = FLINK_DEPLOYMENTS if kind == "flinkdeployments" else FLINK_SESSION_JOBS
     return kube.create(rtype, namespace, canary_body(name, **body))
+
+
+OUTAGES = ("refused", "503 no healthy upstream", "429")
+"""How an API server that went away answers: not at all, a load balancer's own page
+with none behind it (Envoy's), or every request shed (API Priority and Fairness)."""
+
+
+@contextlib.asynccontextmanager
+async def api_server_away(kube: FakeKube, how: str) -> AsyncIterator[None]:
+    """The API server is away for the block, as ``how`` (one of OUTAGES) says; its open
+    watches are cut."""
+    if how == "refused":
+        await kube.refuse_connections()
+    else:
+        page = how.partition(" ")[2] or None
+        kube.unavailable = Fault(code=int(how[:3]), page=page, retry_after=1)
+        kube.abort_watches()
+    try:
+        yield
+    finally:
+        kube.unavailable = None
+        await kube.accept_connections()
 
 
 def counter(metric: Any, *labels: str) -> float:

@@ -852,7 +852,8 @@ def proxy(cluster: Cluster) -> Iterator[Any]:
     plane = cluster.needs_plane()
     from tests.controlplane.faultproxy import fault_proxy
 
-    with fault_proxy(plane.url) as running:
+    tls = (plane.workdir / "apiserver.crt", plane.workdir / "apiserver.key")
+    with fault_proxy(plane.url, tls) as running:
         yield running
 
 
@@ -946,6 +947,38 @@ async def test_a_half_open_watch_is_replaced_and_never_fails_health(api, proxy, 
         assert await health_log.stop() == {200}
         assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
         proxy.heal()
+
+
+async def test_an_outage_behind_a_load_balancer_answering_503_is_no_verdict(
+    api, proxy, proxied, namespace
+):
+    """The API server goes away behind a load balancer that answers every request 503
+    "no healthy upstream" (not a Kubernetes answer), between a bump's answer and its
+    watch event: no sign of the API server serving, so no verdict (unknown, /healthz 200
+    throughout) as with refused connections, not "the watch has not resumed"; once it
+    is back the canary is judged as usual."""
+    await create_canary(api, namespace)
+    async with canaryd(proxied, "--namespace", namespace) as url:
+        await until_healthy(url, namespace)
+        health_log = HealthLog(url)
+        proxy.outage(after_bytes=1000)  # after the next bump's answer: its event is lost
+        await eventually(lambda: _async(proxy.outage_state() == "on"), "the outage", 4 * CYCLE)
+
+        async def away() -> bool:
+            body = (await health(url))[1]
+            return "not answering" in str(body) and states(body, namespace)["canary"] == "unknown"
+
+        await eventually(away, "no verdict: the API server is not answering", 6 * CYCLE)
+        proxy.heal()
+        judged = await metric(url, 'canaryd_verdicts_total{verdict="healthy"}')
+
+        async def judged_again() -> bool:
+            return await metric(url, 'canaryd_verdicts_total{verdict="healthy"}') > judged
+
+        await eventually(judged_again, "a healthy verdict once it is back", 6 * CYCLE)
+        await until_healthy(url, namespace)
+        assert await health_log.stop() == {200}
+        assert await metric(url, 'canaryd_verdicts_total{verdict="unhealthy"}') == 0
 
 
 async def test_connections_reset_mid_stream_cost_no_verdict(api, proxy, proxied, namespace):

@@ -702,3 +702,52 @@ async def test_an_api_server_that_answered_after_the_drop_then_stopped_is_away()
                 assert kube_client.answered_since == -math.inf, mode
         finally:
             silent.set()
+
+
+def _status(code: int, reason: str) -> str:
+    return json.dumps({"kind": "Status", "apiVersion": "v1", "reason": reason, "code": code})
+
+
+JSON, TEXT = "Content-Type: application/json", "Content-Type: text/plain; charset=utf-8"
+
+
+@pytest.mark.parametrize(
+    ("answer", "serving"),
+    [
+        (f"200 OK\r\n{JSON}\r\n\r\n{{}}", True),
+        (f"403 Forbidden\r\n{JSON}\r\n\r\n{_status(403, 'Forbidden')}", True),
+        (f"410 Gone\r\n{JSON}\r\n\r\n{_status(410, 'Expired')}", True),
+        # kube-apiserver's answer to a path it does not serve (a kind not installed)
+        (f"404 Not Found\r\n{TEXT}\r\n\r\n404 page not found\n", True),
+        (f"503 Service Unavailable\r\n{TEXT}\r\n\r\nno healthy upstream", False),
+        (f"503 Service Unavailable\r\n{JSON}\r\n\r\n{_status(503, 'ServiceUnavailable')}", False),
+        (f"429 Too Many Requests\r\n{JSON}\r\n\r\n{_status(429, 'TooManyRequests')}", False),
+        ("404 Not Found\r\nContent-Type: text/html\r\n\r\n<html>404 Not Found</html>", False),
+        (f'403 Forbidden\r\n{JSON}\r\n\r\n{{"message": "Forbidden"}}', False),
+    ],
+)
+async def test_only_an_answer_that_shows_the_api_server_serving_counts_as_one(answer, serving):
+    """docs/DESIGN.md, what counts as the API server answering: a 2xx, or a 4xx other
+    than 429 that kube-apiserver sent (a Status, or its mux's 404 page not found); not
+    a 5xx, a 429, or a gateway's own page. The same for a request and a watch: an
+    outage behind a load balancer that answers 503 is no verdict, as refused
+    connections are."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head, _, body = answer.partition("\r\n\r\n")
+        writer.write(f"HTTP/1.1 {head}\r\nConnection: close\r\n".encode())
+        writer.write(f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        await writer.drain()
+        writer.close()
+
+    async with _raw_server(handle, request_timeout=5.0) as (kube_client, _):
+        for exchange in ("request", "watch"):
+            sent = time.monotonic()
+            with contextlib.suppress(KubeError):
+                if exchange == "request":
+                    await kube_client.request("get", "GET", "/x")
+                else:
+                    async for _ in kube_client.watch("/w", {}, idle_timeout=5.0):
+                        pass
+            assert (kube_client.answered_since >= sent) is serving, (exchange, answer)

@@ -18,7 +18,16 @@ import pytest
 from canaryd import metrics
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
-from tests.harness import CYCLE, LABEL, Running, counter, create_canary, running_daemon
+from tests.harness import (
+    CYCLE,
+    LABEL,
+    OUTAGES,
+    Running,
+    api_server_away,
+    counter,
+    create_canary,
+    running_daemon,
+)
 
 MERGE = "application/merge-patch+json"
 
@@ -881,7 +890,11 @@ async def test_a_watch_not_resumed_one_more_cycle_later_is_unhealthy_naming_the_
         canary = await run.until_state(CanaryState.HEALTHY)
         kube.hold_watch_events()
         await run.until_bumps(len(run.bumps()) + 1)
-        refused = kube.inject(Fault(verb="watch", resource="flinkdeployments", times=-1))
+        # Answered 200 and ended at once with no event (a proxy in front of a serving
+        # API server): a 5xx would be no sign of the server serving (no verdict).
+        refused = kube.inject(
+            Fault(verb="watch", resource="flinkdeployments", empty_watch=True, times=-1)
+        )
         kube.abort_watches()
         canary = await run.until_state(CanaryState.UNHEALTHY, within=5 * CYCLE)
         assert "watch of flinkdeployments" in canary.reason
@@ -891,22 +904,28 @@ async def test_a_watch_not_resumed_one_more_cycle_later_is_unhealthy_naming_the_
         await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)
 
 
-async def test_an_api_server_away_past_the_extra_cycle_is_no_verdict(kube, kubeconfig):
-    """Nothing answers (connections refused) for longer than the deferral: nobody can
+@pytest.mark.parametrize("how", OUTAGES)
+async def test_an_api_server_away_past_the_extra_cycle_is_no_verdict(kube, kubeconfig, how):
+    """The API server goes away between a bump's answer and its watch event, for longer
+    than the deferral: connections refused, or answered by a load balancer with no API
+    server behind it (503, its own page), or every request shed (429). Nobody can
     reconcile through an API server that is away, so that is no verdict on the canary
-    (unknown, /healthz 200), unlike a watch that fails while the server answers."""
+    (unknown, /healthz 200 throughout), unlike a watch that fails while the server
+    answers; once it is back the canary is judged as usual."""
     create_canary(kube)
     async with running_daemon(kube, kubeconfig, kinds=("flinkdeployments",)) as run:
         await run.until_state(CanaryState.HEALTHY)
+        states: list[CanaryState] = []
+        run.registry.listeners.append(lambda: states.append(run.tracked().state))
         kube.inject(Fault(verb="patch", name="canary", code=0, action=kube.hold_watch_events))
         await run.until_bumps(len(run.bumps()) + 1)
-        await kube.refuse_connections()
-        kube.release_watch_events()
-        canary = await run.until_state(CanaryState.UNKNOWN, within=5 * CYCLE)
-        assert "not answering" in canary.reason
-        assert await run.get("/healthz") == (200, "OK")
-        await kube.accept_connections()
+        async with api_server_away(kube, how):
+            kube.release_watch_events()
+            canary = await run.until_state(CanaryState.UNKNOWN, within=5 * CYCLE)
+            assert "not answering" in canary.reason, canary.reason
+            assert await run.get("/healthz") == (200, "OK")
         await run.until_state(CanaryState.HEALTHY, within=5 * CYCLE)
+        assert CanaryState.UNHEALTHY not in states, canary.reason
 
 
 async def test_slow_writes_are_carried_in_flight_instead_of_skipped_canaries(kube, kubeconfig):

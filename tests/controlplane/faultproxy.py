@@ -1,7 +1,8 @@
 """The fault proxy of the e2e tests (tests/controlplane/faultproxy/main.go): built with Go
 into .cache/faultproxy/<source hash>, started between canaryd and the real
 kube-apiserver, and switched through its control API (half-open, black hole,
-latency, resets, heal). See main.go for why it exists beside Toxiproxy.
+latency, resets, an outage behind a load balancer that answers 503, heal). See
+main.go for why it exists beside Toxiproxy.
 """
 
 from __future__ import annotations
@@ -71,8 +72,23 @@ class FaultProxy:
         return self._post(f"/cut?bytes={after_bytes}")
 
     def cuts(self) -> int:
-        with urllib.request.urlopen(f"http://{self.control}/cuts", timeout=10) as response:
-            return int(response.read().decode().strip())
+        return int(self._get("/cuts"))
+
+    def outage(self, after_bytes: int | None = None) -> str:
+        """The API server goes away behind a load balancer that answers every request
+        503 "no healthy upstream" (text/plain) and resets every open connection; with
+        ``after_bytes``, once the next answer to a request of that size or more (a
+        bump) has been passed on, what the server sent on other connections since (its
+        watch event) lost."""
+        return self._post("/outage" + (f"?after_bytes={after_bytes}" if after_bytes else ""))
+
+    def outage_state(self) -> str:
+        """off, armed or on."""
+        return self._get("/outage")
+
+    def _get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://{self.control}{path}", timeout=10) as response:
+            return response.read().decode().strip()
 
     def heal(self) -> str:
         return self._post("/heal")
@@ -89,12 +105,14 @@ class FaultProxy:
 
 
 @contextlib.contextmanager
-def fault_proxy(upstream_url: str) -> Iterator[FaultProxy]:
-    """A fault proxy in front of ``upstream_url`` (https://127.0.0.1:PORT)."""
+def fault_proxy(upstream_url: str, tls: tuple[Path, Path] | None = None) -> Iterator[FaultProxy]:
+    """A fault proxy in front of ``upstream_url`` (https://127.0.0.1:PORT); ``tls``, the
+    server's certificate and key, to answer for it in an outage."""
     upstream = urlsplit(upstream_url)
     binary = build()
+    certificate = ["-cert", str(tls[0]), "-key", str(tls[1])] if tls else []
     process = subprocess.Popen(
-        [str(binary), "-upstream", f"{upstream.hostname}:{upstream.port}"],
+        [str(binary), "-upstream", f"{upstream.hostname}:{upstream.port}", *certificate],
         stdout=subprocess.PIPE,
         text=True,
     )

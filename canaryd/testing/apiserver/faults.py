@@ -48,6 +48,8 @@ class Fault:
     ``drop_answer`` serves the request (a write: applied), then closes the connection
     before any byte of the answer (a proxy or load balancer reset between the two): the
     client cannot tell whether it was applied.
+    ``page`` answers ``code`` with this text instead of a Status: a gateway or load
+    balancer in front of the API server (Envoy's 503 ``no healthy upstream``).
     ``action`` runs first: a concurrent writer that wins the race against this request
     (e.g. ``lambda: kube.update(...)``), so a stale precondition gets a real 409.
     """
@@ -65,6 +67,7 @@ class Fault:
     empty_watch: bool = False
     delay_answer: float = 0.0
     drop_answer: bool = False
+    page: str | None = None
     latency: float = 0.0
     message: str = "fault injected by the fake API server"
     action: Callable[[], object] | None = None
@@ -197,8 +200,10 @@ async def meet(fault: Fault, request: web.Request, req: Request) -> web.StreamRe
         await empty.prepare(request)
         await empty.write_eof()
         return empty
+    headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+    if fault.page is not None:
+        return web.Response(status=fault.code, text=fault.page, headers=headers)
     if fault.code:
-        headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
         raise ApiError(
             fault.code, REASONS.get(fault.code, "Unknown"), fault.message, headers=headers
         )

@@ -84,6 +84,10 @@ class HttpApi(Watches):
         self.faults: list[Fault] = []
         self.hooks: list[Callable[[Request], Fault | None]] = []
         """Asked, in order, for a fault when no entry of ``faults`` matches (seeded chaos)."""
+        self.unavailable: Fault | None = None
+        """Meets every request first, discovery and unknown paths included: a load
+        balancer with no API server behind it (``Fault(code=503, page=...)``), or one
+        that sheds everything (``Fault(code=429)``)."""
         self.pretty_errors = False
         """Indent Status bodies, as some proxies and older servers do."""
         self.rbac_denies: list[RbacDeny] = []
@@ -138,6 +142,10 @@ class HttpApi(Watches):
     async def _dispatch(
         self, request: web.Request, record: RequestRecord, raw: bytes
     ) -> web.StreamResponse:
+        if self.unavailable is not None:
+            answer = await meet(self.unavailable, request, Request(verb="", rtype=None))
+            if answer is not None:
+                return answer
         document = discovery(request.path, self.types)
         if document is not None:
             record.verb = "get"

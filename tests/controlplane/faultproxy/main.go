@@ -21,11 +21,21 @@
 //	                  whole request (a write: applied); the client cannot tell. N above a
 //	                  TLS ClientHello keeps a new connection's handshake out of it
 //	GET  /cuts        how many answers were cut
-//	POST /heal        no fault any more; frozen connections are closed, as a client
+//	POST /outage?after_bytes=N  the API server goes away behind a load balancer that
+//	                  still answers (Envoy's 503 "no healthy upstream", text/plain, over
+//	                  TLS with -cert and -key): every link is reset, and every request
+//	                  on a new connection is answered so. With after_bytes, it begins
+//	                  after an answer: from now, what the server sends on the links open
+//	                  now is held, until a client sends N bytes or more on one (a write);
+//	                  that answer is passed on, then the outage begins (what was held, a
+//	                  watch event, is lost), and that link is closed when its client
+//	                  sends again. Not with /cut at once (they count the same bytes)
+//	GET  /outage      off, armed or on
+//	POST /heal        no fault any more (no outage); frozen connections are closed, as a client
 //	                  finally gives a half-open connection up
 //	GET  /links       how many connections are open
 //
-// Usage: faultproxy -upstream HOST:PORT; it prints "proxy ADDR control ADDR".
+// Usage: faultproxy -upstream HOST:PORT [-cert FILE -key FILE]; it prints "proxy ADDR control ADDR".
 package main
 
 import (
@@ -46,12 +56,16 @@ import (
 type link struct {
 	client, server net.Conn
 	frozen         atomic.Bool
-	sent           atomic.Int64 // bytes from the client since /cut was armed
+	held           atomic.Bool // open when an outage was armed: nothing passed on
+	last           atomic.Bool // its answer began the outage: closed on its next request
+	closed         atomic.Bool
+	sent           atomic.Int64 // bytes from the client since /cut or /outage was armed
 	once           sync.Once
 }
 
 func (l *link) close(reset bool) {
 	l.once.Do(func() {
+		l.closed.Store(true)
 		if reset {
 			if tc, ok := l.client.(*net.TCPConn); ok {
 				_ = tc.SetLinger(0) // close sends RST
@@ -68,6 +82,8 @@ type proxy struct {
 	latency  atomic.Int64 // nanoseconds, server to client
 	cut      atomic.Int64 // armed: bytes a client must send before its answer is cut
 	cuts     atomic.Int64
+	outage   atomic.Int64 // 0 none, -1 on, N > 0 armed: after an answer to N bytes
+	gateway  *gateway     // answers for the server in an outage (-cert, -key)
 
 	mu        sync.Mutex
 	links     map[*link]struct{}
@@ -133,7 +149,41 @@ func (p *proxy) serve(l net.Listener) {
 	}
 }
 
+// gateway hands the connections made in an outage to an HTTPS server that answers
+// every request as a load balancer with no server behind it does.
+type gateway struct {
+	conns chan net.Conn
+	addr  net.Addr
+}
+
+func (g *gateway) Accept() (net.Conn, error) { return <-g.conns, nil }
+func (g *gateway) Close() error              { return nil }
+func (g *gateway) Addr() net.Addr            { return g.addr }
+
+func noHealthyUpstream(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain")
+	w.Header().Set("Connection", "close") // a connection made in the outage ends with it
+	w.WriteHeader(http.StatusServiceUnavailable)
+	_, _ = io.WriteString(w, "no healthy upstream")
+}
+
+// resetAll resets every link but `keep` (p.mu held); returns how many.
+func (p *proxy) resetAll(keep *link) int {
+	n := 0
+	for l := range p.links {
+		if l != keep {
+			l.close(true)
+			n++
+		}
+	}
+	return n
+}
+
 func (p *proxy) handle(client net.Conn) {
+	if p.outage.Load() < 0 {
+		p.gateway.conns <- client
+		return
+	}
 	server, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
 	if err != nil {
 		_ = client.Close()
@@ -189,6 +239,27 @@ func (p *proxy) pipe(l *link, dst, src net.Conn, downstream bool) {
 		for l.frozen.Load() {
 			time.Sleep(10 * time.Millisecond)
 		}
+		begins := false
+		if downstream {
+			for l.held.Load() && !l.closed.Load() {
+				n := p.outage.Load()
+				if n == 0 || (n > 0 && l.sent.Load() >= n) {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if n := p.outage.Load(); n > 0 && l.sent.Load() >= n && p.outage.CompareAndSwap(n, -1) {
+				begins = true // this answer passes, then the outage begins
+				l.held.Store(false)
+				l.last.Store(true)
+			}
+		} else if l.last.Load() {
+			l.close(false) // the next request of the link whose answer began the outage
+			break
+		}
+		if l.closed.Load() {
+			break
+		}
 		if downstream {
 			if n := p.cut.Load(); n > 0 && l.sent.Load() >= n && p.cut.CompareAndSwap(n, 0) {
 				p.cuts.Add(1)
@@ -196,11 +267,16 @@ func (p *proxy) pipe(l *link, dst, src net.Conn, downstream bool) {
 				break
 			}
 		}
-		if !downstream && p.cut.Load() > 0 {
+		if !downstream && (p.cut.Load() > 0 || p.outage.Load() > 0) {
 			l.sent.Add(int64(len(c.data))) // counted before the server can answer it
 		}
 		if _, err := dst.Write(c.data); err != nil {
 			break
+		}
+		if begins {
+			p.mu.Lock()
+			p.resetAll(l)
+			p.mu.Unlock()
 		}
 	}
 	for l.frozen.Load() {
@@ -259,12 +335,44 @@ func (p *proxy) control() http.Handler {
 	mux.HandleFunc("POST /reset", func(w http.ResponseWriter, r *http.Request) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		n := 0
-		for l := range p.links {
-			l.close(true)
-			n++
+		reply(w, "reset %d", p.resetAll(nil))
+	})
+	mux.HandleFunc("POST /outage", func(w http.ResponseWriter, r *http.Request) {
+		if p.gateway == nil {
+			http.Error(w, "start the proxy with -cert and -key", http.StatusBadRequest)
+			return
 		}
-		reply(w, "reset %d", n)
+		n := 0
+		if s := r.URL.Query().Get("after_bytes"); s != "" {
+			var err error
+			if n, err = strconv.Atoi(s); err != nil || n <= 0 {
+				http.Error(w, "after_bytes: a positive number", http.StatusBadRequest)
+				return
+			}
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if n == 0 {
+			p.outage.Store(-1)
+			reply(w, "outage; reset %d", p.resetAll(nil))
+			return
+		}
+		for l := range p.links {
+			l.sent.Store(0)
+			l.held.Store(true)
+		}
+		p.outage.Store(int64(n))
+		reply(w, "outage after the answer to %d bytes; holding %d", n, len(p.links))
+	})
+	mux.HandleFunc("GET /outage", func(w http.ResponseWriter, r *http.Request) {
+		switch n := p.outage.Load(); {
+		case n > 0:
+			reply(w, "armed")
+		case n < 0:
+			reply(w, "on")
+		default:
+			reply(w, "off")
+		}
 	})
 	mux.HandleFunc("POST /cut", func(w http.ResponseWriter, r *http.Request) {
 		n, err := strconv.Atoi(r.URL.Query().Get("bytes"))
@@ -288,6 +396,7 @@ func (p *proxy) control() http.Handler {
 		defer p.mu.Unlock()
 		p.latency.Store(0)
 		p.cut.Store(0)
+		p.outage.Store(0)
 		closed := 0
 		for l := range p.links {
 			if l.frozen.Load() {
@@ -320,6 +429,8 @@ func main() {
 	upstream := flag.String("upstream", "", "HOST:PORT of the server behind the proxy")
 	listen := flag.String("listen", "127.0.0.1:0", "the proxy's address")
 	controlAddr := flag.String("control", "127.0.0.1:0", "the control API's address")
+	cert := flag.String("cert", "", "the TLS certificate to answer with in an outage")
+	key := flag.String("key", "", "its private key")
 	flag.Parse()
 	if *upstream == "" {
 		fmt.Fprintln(os.Stderr, "faultproxy: -upstream HOST:PORT is required")
@@ -333,6 +444,12 @@ func main() {
 	c, err := net.Listen("tcp", *controlAddr)
 	if err != nil {
 		log.Fatal(err)
+	}
+	if *cert != "" {
+		p.gateway = &gateway{conns: make(chan net.Conn), addr: l.Addr()}
+		quiet := log.New(io.Discard, "", 0) // clients that go away mid-handshake
+		gw := &http.Server{Handler: http.HandlerFunc(noHealthyUpstream), ErrorLog: quiet}
+		go func() { log.Fatal(gw.ServeTLS(p.gateway, *cert, *key)) }()
 	}
 	fmt.Printf("proxy %s control %s\n", l.Addr(), c.Addr())
 	go p.serve(l)
