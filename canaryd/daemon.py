@@ -83,6 +83,26 @@ async def connect(settings: Settings) -> KubeClient:
     return kube
 
 
+def runs_a_plugin(settings: Settings) -> bool:
+    """Whether the credentials come from an exec plugin, which may fail or hang for a
+    while (retried at start: ``Daemon._connect``); any other kubeconfig or the in-cluster
+    account that cannot be loaded is bad configuration (exit 2 before anything runs).
+    The context and user are found as kubectl merges the files: the first one wins."""
+    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return False
+    where, context = credentials_source(settings)
+    found: dict[str, dict[str, Any]] = {"contexts": {}, "users": {}}
+    for path in kubeconfig_files(where):
+        with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError, TypeError):
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            for section, named in found.items():
+                for item in data.get(section) or []:
+                    if isinstance(item, dict) and isinstance(item.get(section[:-1]), dict):
+                        named.setdefault(str(item.get("name")), item[section[:-1]])
+    user = found["contexts"].get(str(context), {}).get("user")
+    return "exec" in found["users"].get(str(user), {})
+
+
 def credentials_source(settings: Settings) -> tuple[str, str | None]:
     """Where the credentials come from, and the context: a kubeconfig missing or not
     one is a ``ConfigError``."""
@@ -190,24 +210,27 @@ class Daemon:
 
     async def _run(self) -> None:
         settings = self.settings
-        credentials_source(settings)  # a kubeconfig missing: exit 2 before anything runs
+        # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
+        # are loaded once the health server and the signal handlers are up (it may hang).
+        kube = None if runs_a_plugin(settings) else await connect(settings)
         self.server = HealthServer(
             settings, self.registry, self._not_ready, self._role, self.stuck, self._blind
         )
         try:
             await self.server.start()
         except OSError as err:
+            if kube is not None:
+                await kube.close()
             raise ConfigError(
                 f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
             ) from err
-        kube: KubeClient | None = None
         self._signals(install=True)  # before the credentials: an exec plugin may hang
         try:
             async with asyncio.TaskGroup() as group:
                 self._tasks = [group.create_task(self.server.run(), name="health-server")]
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
-                kube = await self._connect()
+                kube = kube or await self._connect()
                 open_files = raise_open_files_limit()
                 log.info(
                     "open_files_limit",
