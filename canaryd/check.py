@@ -151,7 +151,11 @@ async def would_see(settings: Settings, kube: KubeClient, out: TextIO) -> list[s
         count = per_namespace[where]
         print(f"{'ok  ' if count else 'warn'} {count} canaries in {where}", file=out)
     if not canaries:
-        inside = ", ".join(map(str, scopes)) if settings.namespaces is not None else "any namespace"
+        inside = (
+            "any namespace"
+            if settings.namespaces is None
+            else ", ".join(map(str, scopes)) or "the watched namespaces: none exist"
+        )
         say("no_canaries", f"no canary labelled {settings.label}=true in {inside}")
     if settings.reconciled_by == "operator-metrics":
         await _operator_series(settings, canaries, say)

@@ -447,7 +447,8 @@ class Watcher:
         (403), ``gone`` (404), ``namespace_missing`` (a watched namespace the
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
         CRD is not served), ``patch_forbidden`` (watched, but an access review says
-        canaryd may not patch there: its canaries cannot be bumped). A canaryd that
+        canaryd may not patch there, or its bumps are answered 403: its canaries cannot
+        be bumped). A canaryd that
         checks nothing must be able to say so. Each wanted scope counts once: one in a
         missing namespace (whose list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
@@ -497,14 +498,21 @@ class Watcher:
 
     def _scope_states(self) -> dict[Scope, str]:
         """Each canary scope's state: forbidden or gone (its list or watch was denied),
-        patch_forbidden, listed or waiting."""
+        patch_forbidden (an access review refused patch there, or a canary's last bump
+        there was answered 403 and none written since: a permission revoked after its
+        review allowed it, which is not asked again), listed or waiting."""
+        refused = {
+            (c.key.kind, c.key.namespace if self.namespaces is not None else None)
+            for c in self.registry.tracked()
+            if c.cause == "forbidden" and c.bumped_generation is None
+        }
         states = {}
         for scope, (lw, _) in self._watches.items():
             if scope.kind is None:
                 continue
             if lw.sync.denied is not None:
                 states[scope] = lw.sync.denied  # ErrorKind.FORBIDDEN or GONE's value
-            elif scope in self.patch_reviews.denied:
+            elif scope in self.patch_reviews.denied or (scope.kind.key, scope.namespace) in refused:
                 states[scope] = "patch_forbidden"
             else:
                 states[scope] = "listed" if lw.sync.ready else "waiting"

@@ -563,6 +563,32 @@ async def test_patch_refused_in_a_scope_is_said_and_asked_again_there_only(kube,
     assert set(reviewed()[mark:]) == {"team-b"}, reviewed()
 
 
+async def test_patch_revoked_after_its_review_allowed_it_is_said_by_the_bumps_refused(
+    kube, kubeconfig
+):
+    """Review: patch revoked in team-b after its access review said yes (which is not
+    asked again): the bumps answered 403 there make team-b patch_forbidden (canaryd_blind,
+    /readyz), team-a still written, and it clears once a bump there is written again."""
+    from tests.harness import blind_everywhere, blind_now
+
+    for namespace in ("team-a", "team-b"):
+        kube.create_namespace(namespace)
+        create_canary(kube, namespace=namespace)
+    async with running_daemon(
+        kube, kubeconfig, namespaces=frozenset({"team-a", "team-b"}), kinds=("flinkdeployments",)
+    ) as run:
+        for namespace in ("team-a", "team-b"):
+            await run.until_state(CanaryState.HEALTHY, namespace=namespace)
+        assert blind_now() == set()
+        kube.deny(verb="patch", resource="flinkdeployments", namespace="team-b")
+        await run.until(lambda: run.tracked(namespace="team-b").cause == "forbidden", "a 403")
+        ready = await blind_everywhere(run, "patch_forbidden")
+        assert "\nblind patch_forbidden: flinkdeployments@team-b\n" in ready + "\n", ready
+        assert run.tracked(namespace="team-a").state is CanaryState.HEALTHY
+        kube.rbac_denies.clear()
+        await run.until(lambda: blind_now() == set(), "patch granted again seen", within=3)
+
+
 async def test_a_late_404_does_not_drop_the_canary_recreated_meanwhile(kube, kubeconfig):
     """The old canary's bump is answered 404 after a new one of the same name was
     tracked: the answer is about a record no longer tracked and changes nothing."""

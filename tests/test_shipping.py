@@ -536,6 +536,19 @@ async def test_check_exits_1_when_no_canary_matches(kube, kubeconfig):
     ), out
 
 
+async def test_check_says_where_it_found_no_canary_when_no_watched_namespace_exists(
+    kube, kubeconfig
+):
+    """Review: the line ended with "in " and nothing after it."""
+    create_canary(kube)
+    code, out, _ = await run_cli("check", "--kubeconfig", str(kubeconfig), "--namespace", "nope")
+    assert code == 1, out
+    assert (
+        "BLIND no canary labelled flink.apache.org/canary=true in the watched namespaces: "
+        "none exist\n" in out
+    ), out
+
+
 async def test_check_reads_the_operators_metrics_for_every_canarys_series(kube, kubeconfig):
     """--reconciled-by operator-metrics: the metrics answer and carry each canary's
     series (the operator watching only default: the canary elsewhere has none); an
