@@ -86,11 +86,15 @@ class Episodes:
             return
         self._summarise(now)
 
-    def recovered(self, subject: Hashable) -> None:
-        """``subject`` works again, or is no longer tracked."""
-        if self._failing.pop(subject, None) is None:
+    def recovered(self, subject: Hashable | None = None) -> None:
+        """``subject`` works again, or is no longer tracked; None: every subject (what
+        is not retried, such as an Event, ends with the first that works again)."""
+        if subject is None:
+            if not self._failing:
+                return
+        elif self._failing.pop(subject, None) is None:
             return
-        if self._failing:
+        elif self._failing:
             self._summarise(self._clock())
             return
         assert self._started_at is not None

@@ -4,9 +4,9 @@
 Written as client-go's recorders write theirs (k8s.io/client-go tools/events and
 tools/record), and never in a bump's way:
 
-- ``record`` does not wait: the Event goes on a bounded queue (1,000: tools/events'
-  maxQueuedEvents) that one task, ``run``, drains; when it is full the Event is
-  dropped, counted and logged (once until the queue has drained);
+- ``record`` does not wait: the Event is queued for one task, ``run``, to write; a
+  canary has at most one queued (a newer verdict's replaces it, counted as dropped),
+  so the queue is bounded by the canaries and the newest verdict is never the one lost;
 - a token bucket per canary drops what a flapping canary writes beyond a burst of 25,
   then one every 5 minutes (tools/record's EventSourceObjectSpamFilter);
 - the same Event again (same canary, type, reason) within 6 minutes of the last
@@ -14,8 +14,9 @@ tools/record), and never in a bump's way:
   its ``series`` (count, lastObservedTime; the note stays the first one's: it is
   immutable); a series whose Event is gone (a 404: Events expire) starts anew. The
   last 4,096 canaries are remembered (tools/record's LRU);
-- a write that fails is a KubeError, logged and counted
-  (``canaryd_verdict_events_total{result="failed"}``), and not retried.
+- a write that fails is a KubeError, counted (``canaryd_verdict_events_total{result=
+  "failed"}``), logged as an episode (an outage is not a line per canary; the next
+  Event written ends it), and not retried.
 """
 
 from __future__ import annotations
@@ -23,18 +24,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import structlog
-
 from canaryd import metrics
+from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, kind_of, segment
 
-log = structlog.get_logger("canaryd.events")
-
-QUEUED = 1000
 BURST, REFILL = 25, 1 / 300
 SERIES_FOR = 360.0
 REMEMBERED = 4096
@@ -51,38 +49,59 @@ class _Seen:
 
 
 class Events:
-    def __init__(self, kube: KubeClient, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        interval: Callable[[], float],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.kube = kube
         self._clock = clock
-        self.queue: asyncio.Queue[dict[str, str]] = asyncio.Queue(QUEUED)
+        self.queued: OrderedDict[str, dict[str, str]] = OrderedDict()
+        """By the canary's uid: the one Event waiting to be written, oldest first."""
+        self._waiting = asyncio.Event()
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
-        self._overflowing = False
         self.instance = f"canaryd-{socket.gethostname()}"[:128]
+        self.failures = Episodes(
+            "events_not_written",
+            subject="canary",
+            subjects="canaries",
+            detail_event="event_not_written",
+            interval=interval,
+            logger_name="canaryd.events",
+            clock=clock,
+        )
 
     def record(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> None:
         """An Event about the canary ``key`` (of ``uid``), queued; never waits."""
         kind, namespace, name = key
-        event = dict(kind=kind, namespace=namespace, name=name, uid=uid, reason=reason)
-        try:
-            note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
-            self.queue.put_nowait({**event, "note": note})
-        except asyncio.QueueFull:
+        note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
+        if uid in self.queued:  # replaced where it waits
             metrics.VERDICT_EVENTS.labels("dropped").inc()
-            if not self._overflowing:
-                self._overflowing = True
-                log.warning("events_dropped", why=f"{QUEUED} Events wait to be written", **event)
+        self.queued[uid] = dict(
+            kind=kind, namespace=namespace, name=name, uid=uid, reason=reason, note=note
+        )
+        self._waiting.set()
 
     async def run(self) -> None:
-        while True:
-            event = await self.queue.get()
-            try:
-                result = await self._write(event)
-            except KubeError as err:
-                result = "failed"
-                log.warning("event_not_written", error=str(err), **event)
-            metrics.VERDICT_EVENTS.labels(result).inc()
-            if self.queue.empty():
-                self._overflowing = False
+        try:
+            while True:
+                await self._waiting.wait()
+                _, event = self.queued.popitem(last=False)
+                if not self.queued:
+                    self._waiting.clear()
+                subject = "/".join((event["kind"], event["namespace"], event["name"]))
+                try:
+                    result = await self._write(event)
+                    if result != "spam_filtered":  # written: what failed before is over
+                        self.failures.recovered()
+                except KubeError as err:
+                    result = "failed"
+                    self.failures.failed(subject, err.kind.value, str(err))
+                metrics.VERDICT_EVENTS.labels(result).inc()
+        finally:
+            self.failures.stopped("the Events task stopped")
 
     def _spam(self, uid: str, now: float) -> _Seen | None:
         """The canary's record if its token bucket has a token (one is taken)."""
@@ -124,6 +143,8 @@ class Events:
                     raise
         kind = kind_of(event["kind"])
         name = f"{event['name']}.{time.time_ns():x}"
+        if len(name) > 253:  # not a valid name: client-go's GenerateEventName, a UUID
+            name = str(uuid.uuid4())
         body = {
             "apiVersion": "events.k8s.io/v1",
             "kind": "Event",

@@ -124,6 +124,8 @@ class Canary:
     """--reconciled-by operator-metrics: the operator instance and its count of finished
     reconciles of this canary (None: no such series yet) as last read before the
     pending bump was sent; None when the operator's metrics had never answered."""
+    warned: bool = False
+    """A Warning Event (Unhealthy, Unknown) told of it, no Recovered since (canaryd.role)."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:

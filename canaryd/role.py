@@ -97,16 +97,15 @@ class Role:
 
     def told(self, canary: Canary, before: CanaryState) -> None:
         """A verdict that changed is an Event on the canary (canaryd.events): unhealthy,
-        unknown, or recovered (healthy after either), with its reason and its class."""
-        state, pending = canary.state, before is CanaryState.PENDING
-        if (
-            state is before
-            or state not in EVENT_REASONS
-            or (state is CanaryState.HEALTHY and pending)
-        ):
+        unknown, or recovered (healthy after a told unhealthy or unknown, whatever came
+        between: a pending re-check, a stand-by), with its reason and its class."""
+        reason = EVENT_REASONS.get(canary.state)
+        recovered = reason == "Recovered"
+        if reason is None or canary.state is before or (recovered and not canary.warned):
             return
+        canary.warned = not recovered
         note = f"{canary.cause}: {canary.reason}"
-        self.events.record(canary.key, canary.uid, EVENT_REASONS[state], note)
+        self.events.record(canary.key, canary.uid, reason, note)
 
     def judged_unhealthy(self) -> None:
         """A canary turned unhealthy: its verdict ages from now on."""

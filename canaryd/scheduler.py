@@ -79,7 +79,7 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
-        self.events = Events(kube, clock=clock)
+        self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
         self.role = Role(
             settings,

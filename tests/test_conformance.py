@@ -360,6 +360,9 @@ async def script(api: Api, forbid: Callable[[], None]) -> dict[str, Any]:
         "POST", events, {**event, "metadata": {"name": "c.2"}, "action": ""}
     )
     facts["create an event without an action"] = status_fact(status, body)
+    long_name = {"name": "c" * 251 + ".1f"}  # ValidateObjectMeta: at most 253 characters
+    status, body = await api.call("POST", events, {**event, "metadata": long_name})
+    facts["create an event named with 254 characters"] = status_fact(status, body)
 
     # Namespace lifecycle.
     status, body = await api.call("DELETE", f"/api/v1/namespaces/{NS}")

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from canaryd import metrics
-from canaryd.events import BURST, QUEUED, Events
-from canaryd.registry import CanaryState
+from canaryd.config import Settings
+from canaryd.events import BURST, Events
+from canaryd.registry import CanaryState, Registry
+from canaryd.role import Role
 from canaryd.testing.apiserver import Fault
 from tests.harness import counter, create_canary, running_daemon
 
@@ -76,31 +78,79 @@ async def test_a_canary_turned_unknown_is_a_warning_event_naming_the_class(kube,
     assert event["note"].startswith("forbidden: ") and "403" in event["note"]
 
 
-async def test_the_spam_filter_and_the_bounded_queue(kube, kubeconfig, capsys):
+def test_recovered_follows_a_told_warning_whatever_came_between():
+    """Healthy after a told Unhealthy or Unknown is Recovered, even with pending between
+    (the operator restarted: a fresh check; a stand-by and the lead again); a first
+    healthy verdict, or healthy after a Recovered, is no Event."""
+    registry = Registry("flink.apache.org/canary")
+    labels = {"flink.apache.org/canary": "true"}
+    meta = dict(name="c", namespace="ns", uid="u", generation=1, resourceVersion="1")
+    registry.observe("flinkdeployments", {"metadata": {**meta, "labels": labels}})
+    (canary,) = registry.canaries()
+    events = Events(None, interval=lambda: 1.0)  # type: ignore[arg-type]  # never written
+    role = Role(Settings(timeout=10), registry, lambda key: False, events)
+
+    def judged(state: CanaryState) -> list[str]:
+        if state is CanaryState.UNKNOWN:
+            role.no_bump(canary, "bump failed", "failed")
+        else:
+            before = canary.state
+            registry.judged(canary, state, "why", "cause", 0.0)
+            role.told(canary, before)
+        told = [event["reason"] for event in events.queued.values()]
+        events.queued.clear()
+        return told
+
+    assert judged(CanaryState.HEALTHY) == []
+    assert judged(CanaryState.UNHEALTHY) == ["Unhealthy"]
+    registry.fresh_check(canary, "the operator restarted", "operator_restarted")
+    assert judged(CanaryState.HEALTHY) == ["Recovered"]
+    assert judged(CanaryState.UNKNOWN) == ["Unknown"]
+    role.stand_by("replica-b")
+    role.lead()
+    assert judged(CanaryState.HEALTHY) == ["Recovered"]
+    registry.fresh_check(canary, "the operator restarted", "operator_restarted")
+    assert judged(CanaryState.HEALTHY) == []
+
+
+async def test_the_spam_filter_and_one_queued_event_per_canary(kube, kubeconfig):
     create_canary(kube)
     async with running_daemon(kube, kubeconfig) as run:
         canary = await run.until_tracked()
         before = results()
-        events = run.daemon.scheduler.events
         # One canary, many Events: a burst of 25 is written (1 Event and its series),
         # the rest dropped by its token bucket (one more every 5 minutes).
-        for _ in range(BURST + 5):
-            events.record(canary.key, canary.uid, "Unknown", "failed: bump failed")
-        await run.until(
-            lambda: results()["spam_filtered"] - before["spam_filtered"] == 5, "the spam filter"
-        )
-        after = results()
-        assert after["created"] - before["created"] == 1
-        assert after["updated"] - before["updated"] == BURST - 1
-        (event,) = events_about(kube)
-        assert event["series"]["count"] == BURST
-        # A queue nobody drains: full at 1,000, the rest dropped, logged once.
-        idle = Events(events.kube)
-        for index in range(QUEUED + 3):
-            idle.record(("flinkdeployments", "default", f"c{index}"), "uid", "Unknown", "x")
-        assert idle.queue.qsize() == QUEUED
-        assert results()["dropped"] - before["dropped"] == 3
-    assert capsys.readouterr().err.count("events_dropped") == 1
+        idle = Events(run.daemon.scheduler.events.kube, interval=lambda: CYCLE)
+        event = dict(canary.key._asdict(), uid=canary.uid, reason="Unknown", note="x: y")
+        written = [await idle._write(event) for _ in range(BURST + 5)]
+        assert written == ["created"] + ["updated"] * (BURST - 1) + ["spam_filtered"] * 5
+        (written_event,) = events_about(kube)
+        assert written_event["series"]["count"] == BURST
+        # A queue nobody drains: one Event per canary, the newest (a canary's older one
+        # is dropped where it waits), so the queue never holds more than the canaries.
+        for index, reason in enumerate(["Unhealthy", "Unknown", "Recovered", "Unhealthy"]):
+            idle.record(
+                ("flinkdeployments", "default", f"c{index % 2}"), f"u{index % 2}", reason, ""
+            )
+        assert [(e["name"], e["reason"]) for e in idle.queued.values()] == [
+            ("c0", "Recovered"),
+            ("c1", "Unhealthy"),
+        ]
+        assert results()["dropped"] - before["dropped"] == 2
+
+
+async def test_a_long_named_canary_gets_its_events(kube, kubeconfig):
+    """A 250-character name (valid) makes NAME.<hex> too long for an Event's name (253):
+    such an Event is named with a UUID, as client-go's GenerateEventName does."""
+    name = ("a" * 62 + ".") * 3 + "a" * 61
+    create_canary(kube, name)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, name)
+        kube.deny(verb="patch", resource="flinkdeployments", namespace="default")
+        await run.until_state(CanaryState.UNKNOWN, name)
+        await run.until(lambda: len(events_about(kube, name)) == 1, "the Unknown Event")
+    (event,) = events_about(kube, name)
+    assert event["reason"] == "Unknown" and len(event["metadata"]["name"]) == 36
 
 
 async def test_a_failing_or_hanging_events_api_changes_nothing_else(kube, kubeconfig, capsys):
@@ -123,8 +173,12 @@ async def test_a_failing_or_hanging_events_api_changes_nothing_else(kube, kubeco
         kube.release_watch_events()
         for name in names:
             await run.until_state(CanaryState.HEALTHY, name)
+        await run.until(
+            lambda: any(e["reason"] == "Recovered" for e in kube.objects["events"].values()),
+            "an Event written again, ending the episode",
+        )
         # Now every Event write hangs: each is abandoned at the request timeout.
-        kube.inject(Fault(verb="create", resource="events", latency=60, code=0, times=-1))
+        kube.inject(Fault(resource="events", latency=60, code=0, times=-1))
         kube.hold_watch_events()
         for name in names:
             await run.until_state(CanaryState.UNHEALTHY, name, within=3)
@@ -139,4 +193,8 @@ async def test_a_failing_or_hanging_events_api_changes_nothing_else(kube, kubeco
         assert hung < len(names) / 2, f"the bumps waited for {hung} Event writes"
         assert counter(metrics.ERRORS, "task_events") == errors
         kube.release_watch_events()
-    assert "event_not_written" in capsys.readouterr().err
+    # Not a line per canary: an episode per cause, ended by the next Event written.
+    logged = capsys.readouterr().err
+    assert logged.count("events_not_written_started") == 2, logged
+    assert logged.count("events_not_written_ended") == 1
+    assert logged.count("events_not_written_still_failing") == 1

@@ -792,6 +792,8 @@ async def test_an_event_is_created_and_its_series_patched_or_replaced(kube, api)
         ({"note": "x" * 1025}, "note: Too long"),
         ({"regarding": {"kind": "FlinkDeployment", "namespace": "other", "name": "c"}}, "match"),
         ({"series": {"count": 1, "lastObservedTime": "2026-12-07T03:00:00Z"}}, "series.count"),
+        ({"metadata": {"name": "a" * 251 + ".1f"}}, "must be no more than 253 characters"),
+        ({"metadata": {"name": "Canary.1"}}, "metadata.name: Invalid value"),
     ],
 )
 async def test_an_event_kube_apiserver_would_refuse_is_422(kube, api, fields, error):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -151,6 +152,13 @@ def validate_event(event: dict[str, Any], current: dict[str, Any] | None = None)
         for name in ("eventTime", "reportingController", "reportingInstance", "action", "reason")
         if not event.get(name)
     ]
+    name = str(event["metadata"].get("name"))  # ValidateObjectMeta: NameIsDNSSubdomain
+    if len(name) > 253:
+        errors.append(
+            f'metadata.name: Invalid value: "{name}": must be no more than 253 characters'
+        )
+    elif not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", name):
+        errors.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain')
     if event.get("type") not in ("Normal", "Warning"):
         errors.append(f'type: Invalid value: "": has invalid value: {event.get("type")}')
     if len(str(event.get("note") or "")) > 1024:
@@ -170,7 +178,6 @@ def validate_event(event: dict[str, Any], current: dict[str, Any] | None = None)
         if not isinstance(series, dict) or not series.get("lastObservedTime"):
             errors.append("series.lastObservedTime: Required value")
     if errors:
-        name = event["metadata"].get("name")
         raise ApiError(
             422, "Invalid", f'Event.events.k8s.io "{name}" is invalid: [{", ".join(errors)}]'
         )
