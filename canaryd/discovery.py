@@ -41,8 +41,9 @@ class Discovery:
     kinds: list[Kind]
     """The wanted kinds that are served, in the order wanted."""
     failed: dict[str, str]
-    """Wanted kinds whose group could not be read (an error other than 404), with the
-    error: not known to be served or not, so retried; the other kinds go on."""
+    """Wanted kinds whose group could not be read (an error other than a 404 that /apis
+    confirms), with the error: not known to be served or not, so retried; the other
+    kinds go on."""
     unanswered: KubeError | None = None
     """The first error when no wanted kind's group answered at all (the API server is
     away, or refuses the credentials), for naming its cause (refused, tls...)."""
@@ -53,8 +54,9 @@ async def discover_kinds(
 ) -> Discovery:
     """The wanted kinds whose CRD is installed; a missing one is skipped with a warning
     (at debug level when ``quiet``, for the periodic re-discovery). Each group version is
-    read on its own: one that fails (a 503 from an aggregated API, a 403) leaves its
-    kinds in ``failed`` and does not hold up the others."""
+    read on its own: one that fails (a 503 from an aggregated API, a 403, a 404 that
+    /apis does not confirm) leaves its kinds in ``failed`` and does not hold up the
+    others."""
     served: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
     errors: dict[tuple[str, str], KubeError] = {}
     for group_version in dict.fromkeys((k.group, k.version) for k in map(kind_of, wanted)):
@@ -65,10 +67,27 @@ async def discover_kinds(
                 str(r.get("name")): r for r in found.get("resources") or [] if isinstance(r, dict)
             }
         except KubeError as err:
-            if err.kind is ErrorKind.GONE:
-                served[group_version] = {}
-            else:
-                errors[group_version] = err
+            errors[group_version] = err
+    if gone := [gv for gv, err in errors.items() if err.kind is ErrorKind.GONE]:
+        # NOT_SERVED is a Go gateway's page too: not served only if /apis, which
+        # kube-apiserver always answers with an APIGroupList, lacks the group version.
+        # Else (/apis failed too: an outage) the 404s stay failures, retried and told.
+        try:
+            listed = await kube.request("get", "GET", "/apis")
+        except KubeError:
+            listed = {}
+        if listed.get("kind") == "APIGroupList":
+            offered = {
+                v.get("groupVersion")
+                for g in listed.get("groups") or []
+                if isinstance(g, dict)
+                for v in g.get("versions") or []
+                if isinstance(v, dict)
+            }
+            for group, version in gone:
+                if f"{group}/{version}" not in offered:
+                    served[(group, version)] = {}
+                    del errors[(group, version)]
     kinds = []
     failed = {}
     for key in wanted:
@@ -109,7 +128,7 @@ class KindDiscovery:
         self.problem: str | None = None
         """Why the last discovery failed ("refused: ..."), None when it worked."""
         self.failed: dict[str, str] = {}
-        """Wanted kinds whose discovery failed (not a 404), with the error."""
+        """Wanted kinds whose discovery failed (not a confirmed 404), with the error."""
         self.failures = Episodes(
             "discovery_failures",
             subject="api_server",
@@ -178,8 +197,8 @@ class KindDiscovery:
 
     async def _retry_failed(self) -> None:
         """Kinds whose group failed the first discovery are asked again, with backoff,
-        until their group answers: served, they get their watches; 404, they are not
-        served (and the periodic re-discovery looks again, as for any kind)."""
+        until their group answers: served, they get their watches; a confirmed 404,
+        they are not served (and the periodic re-discovery looks again, as for any kind)."""
         backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
         while self.failed:
             await asyncio.sleep(backoff.next())

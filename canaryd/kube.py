@@ -152,7 +152,7 @@ class ErrorKind(enum.Enum):
     """What an API failure means for canaryd; callers branch on this, not on codes."""
 
     CONFLICT = "conflict"  # 409: someone wrote first; re-read and retry
-    GONE = "gone"  # 404: the object (or its type) does not exist
+    GONE = "gone"  # 404, a Status or NOT_SERVED: the object (or its type) does not exist
     FORBIDDEN = "forbidden"  # 403: not ours to touch
     EXPIRED = "expired"  # 410: the resourceVersion was compacted; relist
     TRANSIENT = "transient"  # 5xx, 401, 408, 429, timeouts, connection failures: retry later
@@ -198,16 +198,19 @@ def classify_status(status: int) -> ErrorKind:
 
 
 NOT_SERVED = b"404 page not found\n"
-"""kube-apiserver's answer to a path it does not serve (a kind not installed), Go's
-http.NotFound: not a Status object (checked on v1.35.4)."""
+"""kube-apiserver's answer to a path it does not serve (discovery of a group version not
+installed, a list of a kind whose CRD is gone), Go's http.NotFound, not a Status (checked
+on v1.35.4); the very bytes of a Go gateway with nothing behind it (Traefik's default
+router). So it shows nothing by itself: a GONE it gives is believed only once discovery
+confirms the kind is not served (discovery.discover_kinds asks /apis)."""
 
 
 def serving(status: int, body: bytes) -> bool:
     """Whether an answer shows the API server serving (docs/DESIGN.md, what counts as
-    the API server answering): a 2xx, or a 4xx other than 429 that kube-apiserver sent,
-    a Status object or NOT_SERVED. A 5xx, a 429, a redirect, or any other body (a
-    gateway's error page) is no sign of it."""
-    if 200 <= status < 300 or (status == 404 and body == NOT_SERVED):
+    the API server answering): a 2xx, or a 4xx other than 429 that kube-apiserver sent
+    as a Status object. A 5xx, a 429, a redirect, or any other body (a gateway's error
+    page, NOT_SERVED) is no sign of it."""
+    if 200 <= status < 300:
         return True
     if status < 400 or status >= 500 or status == 429:
         return False
@@ -253,8 +256,11 @@ def error_from_response(
         seconds: float | None = float(retry_after or "")
     except ValueError:
         seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
+    kind = classify_answer(status, answer)
+    if kind is ErrorKind.GONE and answer.get("kind") != "Status" and body != NOT_SERVED:
+        kind = ErrorKind.TRANSIENT  # a gateway's page: nothing is known to be gone
     return KubeError(
-        classify_answer(status, answer),
+        kind,
         (message or "(no message)") + note,
         status=status,
         reason=str(answer.get("reason") or ""),

@@ -25,7 +25,7 @@ from canaryd import metrics
 from canaryd.access import PatchReviews, Permission
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
-from canaryd.discovery import KindDiscovery
+from canaryd.discovery import KindDiscovery, discover_kinds
 from canaryd.episodes import Episodes
 from canaryd.kube import (
     NAMESPACES_PATH,
@@ -249,7 +249,7 @@ class ListWatch:
                 )
         except KubeError as err:
             self._down()
-            return self._failed(err, "list", State.LISTING)
+            return self._failed(await self._confirmed(err), "list", State.LISTING)
         metrics.RELISTS.labels(self.scope.resource).inc()
         self.on_list(items)
         self.failures.recovered(self.scope)
@@ -333,7 +333,7 @@ class ListWatch:
                 # Counted; a resume that fails is the failure worth a line.
                 log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
                 return Next(State.WATCHING, rv)
-            return self._failed(err, "watch", State.WATCHING, rv)
+            return self._failed(await self._confirmed(err), "watch", State.WATCHING, rv)
         finally:
             self._stream = None
         self._down()
@@ -371,6 +371,19 @@ class ListWatch:
             status=code,
             reason=str(status.get("reason") or ""),
         )
+
+    async def _confirmed(self, err: KubeError) -> KubeError:
+        """A 404 stands only when discovery confirms the kind is not served: the list of a
+        kind whose CRD is gone answers NOT_SERVED, and so does a Go gateway with no API
+        server behind it (then the 404 is transient: canaries kept, no verdict)."""
+        if err.kind is not ErrorKind.GONE:
+            return err
+        if self.scope.kind is not None:
+            found = await discover_kinds(self.kube, (self.scope.kind.key,), quiet=True)
+            if not found.kinds and not found.failed:
+                return err
+        note = f"{err.args[0]} (discovery does not confirm it)"
+        return KubeError(ErrorKind.TRANSIENT, note, status=err.status, reason=err.reason)
 
     def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
         """Log a failed list or watch, count it, and back off before ``then`` (before a

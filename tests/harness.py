@@ -181,9 +181,17 @@ def create_canary(
     return kube.create(rtype, namespace, canary_body(name, **body))
 
 
-OUTAGES = ("refused", "503 no healthy upstream", "429")
-"""How an API server that went away answers: not at all, a load balancer's own page
-with none behind it (Envoy's), or every request shed (API Priority and Fairness)."""
+OUTAGES = (
+    "refused",
+    "503 no healthy upstream",
+    "429",
+    "404 404 page not found\n",
+    "404 <html>404</html>",
+)
+"""How an API server that went away answers: not at all, a gateway's own page with
+none behind it (Envoy's 503; Go's 404, Traefik's default router, the very bytes
+kube-apiserver answers for a kind not installed; an HTML 404), or every request shed
+(API Priority and Fairness)."""
 
 
 @contextlib.asynccontextmanager

@@ -717,8 +717,9 @@ JSON, TEXT = "Content-Type: application/json", "Content-Type: text/plain; charse
         (f"200 OK\r\n{JSON}\r\n\r\n{{}}", True),
         (f"403 Forbidden\r\n{JSON}\r\n\r\n{_status(403, 'Forbidden')}", True),
         (f"410 Gone\r\n{JSON}\r\n\r\n{_status(410, 'Expired')}", True),
-        # kube-apiserver's answer to a path it does not serve (a kind not installed)
-        (f"404 Not Found\r\n{TEXT}\r\n\r\n404 page not found\n", True),
+        # kube-apiserver's answer to a path it does not serve (a kind not installed), but
+        # also a Go gateway's with nothing behind it (Traefik's default router)
+        (f"404 Not Found\r\n{TEXT}\r\n\r\n404 page not found\n", False),
         (f"503 Service Unavailable\r\n{TEXT}\r\n\r\nno healthy upstream", False),
         (f"503 Service Unavailable\r\n{JSON}\r\n\r\n{_status(503, 'ServiceUnavailable')}", False),
         (f"429 Too Many Requests\r\n{JSON}\r\n\r\n{_status(429, 'TooManyRequests')}", False),
@@ -728,10 +729,10 @@ JSON, TEXT = "Content-Type: application/json", "Content-Type: text/plain; charse
 )
 async def test_only_an_answer_that_shows_the_api_server_serving_counts_as_one(answer, serving):
     """docs/DESIGN.md, what counts as the API server answering: a 2xx, or a 4xx other
-    than 429 that kube-apiserver sent (a Status, or its mux's 404 page not found); not
-    a 5xx, a 429, or a gateway's own page. The same for a request and a watch: an
-    outage behind a load balancer that answers 503 is no verdict, as refused
-    connections are."""
+    than 429 that kube-apiserver sent as a Status; not a 5xx, a 429, or a gateway's own
+    page (Go's 404 page not found included, though kube-apiserver's mux sends it too).
+    The same for a request and a watch: an outage behind a load balancer that answers
+    503 is no verdict, as refused connections are."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")

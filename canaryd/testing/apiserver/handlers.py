@@ -128,11 +128,15 @@ class HttpApi(Watches):
             self._notify()
             raise
         except ApiError as err:
-            response = web.json_response(
-                err.status(),
-                status=err.code,
-                headers=err.headers,
-                dumps=(lambda o: json.dumps(o, indent=2)) if self.pretty_errors else json.dumps,
+            response = (
+                web.Response(status=err.code, text=err.page)
+                if err.page
+                else web.json_response(
+                    err.status(),
+                    status=err.code,
+                    headers=err.headers,
+                    dumps=(lambda o: json.dumps(o, indent=2)) if self.pretty_errors else json.dumps,
+                )
             )
         record.status = response.status
         record.ended_at = asyncio.get_running_loop().time()

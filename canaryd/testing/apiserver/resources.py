@@ -65,11 +65,14 @@ class ApiError(Exception):
         *,
         details: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        page: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code, self.reason, self.message = code, reason, message
         self.details = details
         self.headers = headers or {}
+        self.page = page
+        """Answered as this plain text instead of a Status."""
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -115,7 +118,9 @@ def conflict(rtype: ResourceType, name: str) -> ApiError:
 
 
 def path_not_found() -> ApiError:
-    return ApiError(404, "NotFound", "the server could not find the requested resource")
+    """A group, version or resource not served: kube-apiserver's mux answers Go's
+    http.NotFound, not a Status (v1.35.4: discovery of /apis/GROUP/VERSION, a list)."""
+    return ApiError(404, "NotFound", "404 page not found", page="404 page not found\n")
 
 
 @dataclass
