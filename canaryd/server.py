@@ -9,8 +9,9 @@ more of canaryd than a request needs (``ConnectionGuard``): every request head w
 ``ANSWER_TIMEOUT``, an idle keep-alive connection closed after ``IDLE_TIMEOUT``,
 and at most ``MAX_CONNECTIONS`` open. At the cap a new connection closes the least
 recently active one that has no request in progress (sending a head, or idle between
-requests), so neither slow clients nor many kept-alive ones can lock a probe out; it
-is refused only while every connection is being answered.
+requests) and no answer still being written, so neither slow clients nor many
+kept-alive ones can lock a probe out, and no answer is cut short; it is refused only
+while every connection is being answered.
 """
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ class ConnectionGuard:
     def admit(self, connection: GuardedConnection, transport: object, now: float) -> bool:
         """Room for a new connection: at the cap, the least recently active one without
         a request in progress is closed (a head begun longest ago, or an answer written
-        longest ago), never one being answered; when all are, the new one is refused."""
+        longest ago), never one being answered (``busy``); when all are, the new one is
+        refused."""
         if len(self.open) >= self.max_connections:
-            heading = next(iter(self.in_head.items()), None)
-            idle = next(iter(self.idle.items()), None)
-            victim = min(
-                (c for c in (heading, idle) if c is not None), key=lambda c: c[1], default=None
+            free = (
+                next(((c, since) for c, since in waiting.items() if not c.busy), None)
+                for waiting in (self.in_head, self.idle)
             )
+            victim = min((c for c in free if c is not None), key=lambda c: c[1], default=None)
             if victim is None:
                 self.on_drop("too_many")
                 return False
@@ -148,8 +150,9 @@ class ConnectionGuard:
         connection.unanswered += 1
 
     def answered(self, transport: object | None) -> None:
-        """A request's handler returned: its answer is written (a small one at once, in
-        the same step). Its connection is idle once no other request of it waits."""
+        """A request's handler returned: aiohttp writes its answer to the transport in
+        the same step. Its connection is idle once no other request of it waits (still
+        ``busy`` while the transport holds answer bytes the kernel has not taken)."""
         connection = self.open.get(transport)
         if connection is None:
             return
@@ -279,6 +282,13 @@ class GuardedConnection(asyncio.Protocol):
                 with contextlib.suppress(ValueError):  # aiohttp answers a bad one 400
                     self._body_left = max(0, int(value.strip()))
         return True
+
+    @property
+    def busy(self) -> bool:
+        """A request of it is being answered (a pipelined one included, while its next
+        head comes), or the transport still holds answer bytes (writing paused or not):
+        closing it would cut an answer short."""
+        return bool(self.unanswered or self.transport.get_write_buffer_size())  # type: ignore[union-attr]
 
     def eof_received(self) -> bool | None:
         if self._dropped or self._inner is None:

@@ -65,8 +65,7 @@ tar -C "$src/sdist" --sort=name --mtime="@$SOURCE_DATE_EPOCH" --owner=0 --group=
 
 t "chart canaryd $version"
 chart=$src/charts/canaryd
-sed -i "s|github.com/ORG/canaryd|github.com/$org/canaryd|g" "$chart/Chart.yaml"
-sed -i "s|^  repository: canaryd$|  repository: $image|" "$chart/values.yaml"
+bash "$here/stamp-chart.sh" "$chart" "$org" "$version" "$image"
 "$helm" package "$chart" --version "$version" --app-version "$version" -d "$src/chart" >/dev/null
 # helm package dates its files now: repacked as the sdist is.
 mkdir "$src/chart/x" && tar -xzmf "$src/chart/canaryd-$version.tgz" -C "$src/chart/x"

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import tarfile
 import zipfile
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from canaryd import __version__
-from tests.test_chart import _pinned
+from tests.test_chart import _pinned, helm_binary, helm_run
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "dist"
@@ -53,9 +54,47 @@ def test_the_chart_and_the_package_carry_one_version():
     chart = yaml.safe_load((ROOT / "charts" / "canaryd" / "Chart.yaml").read_text())
     assert chart["version"] == chart["appVersion"] == __version__
     assert chart["home"] == "https://github.com/ORG/canaryd" == chart["sources"][0]
+    values = yaml.safe_load((ROOT / "charts" / "canaryd" / "values.yaml").read_text())
+    runbook = f"https://github.com/ORG/canaryd/blob/v{__version__}"
+    assert values["prometheusRule"]["runbookBaseURL"] == runbook  # runbook.yaml's: test_chart
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'name = "flink-canaryd"' in pyproject and 'dynamic = ["version"]' in pyproject
     assert 'version = {attr = "canaryd.__version__"}' in pyproject
+
+
+def test_the_released_chart_links_the_runbook_at_its_release(tmp_path):
+    """What make dist writes into the chart it packages (release/stamp-chart.sh, applied
+    here to a copy): the owner in its home, its image and its alerts' runbook_url, which
+    read the docs at the release's tag (they kept github.com/ORG/... at v0.1.0)."""
+    chart = tmp_path / "canaryd"
+    shutil.copytree(ROOT / "charts" / "canaryd", chart)
+    stamp = [str(ROOT / "release" / "stamp-chart.sh"), str(chart), "Acme", __version__]
+    subprocess.run(["bash", *stamp, "ghcr.io/acme/canaryd"], check=True, timeout=30)
+    assert yaml.safe_load((chart / "Chart.yaml").read_text())["home"] == (
+        "https://github.com/Acme/canaryd"
+    )
+    result = helm_run(
+        helm_binary(), "template", "canaryd", str(chart), values=["prometheusRule.enabled=true"]
+    )
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    (image,) = {
+        c["image"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
+    assert image.startswith("ghcr.io/acme/canaryd:")
+    urls = [
+        r["annotations"]["runbook_url"]
+        for o in objects
+        if o["kind"] == "PrometheusRule"
+        for g in o["spec"]["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    ]
+    base = f"https://github.com/Acme/canaryd/blob/v{__version__}/docs/OPERATIONS.md#"
+    assert urls and all(u.startswith(base) for u in urls), urls
 
 
 # ------------------------------------------------------------ the workflow
@@ -295,6 +334,7 @@ def test_the_chart_package_is_this_version_and_names_the_published_image():
     assert meta["version"] == meta["appVersion"] == __version__
     assert meta["home"] == SOURCE and meta["sources"] == [SOURCE]
     assert values["image"]["repository"] == IMAGE and values["image"]["tag"] == ""
+    assert values["prometheusRule"]["runbookBaseURL"] == f"{SOURCE}/blob/v{__version__}"
 
 
 @dist

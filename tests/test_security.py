@@ -250,18 +250,24 @@ async def test_a_request_head_that_never_ends_is_closed_after_the_header_timeout
 class _Transport:
     def __init__(self) -> None:
         self.aborted = False
+        self.unsent = 0
+        """Answer bytes the kernel has not taken yet (a slow reader's)."""
 
     def abort(self) -> None:
         self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
 
 
 async def test_at_the_cap_the_least_recently_active_without_a_request_makes_room():
     """Which connection the guard closes for a new one at MAX_CONNECTIONS: of those with
     no request in progress (sending a head, a new one included; or kept alive between
     requests), the least recently active: a head begun longest ago, an answer written
-    longest ago; a connection being answered never: when all are, the new one is
-    refused. And an answer not followed by another request is closed after the answer
-    timeout."""
+    longest ago; a connection being answered never (a pipelined one sending its next
+    head included, or one whose answer the transport still holds): when all are, the
+    new one is refused. And an answer not followed by another request is closed after
+    the answer timeout."""
     from canaryd.server import ConnectionGuard, GuardedConnection
 
     dropped: list[str] = []
@@ -285,6 +291,16 @@ async def test_at_the_cap_the_least_recently_active_without_a_request_makes_room
     assert dropped == ["too_many", "too_many"] and len(guard.open) == 2
     guard.stop()
 
+    # Pipelined: the oldest connection sends its next head while its first request is
+    # still being answered; the slow one behind it makes room.
+    dropped.clear()
+    piped = ConnectionGuard(dropped.append, max_connections=2)
+    _, first = connect(piped, request + request[:5])
+    _, slow = connect(piped, b"GET /healthz HTTP/1.1\r\n")
+    connect(piped)
+    assert slow.aborted and not first.aborted and dropped == ["too_many"]
+    piped.stop()
+
     # Kept-alive clients between requests: the one answered longest ago makes room,
     # not the new connection that has not sent its head yet, nor one being answered.
     dropped.clear()
@@ -293,11 +309,13 @@ async def test_at_the_cap_the_least_recently_active_without_a_request_makes_room
     _, second = connect(kept, request)
     kept.answered(first)
     kept.answered(second)
+    first.unsent = 100_000  # its answer still being written: not cut short
     _, busy = connect(kept, request)
-    _, probe = connect(kept)  # the cap: the first answered goes
-    assert first.aborted and not (second.aborted or busy.aborted or probe.aborted)
-    _, another = connect(kept)  # the second answered goes, not the probe
-    assert second.aborted and not (probe.aborted or busy.aborted or another.aborted)
+    _, probe = connect(kept)  # the cap: the second answered goes
+    assert second.aborted and not (first.aborted or busy.aborted or probe.aborted)
+    first.unsent = 0  # all handed to the kernel: the one answered longest ago goes
+    _, another = connect(kept)
+    assert first.aborted and not (probe.aborted or busy.aborted or another.aborted)
     assert dropped == ["too_many", "too_many"]
     kept.stop()
 
@@ -389,6 +407,74 @@ async def test_a_probe_gets_in_past_300_kept_alive_clients_at_the_cap(kube, kube
         finally:
             stop.set()
             await asyncio.gather(*clients)
+
+
+SLOW_READER_CANARIES = 300
+"""Enough for a /healthz JSON answer (about 100 KB) that small socket buffers cannot
+take at once, not enough to pause writing (aiohttp's high-water mark is 64 KiB)."""
+
+
+async def test_at_the_cap_an_answer_still_being_written_is_not_cut_short(kube, kubeconfig):
+    """A slow reader (a scraper over a slow network: small socket buffers here) asks a
+    large answer and reads none of it yet; then MAX_CONNECTIONS more connections come.
+    The slow reader's connection, idle since its answer longest ago, is not closed to
+    make room while canaryd still holds bytes of its answer: a newer idle one is, and
+    the slow reader gets the whole answer. Once all of it is handed to the kernel, it
+    is the one that makes room. Before: it was closed with its answer cut short (the
+    guard took it as idle when the handler returned, before the answer was written)."""
+    from canaryd import metrics
+    from canaryd.config import Settings
+    from canaryd.server import MAX_CONNECTIONS
+    from tests.harness import counter
+
+    for number in range(SLOW_READER_CANARIES):
+        create_canary(kube, name=f"canary-{number}")
+    # The shipped cycle: no verdict is waited for, and 300 canaries bumped every 0.3 s
+    # would keep the loop too busy for 256 kept-alive connections within IDLE_TIMEOUT.
+    async with running_daemon(kube, kubeconfig, timeout=Settings.timeout) as run:
+        await run.until(lambda: len(run.registry) == SLOW_READER_CANARIES, "the canaries", 30)
+        server, loop = run.daemon.server, asyncio.get_running_loop()
+        assert server._listener is not None  # accepted sockets inherit its buffer size
+        server._listener.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.setblocking(False)
+        await loop.sock_connect(slow, ("127.0.0.1", server.port))
+        await loop.sock_sendall(
+            slow, b"GET /healthz HTTP/1.1\r\nHost: c\r\nAccept: application/json\r\n\r\n"
+        )
+        got = await loop.sock_recv(slow, 4096)  # the answer's start: the handler returned
+        head = got.split(b"\r\n\r\n", 1)[0].lower()
+        length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        (slow_connection,) = server.guard.idle
+        unsent = slow_connection.transport.get_write_buffer_size()
+        assert unsent > 0, "the answer went whole to the kernel: the test needs smaller buffers"
+
+        dropped = counter(metrics.HTTP_CONNECTIONS_DROPPED, "too_many")
+        others = []
+        for _ in range(MAX_CONNECTIONS):  # the last one finds the cap reached
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            async with asyncio.timeout(5):
+                assert await _ask(reader, writer) == 200
+            others.append((reader, writer))
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "too_many") == dropped + 1
+        assert slow_connection in server.guard.open.values(), f"closed, {unsent} bytes unsent"
+        async with asyncio.timeout(5):
+            assert await others[0][0].read() == b""  # the oldest other made room
+        async with asyncio.timeout(10):
+            while len(got) - len(got.split(b"\r\n\r\n", 1)[0]) - 4 < length:
+                chunk = await loop.sock_recv(slow, 65536)
+                assert chunk, f"cut short: {len(got)} bytes read, {unsent} were unsent"
+                got += chunk
+        assert not slow_connection.busy  # all read, so all handed to the kernel: its turn
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        others.append((reader, writer))
+        async with asyncio.timeout(5):
+            assert await loop.sock_recv(slow, 4096) == b""
+        assert counter(metrics.HTTP_CONNECTIONS_DROPPED, "too_many") == dropped + 2
+        slow.close()
+        for _, writer in others:
+            writer.close()
 
 
 SLOW_CONNECTIONS = 10_000
