@@ -434,6 +434,8 @@ class Daemon:
 
     def _blind(self) -> dict[str, str]:
         """Why canaryd checks nothing or cannot judge, by ``canaryd_blind`` reason."""
+        if self._credentials_problem is not None:  # at start: nothing can be listed yet
+            return {"unauthorized": self._credentials_problem}
         blind = self.watcher.blind() if self.watcher is not None else {}
         operator = self.scheduler.operator if self.scheduler is not None else None
         return blind | (operator.blind() if operator is not None else {})

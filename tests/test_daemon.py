@@ -1137,6 +1137,11 @@ async def test_a_credential_plugin_hung_at_start_is_an_episode_named_in_readyz(k
             assert status == 503, text
             assert "cannot load Kubernetes credentials" in text, text
             assert "not loaded within the request timeout (1s)" in text, text
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
+                scraped = await response.text()
+            assert 'canaryd_blind{reason="unauthorized"} 1.0' in scraped, (
+                "not blind: checks nothing"
+            )
             (tmp_path / "hang").unlink()  # the plugin answers again
             await until_true(lambda: bool(kube.requests_for("patch")), "a bump", within=20)
             proc.send_signal(signal.SIGTERM)
