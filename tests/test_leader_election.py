@@ -183,6 +183,7 @@ def assert_one_writer_at_a_time(writes: list[tuple[float, str]]) -> None:
     assert len(runs) == len(set(runs)), f"writers interleaved: {runs}"
 
 
+@pytest.mark.slow
 async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube, tmp_path):
     async with cluster(kube, tmp_path, "a", "b", "c") as group:
         leader = await group.leader(within=10)
@@ -215,6 +216,7 @@ async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube
             assert await replica.unscheduled(group.http) == 0, replica.identity
 
 
+@pytest.mark.slow
 async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube, tmp_path):
     async with cluster(kube, tmp_path, "a", "b") as group:
         old = await group.leader(within=10)
@@ -240,6 +242,7 @@ async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube
         assert await new.unscheduled(group.http) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut_off", ["leases", None], ids=["from-the-lease", "from-everything"])
 async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, tmp_path, cut_off):
     """The fake drops the leader's requests: its Lease requests only (its bumps still
@@ -287,6 +290,7 @@ async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, 
         assert await new.unscheduled(group.http) == 0
 
 
+@pytest.mark.slow
 async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_takes_over(
     kube, tmp_path
 ):
@@ -454,6 +458,7 @@ async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease
     assert bump.ended_at is not None and bump.ended_at <= release.at
 
 
+@pytest.mark.slow
 async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(kube, kubeconfig):
     """client-go's optimistic update: a leader renews from the Lease it last wrote, one
     PUT per retry period instead of a GET and a PUT. When someone else changed the Lease
@@ -604,6 +609,7 @@ async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, ku
     assert any("lease_failures_ended" in line for line in err.splitlines())
 
 
+@pytest.mark.slow
 async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_back(kube, kubeconfig):
     """The holder renews while the candidate's read of the Lease is on its way (a slow
     answer: 4 s). The candidate saw that renew only when the answer came back, so that is
@@ -647,6 +653,7 @@ async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_bac
         assert took >= DEFAULTS.lease_duration, took
 
 
+@pytest.mark.slow
 async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_with_them(
     kube, kubeconfig
 ):
@@ -723,6 +730,7 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
     assert canary.state is CanaryState.PENDING and "first bump" in canary.reason
 
 
+@pytest.mark.slow
 async def test_slow_lease_renewals_never_take_a_canary_out_of_the_schedule(kube, kubeconfig):
     """Lease renewals answered 1.5 s late, well inside the renew deadline, at a 12 s
     cycle (a 6 s write timeout: a write may be sent up to 4 s after a renewal started,
@@ -799,6 +807,7 @@ request timeout may leave 0.5 s of the renew deadline, under a write's 1 s), tho
 client-go's rules and the write budget pass them."""
 
 
+@pytest.mark.slow
 async def test_a_bump_held_at_a_shut_fence_ends_not_written_counted_aged_and_told_once(
     kube, kubeconfig, capsys
 ):
