@@ -360,6 +360,7 @@ async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_t
         assert all(r.abandoned for r in slowed_writes), "a write slower than 6 s was answered"
 
 
+@pytest.mark.slow
 async def test_sigterm_releases_the_lease_and_a_follower_takes_it_within_a_retry_period(
     kube, tmp_path
 ):
@@ -423,6 +424,7 @@ async def test_a_lone_replica_creates_the_lease_leads_and_releases_it_on_stop(ku
     assert counter(metrics.LEADER) == 0
 
 
+@pytest.mark.slow
 async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease(kube, kubeconfig):
     """A stop while a bump is on its way: the bump is answered (or abandoned at its time
     limit) before the Lease is released, since a follower takes a released lease at its
@@ -495,6 +497,7 @@ async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(
         assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
 
 
+@pytest.mark.slow
 async def test_a_renewal_that_runs_out_of_time_is_a_lease_failure_said(kube, kubeconfig, capsys):
     """The optimistic renewal is not answered within its request timeout, which leaves
     the round no time to read and write again: the round failed, and says so (an
@@ -542,6 +545,7 @@ async def test_leader_transitions_count_a_new_holder_not_the_one_seen_at_start(k
         assert counter(metrics.LEADER_TRANSITIONS) == before + 1
 
 
+@pytest.mark.slow
 async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(
     kube, kubeconfig
 ):
@@ -582,6 +586,7 @@ async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not
         assert "standby: other holds the lease" in canary.reason
 
 
+@pytest.mark.slow
 async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, kubeconfig, capsys):
     """Leader election on without the Lease Role: no replica can lead, so nothing is
     checked and no follower alert would fire. It must be loud: a warning naming the
