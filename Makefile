@@ -1,10 +1,10 @@
-# canaryd developer commands. `make test` is what CI runs (.ci/run).
+# canaryd developer commands. `make test` and `make test-slow` are what CI runs (.ci/run).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format demo soak bench controlplane e2e node e2e-node operator helm e2e-operator kubeconfig dist clean
+.PHONY: install test test-slow lint format demo soak bench controlplane e2e node e2e-node operator helm e2e-operator kubeconfig dist clean
 
 install: $(STAMP)
 
@@ -28,7 +28,13 @@ format: $(STAMP)
 # Builds Helm and kustomize first when they are missing (`make helm`: tests/test_chart.py
 # lints and renders charts/canaryd with them; a cold build takes about 2 minutes).
 test: lint helm
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow"
+
+# The tests marked slow, which take real time: the soak, the kubelet simulation at the
+# shipped timings, the wheel installed in a fresh venv, leader hand-overs at the shipped
+# lease timings, the 10,000 slow connections. CI runs them after `make test` (.ci/run).
+test-slow: $(STAMP) helm
+	$(BIN)/python -m pytest -m slow
 
 # canaryd against a local fake cluster with sample canaries; Ctrl-C stops it.
 # `make demo CONTROLPLANE=1` plays it on the real control plane of `make e2e`.
@@ -36,7 +42,7 @@ demo: $(STAMP) $(if $(CONTROLPLANE),controlplane)
 	$(BIN)/python -m $(if $(CONTROLPLANE),tests.controlplane.demo,canaryd.testing.demo)
 
 # The reliability soak at 1,000 cycles (about 4 minutes); figures on stdout and in
-# soak-report.json. `make test` runs the same soak at 100 cycles.
+# soak-report.json. `make test-slow` runs the same soak at 100 cycles.
 soak: $(STAMP)
 	CANARYD_SOAK_CYCLES=1000 CANARYD_SOAK_REPORT=soak-report.json \
 		$(BIN)/python -m pytest -p no:cacheprovider -s -q tests/test_soak.py
@@ -55,7 +61,7 @@ controlplane:
 
 # canaryd against the real control plane: tests/test_e2e.py (the bug report's reproductions
 # and Kubernetes' own behaviour) and tests/test_conformance.py (the fake vs the real
-# server). CI runs it after `make test`.
+# server). CI runs it after `make test` and `make test-slow`.
 e2e: $(STAMP) controlplane helm
 	CANARYD_E2E=controlplane $(BIN)/python -m pytest -p no:cacheprovider -rs \
 		tests/test_e2e.py tests/test_conformance.py
@@ -77,7 +83,7 @@ node: controlplane
 # `helm test` passing, and failing without patch; its admission policy refusing the
 # operator's stale copy; upgraded to high availability, one replica of two bumping;
 # `helm uninstall` leaving only the Lease and the test pod. Restart counts are checked
-# against tests/fixtures/node-restarts.json, which `make test` checks the simulation
+# against tests/fixtures/node-restarts.json, which `make test-slow` checks the simulation
 # against too (docs/NODE.md). About 16 minutes; leaves the host as it found it (sysctls,
 # cgroups, mounts, the bridge, fixed paths).
 e2e-node: $(STAMP) node helm dist

@@ -1,6 +1,6 @@
 """A seeded fault-injection soak of canaryd against the fake API server.
 
-Used by tests/test_soak.py (about 100 cycles in ``make test``) and ``make soak``
+Used by tests/test_soak.py (about 100 cycles in ``make test-slow``) and ``make soak``
 (1,000 cycles). Every random choice comes from one ``random.Random(seed)``, so a
 run is reproducible up to timing.
 

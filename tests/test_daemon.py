@@ -769,6 +769,7 @@ def plugin_runs(tmp_path: Path) -> int:
     return int((tmp_path / "runs").read_text())
 
 
+@pytest.mark.slow
 async def test_exec_credentials_are_renewed_before_they_expire(kube, tmp_path):
     """An exec plugin's token says when it expires: canaryd runs the plugin again at 80 %
     of its lifetime, so no request is ever refused for an expired token."""
@@ -798,6 +799,7 @@ async def thirty_canaries_on_an_exec_plugin(
         yield run, names, plugin_runs(tmp_path)
 
 
+@pytest.mark.slow
 async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
     """A revoked token refuses every bump in flight at once: one run of the plugin
     answers them all (before: one reload per refused request)."""
@@ -1070,6 +1072,7 @@ async def test_a_hung_credential_plugin_ends_with_the_request_that_ran_it(kube, 
             await client.close()
 
 
+@pytest.mark.slow
 async def test_sigterm_while_a_credential_plugin_hangs_exits_0_in_time(kube, tmp_path):
     """Issue 42: bumps refused and the plugin that would renew the token hung: SIGTERM
     stops canaryd within its write timeout (1 s on a 2 s cycle), exit 0, and the plugin
@@ -1109,6 +1112,7 @@ async def start_on(plugin: Path, kube: FakeKube) -> asyncio.subprocess.Process:
     return await start_process(config, "--timeout", f"{EXEC_CYCLE:g}s")
 
 
+@pytest.mark.slow
 async def test_a_credential_plugin_hung_at_start_is_an_episode_named_in_readyz(kube, tmp_path):
     """Issue 42: the exec plugin hangs at start: each run ends at the request timeout
     (1 s on a 2 s cycle), killed and reaped, and is tried again with backoff, the

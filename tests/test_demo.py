@@ -15,6 +15,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 async def test_demo_scenario_shows_the_happy_path_and_both_failures():
     """As `make demo` runs it (no --once): the scenario, then a Ctrl-C hint; Ctrl-C
     (SIGINT) stops everything with status 0."""

@@ -320,3 +320,12 @@ def test_the_readme_names_the_paths_a_newcomer_starts_from():
         assert wanted in text, wanted
     assert "--once`; otherwise" not in text  # make demo cannot pass --once
     assert ".venv/bin/canaryd" in text and "apply -n default -k config/samples" in text
+
+
+def test_docs_node_md_shows_the_fixtures_table():
+    """docs/NODE.md's table is generated from the fixture (python -m tests.node.restarts)."""
+    from tests.node import restarts
+
+    assert restarts.block(restarts.DOC.read_text()) == restarts.table(), (
+        "docs/NODE.md's table is not the fixture's: run `python -m tests.node.restarts`"
+    )

@@ -164,7 +164,7 @@ is refreshed from."""
 def against_fixture(scenario: str, topology: str, container: str, count: int) -> None:
     """A measured restart count, checked against tests/fixtures/node-restarts.json's
     real-kubelet figure for the scenario (the simulation's side is checked against the
-    same row by ``make test``)."""
+    same row by ``make test-slow``)."""
     from tests.node import restarts as fixture
 
     row = fixture.row(scenario, topology, container)

@@ -48,7 +48,7 @@ from tests.harness import create_canary
 from tests.promseries import EVALUATION, Expect, alert_for, check_alerts, on_grid, promtool
 from tests.test_packaging import CHART_DEFAULT_OVERRIDES
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 CYCLE = 0.5
 """canaryd's cycle here (seconds); the shipped one is 1 min."""
@@ -772,12 +772,3 @@ def test_the_simulation_against_the_real_kubelet():
         pytest.skip("no scenario of this module ran in this session")
     assert not missing, f"scenarios in the fixture that did not run: {missing}"
     assert not wrong, "the simulation differs from the fixture:\n" + "\n".join(wrong)
-
-
-def test_docs_node_md_shows_the_fixtures_table():
-    """docs/NODE.md's table is generated from the fixture (python -m tests.node.restarts)."""
-    from tests.node import restarts
-
-    assert restarts.block(restarts.DOC.read_text()) == restarts.table(), (
-        "docs/NODE.md's table is not the fixture's: run `python -m tests.node.restarts`"
-    )

@@ -183,6 +183,7 @@ def assert_one_writer_at_a_time(writes: list[tuple[float, str]]) -> None:
     assert len(runs) == len(set(runs)), f"writers interleaved: {runs}"
 
 
+@pytest.mark.slow
 async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube, tmp_path):
     async with cluster(kube, tmp_path, "a", "b", "c") as group:
         leader = await group.leader(within=10)
@@ -215,6 +216,7 @@ async def test_of_three_replicas_exactly_one_bumps_and_followers_answer_200(kube
             assert await replica.unscheduled(group.http) == 0, replica.identity
 
 
+@pytest.mark.slow
 async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube, tmp_path):
     async with cluster(kube, tmp_path, "a", "b") as group:
         old = await group.leader(within=10)
@@ -240,6 +242,7 @@ async def test_a_killed_leader_is_replaced_within_lease_duration_plus_retry(kube
         assert await new.unscheduled(group.http) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut_off", ["leases", None], ids=["from-the-lease", "from-everything"])
 async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, tmp_path, cut_off):
     """The fake drops the leader's requests: its Lease requests only (its bumps still
@@ -287,6 +290,7 @@ async def test_a_leader_cut_off_stops_bumping_before_its_lease_can_expire(kube, 
         assert await new.unscheduled(group.http) == 0
 
 
+@pytest.mark.slow
 async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_takes_over(
     kube, tmp_path
 ):
@@ -356,6 +360,7 @@ async def test_a_deposed_leaders_slow_writes_are_abandoned_before_the_follower_t
         assert all(r.abandoned for r in slowed_writes), "a write slower than 6 s was answered"
 
 
+@pytest.mark.slow
 async def test_sigterm_releases_the_lease_and_a_follower_takes_it_within_a_retry_period(
     kube, tmp_path
 ):
@@ -419,6 +424,7 @@ async def test_a_lone_replica_creates_the_lease_leads_and_releases_it_on_stop(ku
     assert counter(metrics.LEADER) == 0
 
 
+@pytest.mark.slow
 async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease(kube, kubeconfig):
     """A stop while a bump is on its way: the bump is answered (or abandoned at its time
     limit) before the Lease is released, since a follower takes a released lease at its
@@ -454,6 +460,7 @@ async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease
     assert bump.ended_at is not None and bump.ended_at <= release.at
 
 
+@pytest.mark.slow
 async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(kube, kubeconfig):
     """client-go's optimistic update: a leader renews from the Lease it last wrote, one
     PUT per retry period instead of a GET and a PUT. When someone else changed the Lease
@@ -490,6 +497,7 @@ async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(
         assert held["metadata"]["labels"] == {"team": "ops"}  # kept: the read came first
 
 
+@pytest.mark.slow
 async def test_a_renewal_that_runs_out_of_time_is_a_lease_failure_said(kube, kubeconfig, capsys):
     """The optimistic renewal is not answered within its request timeout, which leaves
     the round no time to read and write again: the round failed, and says so (an
@@ -537,6 +545,7 @@ async def test_leader_transitions_count_a_new_holder_not_the_one_seen_at_start(k
         assert counter(metrics.LEADER_TRANSITIONS) == before + 1
 
 
+@pytest.mark.slow
 async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not_steal(
     kube, kubeconfig
 ):
@@ -577,6 +586,7 @@ async def test_a_candidate_whose_lease_update_meets_409_reads_again_and_does_not
         assert "standby: other holds the lease" in canary.reason
 
 
+@pytest.mark.slow
 async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, kubeconfig, capsys):
     """Leader election on without the Lease Role: no replica can lead, so nothing is
     checked and no follower alert would fire. It must be loud: a warning naming the
@@ -604,6 +614,7 @@ async def test_a_lease_canaryd_may_not_read_is_said_and_fails_readiness(kube, ku
     assert any("lease_failures_ended" in line for line in err.splitlines())
 
 
+@pytest.mark.slow
 async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_back(kube, kubeconfig):
     """The holder renews while the candidate's read of the Lease is on its way (a slow
     answer: 4 s). The candidate saw that renew only when the answer came back, so that is
@@ -647,6 +658,7 @@ async def test_a_candidate_counts_the_lease_duration_from_when_its_read_came_bac
         assert took >= DEFAULTS.lease_duration, took
 
 
+@pytest.mark.slow
 async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_with_them(
     kube, kubeconfig
 ):
@@ -723,6 +735,7 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
     assert canary.state is CanaryState.PENDING and "first bump" in canary.reason
 
 
+@pytest.mark.slow
 async def test_slow_lease_renewals_never_take_a_canary_out_of_the_schedule(kube, kubeconfig):
     """Lease renewals answered 1.5 s late, well inside the renew deadline, at a 12 s
     cycle (a 6 s write timeout: a write may be sent up to 4 s after a renewal started,
@@ -799,6 +812,7 @@ request timeout may leave 0.5 s of the renew deadline, under a write's 1 s), tho
 client-go's rules and the write budget pass them."""
 
 
+@pytest.mark.slow
 async def test_a_bump_held_at_a_shut_fence_ends_not_written_counted_aged_and_told_once(
     kube, kubeconfig, capsys
 ):

@@ -27,6 +27,7 @@ PER_NAMESPACE = 3
 CANARIES = NAMESPACES * PER_NAMESPACE
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_an_api_server_outage_is_one_episode_in_the_log_not_lines_per_canary(
     kube, kubeconfig, capsys

@@ -493,6 +493,7 @@ def test_dockerfile_bakes_in_no_secrets():
     assert ".git" in ignored and ".venv" in ignored
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     """What the image's build stage does: pip install . into a new venv, run canaryd."""
     wheels = tmp_path / "wheels"

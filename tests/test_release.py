@@ -148,7 +148,7 @@ def test_the_workflow_tests_then_publishes_what_make_dist_built():
     assert 'push "dist/canaryd-$VERSION.tgz"' in runs[pushes[1]]
     ci_run = (ROOT / ".ci" / "run").read_text().splitlines()
     made = [line for line in ci_run if line.startswith("make ")]
-    assert made == ["make test", "make e2e", "make dist", "make e2e-node"]
+    assert made == ["make test", "make test-slow", "make e2e", "make dist", "make e2e-node"]
     pypi = flow["jobs"]["pypi"]
     assert pypi["permissions"] == {"id-token": "write"}
     assert pypi["steps"][-1]["uses"].startswith("pypa/gh-action-pypi-publish@")

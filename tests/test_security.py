@@ -179,6 +179,7 @@ async def _metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
     raise AssertionError(f"no {sample} in /metrics")
 
 
+@pytest.mark.slow
 async def test_a_request_head_that_never_ends_is_closed_after_the_header_timeout(kube, kubeconfig):
     """A slow client (a request head trickled, never finished) is closed HEADER_TIMEOUT
     after its head began: on a new connection, and on a kept-alive one after an
@@ -484,6 +485,7 @@ SLOW_HEAD = b"GET /healthz HTTP/1.1\r\nHost: canaryd\r\n" + b"".join(
 GROWTH_BOUND_MIB = 24
 
 
+@pytest.mark.slow
 async def test_memory_stays_flat_under_10000_slow_connections_and_healthz_answers(kube, kubeconfig):
     """10,000 connections whose headers never finish (about 8 KiB each): canaryd keeps
     at most MAX_CONNECTIONS, the oldest still without a request making room for a new

@@ -173,6 +173,7 @@ async def replaying(kube: FakeKube, kubeconfig: Any) -> AsyncIterator[tuple[Runn
         yield run, run.registry.scopes.covering(run.tracked("c-00").key)
 
 
+@pytest.mark.slow
 async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_no_verdict(
     kube, kubeconfig
 ):
@@ -216,6 +217,7 @@ async def test_a_bump_whose_event_is_still_in_the_resumed_streams_replay_costs_n
         assert set(await health.stop()) == {200}
 
 
+@pytest.mark.slow
 async def test_a_replay_that_stalls_after_its_first_event_is_suspected_not_judged(kube, kubeconfig):
     """The replacement stream itself goes silent after the first event of its replay:
     nothing arrives since the resume, so a bump answered before it is not judged on
@@ -429,6 +431,7 @@ async def test_transient_failure_that_persists_is_unknown_not_unhealthy(kube, ku
         assert set(await health.stop()) == {200}
 
 
+@pytest.mark.slow
 async def test_a_bump_refused_401_whose_credential_plugin_hangs_is_unknown_never_unhealthy(
     kube, tmp_path
 ):
@@ -984,6 +987,7 @@ async def test_an_api_server_away_neither_drops_nor_clears_an_unhealthy_canary(
         assert all(kept), canary.reason
 
 
+@pytest.mark.slow
 async def test_slow_writes_are_carried_in_flight_instead_of_skipped_canaries(kube, kubeconfig):
     """Admission webhooks in the write path make every PATCH slow: at 100 canaries on a
     1 s cycle with writes a quarter of the cycle long, about 25 bumps are in flight at

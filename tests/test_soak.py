@@ -1,4 +1,4 @@
-"""The reliability soak: about 100 cycles here, 1,000 with `make soak`."""
+"""The reliability soak: about 100 cycles here (`make test-slow`), 1,000 with `make soak`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def write_report(path: Path, report: object) -> None:
     path.write_text(json.dumps(asdict(report), indent=2))  # type: ignore[call-overload]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(CYCLES * 2 + 120)
 async def test_soak_survives_faults_and_detects_every_stuck_period(kube, kubeconfig):
     config = SoakConfig(cycles=CYCLES)

@@ -43,6 +43,7 @@ def open_watches(kube: FakeKube, plural: str | None = None) -> int:
     return sum(1 for w in kube.watchers if plural is None or w.rtype.plural == plural)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("proxy", [False, True], ids=["direct", "proxy-configured"])
 async def test_every_watch_gets_a_connection_at_250_namespaces_and_2_kinds(
@@ -281,7 +282,9 @@ async def _poll_health(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("hard", [None, 1024], ids=["hard-unchanged", "hard-1024"])
+@pytest.mark.parametrize(
+    "hard", [pytest.param(None, marks=pytest.mark.slow), 1024], ids=["hard-unchanged", "hard-1024"]
+)
 async def test_600_namespaces_at_a_soft_open_files_limit_of_1024(kube, kubeconfig, hard):
     """A systemd service's (and many runtimes') soft limit is 1024: canaryd raises it to
     the hard limit at start, so 600 namespaces x 2 kinds all get their watches; where

@@ -2,7 +2,7 @@
 
 tests/fixtures/node-restarts.json holds, per scenario, topology and container, the
 restarts the real kubelet made (``make e2e-node``, read from pod status) and the ones
-the simulation makes (``make test``, tests/test_kubelet.py), and why they differ where
+the simulation makes (``make test-slow``, tests/test_kubelet.py), and why they differ where
 they do. Each side checks its own figures against it: tests/test_e2e_node.py its
 measurements (``real``, within ``real_bounds`` where a count depends on timing),
 tests/test_kubelet.py the simulation's (``sim``, within ``sim_bounds``). The table of
