@@ -15,19 +15,21 @@ import sys
 import pytest
 
 
+async def start_demo(**options: bool) -> asyncio.subprocess.Process:
+    """The demo as `make demo` runs it, on a 500 ms cycle, its output piped."""
+    return await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "canaryd.testing.demo", "--timeout", "500ms"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        **options,
+    )
+
+
 @pytest.mark.slow
 async def test_demo_scenario_shows_the_happy_path_and_both_failures():
     """As `make demo` runs it (no --once): the scenario, then a Ctrl-C hint; Ctrl-C
     (SIGINT) stops everything with status 0."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "canaryd.testing.demo",
-        "--timeout",
-        "500ms",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_demo()
     assert process.stdout is not None and process.stderr is not None
     lines: list[str] = []
     try:
@@ -80,16 +82,7 @@ async def test_ctrl_c_stops_the_demo_with_status_0_whenever_it_comes(when):
     """Ctrl-C in a terminal signals the whole process group (make, the demo, and canaryd
     as the demo started it): canaryd got SIGINT, then the demo's SIGTERM after its own
     handlers were gone (-15), or SIGINT before it had any (-2), and `make demo` failed."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "canaryd.testing.demo",
-        "--timeout",
-        "500ms",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
+    process = await start_demo(start_new_session=True)  # a terminal's foreground job
     assert process.stdout is not None
     lines: list[str] = []
     try:
