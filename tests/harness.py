@@ -170,6 +170,24 @@ async def running_daemon(
                 await task
 
 
+def event_body(namespace: str = "default", **fields: Any) -> dict[str, Any]:
+    """An events.k8s.io/v1 Event as canaryd.events writes one, on the canary ``canary``."""
+    body = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": "canary.1"},
+        "eventTime": "2026-12-07T03:00:00.000000Z",
+        "reportingController": "canaryd",
+        "reportingInstance": "canaryd-host",
+        "action": "Judged",
+        "reason": "Unhealthy",
+        "type": "Warning",
+        "regarding": {"kind": "FlinkDeployment", "namespace": namespace, "name": "canary"},
+        "note": "not_observed: generation 2 not observed",
+    }
+    return {**body, **fields}
+
+
 def create_canary(
     kube: FakeKube,
     name: str = "canary",

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from canaryd.testing.apiserver import FakeKube
+from tests.harness import event_body
 
 pytestmark = [
     pytest.mark.e2e,
@@ -334,17 +335,8 @@ async def script(api: Api, forbid: Callable[[], None]) -> dict[str, Any]:
     # events.k8s.io/v1 Events (canaryd.events): create, a series PATCH, an immutable
     # field, one kube-apiserver's validation refuses.
     events = f"/apis/events.k8s.io/v1/namespaces/{NS}/events"
-    event = {
-        "metadata": {"name": "c.1"},
-        "eventTime": "2026-12-07T03:00:00.000000Z",
-        "reportingController": "canaryd",
-        "reportingInstance": "canaryd-host",
-        "action": "Judged",
-        "reason": "Unhealthy",
-        "type": "Warning",
-        "regarding": {"kind": "FlinkDeployment", "namespace": NS, "name": "c"},
-        "note": "not_observed: generation 2 not observed",
-    }
+    event = event_body(NS, metadata={"name": "c.1"})
+    event["regarding"]["name"] = "c"
     status, body = await api.call("POST", events, event)
     facts["create an event"] = {**status_fact(status, body), "reason": body.get("reason")}
     series = {"series": {"count": 2, "lastObservedTime": "2026-12-07T03:01:00.000000Z"}}

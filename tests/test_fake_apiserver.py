@@ -22,6 +22,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from canaryd.testing.apiserver import FakeKube, Fault
 from tests.conftest import TOKEN
+from tests.harness import event_body
 
 G, V, FD, SJ = "flink.apache.org", "v1beta1", "flinkdeployments", "flinksessionjobs"
 MERGE = "application/merge-patch+json"
@@ -740,23 +741,6 @@ async def test_a_put_of_a_missing_lease_creates_it(kube, api):
 # ---------------------------------------------------------------------- events
 # events.k8s.io/v1 Events as kube-apiserver serves them (pkg/registry/core/event,
 # pkg/apis/core/validation/events.go: ValidateEventCreate, validateV1EventSeries).
-
-
-def event_body(**fields: Any) -> dict[str, Any]:
-    body = {
-        "apiVersion": "events.k8s.io/v1",
-        "kind": "Event",
-        "metadata": {"name": "canary.1"},
-        "eventTime": "2026-12-07T03:00:00.000000Z",
-        "reportingController": "canaryd",
-        "reportingInstance": "canaryd-host",
-        "action": "Judged",
-        "reason": "Unhealthy",
-        "type": "Warning",
-        "regarding": {"kind": "FlinkDeployment", "namespace": "default", "name": "canary"},
-        "note": "not_observed: generation 2 not observed",
-    }
-    return {**body, **fields}
 
 
 async def test_an_event_is_created_and_its_series_patched_or_replaced(kube, api):

@@ -38,6 +38,8 @@ LEASE_DURATION, RENEW_DEADLINE, RETRY = (
     DEFAULTS.retry_period,
 )
 SLACK = 1.0
+SOLO = {"leader_elect": True, "identity": "solo", "lease_namespace": "default"}
+"""One replica under --leader-elect, its Lease in the canaries' namespace."""
 """Process and event-loop latency allowed on top of a protocol bound."""
 
 
@@ -407,9 +409,7 @@ async def test_a_lone_replica_creates_the_lease_leads_and_releases_it_on_stop(ku
     from canaryd import metrics
 
     create_canary(kube)
-    async with running_daemon(
-        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
-    ) as run:
+    async with running_daemon(kube, kubeconfig, **SOLO) as run:
         await run.until_state(CanaryState.HEALTHY)
         held = kube.get(LEASES.plural, "default", "canaryd")
         assert held is not None and held["spec"]["holderIdentity"] == "solo"
@@ -433,9 +433,7 @@ async def test_sigterm_finishes_the_bumps_in_flight_before_it_releases_the_lease
     create_canary(kube)
     armed: list[Any] = []
     # A 2 s cycle: the bump's time limit is 1 s, and its answer takes 0.3 s.
-    async with running_daemon(
-        kube, kubeconfig, timeout=2.0, leader_elect=True, identity="solo", lease_namespace="default"
-    ) as run:
+    async with running_daemon(kube, kubeconfig, timeout=2.0, **SOLO) as run:
         await run.until_bumps(1, within=2 * 2.0)
         assert run.daemon.settings.write_timeout == 1.0
 
@@ -467,9 +465,7 @@ async def test_a_leader_renews_with_one_request_and_falls_back_to_a_read_on_409(
     meanwhile (here a label: a new resourceVersion), the PUT meets 409 and the same
     round reads the Lease and updates it: still the leader, no step down."""
     create_canary(kube)
-    async with running_daemon(
-        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
-    ) as run:
+    async with running_daemon(kube, kubeconfig, **SOLO) as run:
         elector = run.daemon.elector
         await run.until(lambda: elector.leading, "the replica to lead")
 
@@ -504,9 +500,7 @@ async def test_a_renewal_that_runs_out_of_time_is_a_lease_failure_said(kube, kub
     episode; /readyz names it while it lasts). It was taken for a lost race, which is
     no problem at all, and said nothing."""
     create_canary(kube)
-    async with running_daemon(
-        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
-    ) as run:
+    async with running_daemon(kube, kubeconfig, **SOLO) as run:
         elector = run.daemon.elector
         await run.until(lambda: elector.leading, "the replica to lead")
         slow = kube.inject(
@@ -668,9 +662,7 @@ async def test_a_lease_hiccup_keeps_the_verdicts_and_retaking_the_lease_goes_on_
     verdict no bump re-tests, it turns unknown two cycles after it was reached. Retaking
     its own lease, the replica goes on with its canaries."""
     create_canary(kube)
-    async with running_daemon(
-        kube, kubeconfig, leader_elect=True, identity="solo", lease_namespace="default"
-    ) as run:
+    async with running_daemon(kube, kubeconfig, **SOLO) as run:
         await run.until_state(CanaryState.HEALTHY)
         elector = run.daemon.elector
         kube.hold_watch_events()
@@ -749,9 +741,7 @@ async def test_slow_lease_renewals_never_take_a_canary_out_of_the_schedule(kube,
     async with running_daemon(
         kube,
         kubeconfig,
-        leader_elect=True,
-        identity="solo",
-        lease_namespace="default",
+        **SOLO,
         timeout=cycle,
         kinds=("flinkdeployments",),
     ) as run:
@@ -831,9 +821,7 @@ async def test_a_bump_held_at_a_shut_fence_ends_not_written_counted_aged_and_tol
     async with running_daemon(
         kube,
         kubeconfig,
-        leader_elect=True,
-        identity="solo",
-        lease_namespace="default",
+        **SOLO,
         timeout=cycle,
         **FENCE_SHUT,
     ) as run:
