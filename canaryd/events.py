@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from canaryd import metrics
 from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, kind_of, segment
+from canaryd.logs import wall_time
 
 BURST, REFILL = 25, 1 / 300
 SERIES_FOR = 360.0
@@ -122,7 +123,7 @@ class Events:
         if seen is None:
             return "spam_filtered"
         namespace, reason = event["namespace"], event["reason"]
-        stamp = micro_time(wall)
+        stamp = wall_time(wall, fraction=True)  # a MicroTime
         path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"
         earlier = seen.series.get(reason)
         if earlier is not None and now - earlier[2] < SERIES_FOR:
@@ -167,8 +168,3 @@ class Events:
         await self.kube.request("create", "POST", path, body=body)
         seen.series[reason] = (name, 1, now)
         return "created"
-
-
-def micro_time(wall: float) -> str:
-    """A MicroTime: RFC 3339 in UTC with microseconds."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1e6):06d}Z"

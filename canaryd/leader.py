@@ -34,7 +34,6 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -43,13 +42,9 @@ from canaryd import metrics
 from canaryd.config import MIN_WRITE_TIMEOUT, Settings, lease_namespace, lease_seconds
 from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
+from canaryd.logs import wall_time
 
 log = structlog.get_logger("canaryd.leader")
-
-
-def micro_time() -> str:
-    """metav1.MicroTime's RFC 3339 form with microseconds, now."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def spec_of(lease: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -265,11 +260,11 @@ class LeaderElector:
         spec = spec_of(current or {})
         transitions = spec.get("leaseTransitions")
         transitions = transitions if isinstance(transitions, int) else 0
-        acquired = str(spec.get("acquireTime") or micro_time())
+        acquired = str(spec.get("acquireTime") or wall_time(time.time(), fraction=True))
         if current is None:
             current = {"metadata": {"name": self.name, "namespace": self.namespace}}
         elif spec.get("holderIdentity") != self.identity:
-            transitions, acquired = transitions + 1, micro_time()
+            transitions, acquired = transitions + 1, wall_time(time.time(), fraction=True)
         metadata = current.get("metadata")
         return {
             "apiVersion": "coordination.k8s.io/v1",
@@ -279,7 +274,7 @@ class LeaderElector:
                 "holderIdentity": self.identity,
                 "leaseDurationSeconds": lease_seconds(self.settings.lease_duration),
                 "acquireTime": acquired,
-                "renewTime": micro_time(),
+                "renewTime": wall_time(time.time(), fraction=True),
                 "leaseTransitions": transitions,
             },
         }
@@ -313,7 +308,7 @@ class LeaderElector:
             spec = spec_of(current)
             if spec.get("holderIdentity") != self.identity:
                 return
-            now = micro_time()
+            now = wall_time(time.time(), fraction=True)
             released = {
                 **current,
                 "spec": {

@@ -12,6 +12,7 @@ import logging
 import re
 import sys
 from collections.abc import Mapping, MutableMapping
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -136,3 +137,12 @@ def configure(log_format: str = "json", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(numeric, logging.WARNING))  # other libraries: warnings and worse
+
+
+def wall_time(timestamp: float, fraction: bool = False) -> str:
+    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
+    try:
+        moment = datetime.fromtimestamp(timestamp, UTC)
+    except (ValueError, OverflowError, OSError):
+        return repr(timestamp)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if fraction else "%Y-%m-%dT%H:%M:%SZ")

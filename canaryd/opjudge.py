@@ -26,8 +26,9 @@ from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.judge import Judgement, NoVerdict
 from canaryd.kube import kind_of
+from canaryd.logs import wall_time
 from canaryd.opmetrics import OperatorMetrics, ResourceKey, Scrape, ScrapeFailed
-from canaryd.registry import Canary, CanaryKey, Registry, wall_time
+from canaryd.registry import Canary, CanaryKey, Registry
 
 log = structlog.get_logger("canaryd.opjudge")
 

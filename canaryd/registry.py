@@ -12,12 +12,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, NamedTuple, Protocol
 
 import structlog
 
 from canaryd import metrics
+from canaryd.logs import wall_time
 from canaryd.sync import Scopes
 
 log = structlog.get_logger("canaryd.registry")
@@ -31,15 +31,6 @@ def is_canary(obj: Mapping[str, Any], label: str) -> bool:
     labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
     value = labels.get(label) if isinstance(labels, Mapping) else None
     return isinstance(value, str) and value.lower() == "true"
-
-
-def wall_time(timestamp: float, fraction: bool = False) -> str:
-    """A Unix time as RFC 3339 in UTC; a value that is no date is shown as it is."""
-    try:
-        moment = datetime.fromtimestamp(timestamp, UTC)
-    except (ValueError, OverflowError, OSError):
-        return repr(timestamp)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if fraction else "%Y-%m-%dT%H:%M:%SZ")
 
 
 def one_line(text: str) -> str:

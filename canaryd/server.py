@@ -34,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.kube import kind_of
-from canaryd.registry import Canary, Registry, one_line, wall_time
+from canaryd.logs import wall_time
+from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
 

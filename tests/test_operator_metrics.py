@@ -21,8 +21,9 @@ import pytest
 
 from canaryd import metrics
 from canaryd.config import ConfigError, load_settings
+from canaryd.logs import wall_time
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed, parse
-from canaryd.registry import CanaryState, wall_time
+from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube
 from canaryd.testing.operator import FakeOperator
 from canaryd.testing.process import free_port
