@@ -170,6 +170,7 @@ class Daemon:
             self.registry,
             lambda: self._not_ready(),
             lambda: self.watcher.coverage() if self.watcher is not None else {},
+            self.registry.tracked,
         )
         self._blind_collector = metrics.BlindCollector(lambda: self._blind())
         self._stop = asyncio.Event()

@@ -262,17 +262,22 @@ def _by_state(name: str, documentation: str, counts: Mapping[str, int]) -> Gauge
 class StateCollector(Collector):
     """Read at scrape time: ``canaryd_canaries{state}`` from the registry's counts,
     ``canaryd_ready`` (1 when /readyz answers 200) from ``not_ready``, and
-    ``canaryd_watch_scopes{state}`` from ``scopes``."""
+    ``canaryd_watch_scopes{state}`` from ``scopes``, and ``canaryd_canary_state``: 1 for
+    each of the ``canaries`` (``canaryd.registry.Canary``), labelled with its state and
+    its reason's class (a dropped canary has no series: nothing is kept to remove;
+    ``canary_namespace``, since Prometheus' scrape sets ``namespace``, the target's)."""
 
     def __init__(
         self,
         source: HasCounts,
         not_ready: Callable[[], Sequence[str] | None] = lambda: None,
         scopes: Callable[[], Mapping[str, int]] = dict,
+        canaries: Callable[[], Iterable[Any]] = tuple,
     ) -> None:
         self._source = source
         self._not_ready = not_ready
         self._scopes = scopes
+        self._canaries = canaries
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield _by_state("canaryd_canaries", "Tracked canaries by state.", self._source.counts())
@@ -289,6 +294,15 @@ class StateCollector(Collector):
             "counted too).",
             self._scopes(),
         )
+        each = GaugeMetricFamily(
+            "canaryd_canary_state",
+            "1 for each tracked canary, labelled with its state and the class of its reason "
+            "(docs/OPERATIONS.md).",
+            labels=["kind", "canary_namespace", "name", "state", "reason"],
+        )
+        for c in self._canaries():
+            each.add_metric([c.key.kind, c.key.namespace, c.key.name, c.state.value, c.cause], 1)
+        yield each
 
 
 BLIND_REASONS = (
@@ -334,27 +348,6 @@ VERDICT_EVENTS = _counter(
     ["result"],
     ("created", "updated", "spam_filtered", "dropped", "failed"),
 )
-
-
-def canary_states(canaries: Iterable[Any]) -> bytes:
-    """``canaryd_canary_state``: 1 for each tracked canary (``canaryd.registry.Canary``),
-    labelled with its state and its reason's class. Rendered here, read at scrape time
-    (a dropped canary has no series; nothing is kept to remove): prometheus_client's
-    exposition takes 10 us a sample, 115 ms a scrape at 10,000 canaries, this 10 ms.
-    Kubernetes names and the classes need no escaping; ``canary_namespace``, since
-    Prometheus' scrape sets ``namespace`` (the target's)."""
-    return "".join(
-        [
-            "# HELP canaryd_canary_state 1 for each tracked canary, labelled with its state "
-            "and the class of its reason (docs/OPERATIONS.md).\n"
-            "# TYPE canaryd_canary_state gauge\n",
-            *(
-                f'canaryd_canary_state{{kind="{c.key.kind}",canary_namespace="{c.key.namespace}",'
-                f'name="{c.key.name}",state="{c.state.value}",reason="{c.cause}"}} 1.0\n'
-                for c in canaries
-            ),
-        ]
-    ).encode()
 
 
 # What runs (issue 33): the build, and the process collector's process_* series (CPU,

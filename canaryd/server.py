@@ -479,7 +479,7 @@ class HealthServer:
         return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        body = generate_latest(metrics.REGISTRY) + metrics.canary_states(self.registry.tracked())
+        body = generate_latest(metrics.REGISTRY)
         response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
