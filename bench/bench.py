@@ -5,14 +5,14 @@ Prints its tables and writes them to docs/PERFORMANCE.md:
 - API requests per canary per cycle by verb in steady state (goal: 1.00 PATCH,
   0 GET, 0 LIST) and per bump with a concurrent writer (goal: <= 3);
 - at 1,000 canaries over 1,000 namespaces on a 5 s cycle, and at 10,000 on the shipped
-  60 s cycle (the budgets' cycle), CPU normalised to a 60 s cycle: daemon CPU (goal
-  <= 5% of a core at 10k), peak RSS (goal <= 120 MB at 10k), verdict lateness p99
-  (goal <= 1 s), start to /readyz 200 (goal <= 5 s at 10k), and the fake API server's
-  own CPU;
+  60 s cycle (the budgets' cycle), CPU normalised to a 60 s cycle: daemon CPU (at 10k
+  against bench/floor.py at the same rate on the same fake: goal <= 2.0x), peak RSS
+  (goal <= 120 MB at 10k), verdict lateness p99 (goal <= 1 s), start to /readyz 200
+  (goal <= 5 s at 10k), and the fake API server's own CPU;
 - at 1 canary, peak RSS against the import floor of canaryd's dependencies (a Python
   that imports them and nothing else; goal <= 1.25x);
 - /healthz with 10k canaries bumped on the 60 s cycle (167 a second) and 20 concurrent
-  clients: p50/p99 latency (goal p99 <= 1.5x a bare aiohttp handler's, same run) and
+  clients: p50/p99 latency (goal p99 <= 2x a bare aiohttp handler's, same run) and
   throughput as a ratio to it (goal >= 0.8);
 - Lease requests per minute per replica, two replicas with --leader-elect and the
   shipped timings (goal: the leader one request per renew, 60 s / retry period; the
@@ -165,13 +165,13 @@ async def scale(
             normalised = per_cycle / 60 * 100
             written = metric_delta(before, after, "canaryd_bumps_total", 'result="written"')
             p99, verdicts = lateness_p99(before, after)
-            goal_cpu = "<= 5%" if canaries >= 10_000 else "-"
+            per_canary_ms = per_cycle * 1000 / max(canaries, 1)
             results.add(
                 f"{label}: daemon CPU, normalised to a 60 s cycle",
-                f"{normalised:.1f}% of a core ({per_cycle * 1000 / max(canaries, 1):.2f}"
+                f"{normalised:.1f}% of a core ({per_canary_ms:.2f}"
                 f" ms per canary-cycle, {user_share:.0%} user)",
-                goal_cpu,
-                normalised <= 5 if canaries >= 10_000 else None,
+                "-",
+                None,
             )
             results.add(
                 f"{label}: bumps written in the window",
@@ -209,6 +209,19 @@ async def scale(
                 await healthz_latency(daemon.url, results, label)
         finally:
             await daemon.stop()
+        if canaries >= 10_000:
+            # The budget (DESIGN: at most 2.0x the floor) is read against the floor at the
+            # same rate, on the same fake, in the same run: a floor measured at another
+            # rate amortises the loop's wake-ups differently.
+            floor = await peer.measure_floor(fake, canaries, cycle, cycles)
+            ratio = per_canary_ms / max(floor.cpu_per_bump, 1e-9)
+            results.add(
+                f"{label}: daemon CPU per canary-cycle against the floor at the same rate"
+                " (bench/floor.py: a bump and nothing else)",
+                f"{per_canary_ms:.3f} ms vs {floor.cpu_per_bump:.3f} ms = {ratio:.2f}x",
+                "<= 2.0x",
+                ratio <= 2.0,
+            )
 
 
 async def leases(tmp: Path, results: Results, seconds: float) -> None:
@@ -314,8 +327,8 @@ async def healthz_latency(url: str, results: Results, label: str) -> None:
         f"{label}: /healthz latency, 20 clients at 100 requests/s each",
         f"p50 {p50:.2f} ms, p99 {p99:.2f} ms (bare handler: p50 {bare_p50:.2f}, "
         f"p99 {bare_p99:.2f})",
-        "p99 <= 1.5x the bare handler's",
-        p99 <= 1.5 * bare_p99,
+        "p99 <= 2x the bare handler's",
+        p99 <= 2 * bare_p99,
     )
     results.add(
         f"{label}: /healthz throughput, 20 clients back to back, vs a bare aiohttp handler",

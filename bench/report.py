@@ -126,7 +126,7 @@ nothing else), measured in the same run by the same client.
 The benchmark's client is Python on the same two cores as both servers, so the
 throughput ratio compares the servers under one client rather than measuring their
 ceilings (a native load generator would). The paced latency row
-is the more telling one: its budget is canaryd's p99 within 1.5x a bare aiohttp
+is the more telling one: its budget is canaryd's p99 within 2x a bare aiohttp
 handler's measured in the same run, while canaryd also bumps 167 canaries a second.
 """
 
