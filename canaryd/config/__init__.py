@@ -161,7 +161,10 @@ def _choice(what: str, *choices: str, **aliases: str) -> Callable[[Any], str]:
     return parse
 
 
-_dns = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+def _dns_name(what: str) -> Callable[[Any], str]:
+    return _matching(what, r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", ": not a DNS name")
+
+
 _namespace = _matching("namespace name", r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 FLINK_KINDS = ("flinkdeployments", "flinksessionjobs")
 # PLURAL.GROUP/VERSION: a DNS label, a DNS subdomain with a dot, a version.
@@ -241,10 +244,8 @@ def _account(value: str) -> tuple[str, str]:
     namespace, slash, name = value.strip().partition("/")
     if not slash:
         raise ConfigError(f"invalid operator account {value!r}: expected NAMESPACE/NAME")
-    return (
-        _matching("operator account namespace", _dns, ": not a DNS name")(namespace),
-        _matching("operator account name", _dns, ": not a DNS name")(name),
-    )
+    namespace = _dns_name("operator account namespace")(namespace)
+    return namespace, _dns_name("operator account name")(name)
 
 
 # ------------------------------------------------------------------------- the rows
@@ -279,7 +280,9 @@ def option(
     key: str | None = None,
     many: bool = False,
 ) -> T:
-    """A ``Settings`` field with its row."""
+    """A ``Settings`` field (its ``default``) and its row: ``--flag METAVAR``, the
+    environment variable, the parser and the help; ``shown`` when the default is told
+    otherwise than as itself, the operator config ``key``, and whether ``many``."""
     row = Option(flag, env, parse, help, str(default) if shown is None else shown, key, many)
     return field(default=default, metadata={"option": row})
 
@@ -432,14 +435,14 @@ class Settings:
         "canaryd",
         "--lease-name NAME",
         "CANARYD_LEASE_NAME",
-        _matching("lease name", _dns, ": not a DNS name"),
+        _dns_name("lease name"),
         "the Lease",
     )
     lease_namespace: str | None = option(
         None,
         "--lease-namespace NS",
         "CANARYD_LEASE_NAMESPACE",
-        _matching("lease namespace", _dns, ": not a DNS name"),
+        _dns_name("lease namespace"),
         "the Lease's namespace",
         "the service account's namespace in a pod, else default",
     )
