@@ -690,18 +690,19 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
         return default if found is None else _parsed(parse, found, f"{file}: {key}")
 
     said: dict[str, Any] = {}
-    for name in names:
-        row, default = OPTIONS[name], getattr(Settings(), name)
+    for name, row in OPTIONS.items():  # in the rows' order: the first bad value is told
+        if name not in names or row.key is None:
+            continue
         if name == "operator_metrics_url":  # the port of its Prometheus reporter
             said[name] = reporter_url(flat)
-        elif row.key is not None:
-            said[name] = value(row.key, row.parse, default)
+        else:
+            said[name] = value(row.key, row.parse, getattr(Settings(), name))
     if "namespaces" in names:
         said["dynamic_namespaces"] = value(KEY_DYNAMIC, parse_bool, False)
     return said
 
 
-# ------------------------------------------------------------------- the Lease's names
+# ---------------------------------------------------- the Lease, for canaryd.leader
 
 MIN_WRITE_TIMEOUT = 1.0
 """The shortest write timeout the lease timings may leave a leader (seconds): a bump
