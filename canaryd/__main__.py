@@ -15,6 +15,7 @@ import structlog
 from canaryd import check, logs
 from canaryd.config import ConfigError, load_settings
 from canaryd.daemon import Daemon
+from canaryd.leader import lease_timings_problem
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
@@ -35,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     try:
         settings = load_settings(args, os.environ)
+        if problem := lease_timings_problem(settings):
+            raise ConfigError(problem)
     except ConfigError as err:
         print(f"canaryd: {err}", file=sys.stderr)
         sys.exit(2)

@@ -38,6 +38,7 @@ from canaryd.config import (
 from canaryd.daemon import connect
 from canaryd.discovery import discover_kinds
 from canaryd.kube import NAMESPACES_PATH, ErrorKind, Kind, KubeClient, KubeError, failure_cause
+from canaryd.leader import lease_timings_problem
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
 from canaryd.watcher import list_all
@@ -209,6 +210,8 @@ def main(argv: Sequence[str]) -> None:
     """``canaryd check [FLAGS]``: the daemon's flags and environment."""
     try:
         settings = load_settings(argv, os.environ, "canaryd check")
+        if problem := lease_timings_problem(settings):
+            raise ConfigError(problem)
     except ConfigError as err:
         print(f"canaryd: {err}", file=sys.stderr)
         sys.exit(2)

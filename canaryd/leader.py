@@ -325,3 +325,45 @@ class LeaderElector:
             log.info("lease_released", lease=str(self), identity=self.identity)
         except KubeError as err:
             log.warning("lease_release_failed", lease=str(self), error=str(err))
+
+
+def lease_timings_problem(settings: Settings) -> str | None:
+    """What is wrong with the lease timings, checked together at start (the entry points
+    exit 2 with it), or None. A renewal is sent a retry period after the last one (or
+    sooner: a retry) and may be answered until its request timeout or its renew
+    deadline, whichever comes first; the fence then lets a write through only while
+    ``MIN_WRITE_TIMEOUT`` of the renew deadline is left (or the write timeout, when
+    less). Timings under which a renewal answered in time leaves less than that would
+    hold every write back while the leader renews."""
+    lease, renew, retry = settings.lease_duration, settings.renew_deadline, settings.retry_period
+    # client-go's NewLeaderElector: LeaseDuration > RenewDeadline > JitterFactor (1.2) x
+    # RetryPeriod, or a leader could lose its lease before it notices.
+    if not lease > renew:
+        return "lease duration must be greater than the renew deadline"
+    # What followers see is what the Lease stores: whole seconds (client-go truncates).
+    if not lease_seconds(lease) > renew:
+        return (
+            f"lease duration {lease:g}s is stored in the Lease as {lease_seconds(lease)} s "
+            f"(whole seconds), which must be greater than the renew deadline {renew:g}s"
+        )
+    if not renew > 1.2 * retry:
+        return "renew deadline must be greater than 1.2 x the retry period"
+    budget = renew - 2 * retry
+    if settings.leader_elect and budget < MIN_WRITE_TIMEOUT:
+        return (
+            f"renew deadline {renew:g}s less twice the retry period {retry:g}s leaves "
+            f"{budget:g}s for a write, below {MIN_WRITE_TIMEOUT:g}s: a leader sends a bump "
+            "only while that much of its renew deadline is left (raise --renew-deadline or "
+            "lower --retry-period)"
+        )
+    left = max(renew - settings.request_timeout, retry)
+    needed = min(settings.write_timeout, MIN_WRITE_TIMEOUT)
+    if settings.leader_elect and left < needed:
+        return (
+            f"--renew-deadline {renew:g}s, --retry-period {retry:g}s and --timeout "
+            f"{settings.timeout:g}s: a lease renewal answered within its request timeout "
+            f"({settings.request_timeout:g}s) may leave {left:g}s of the renew deadline, "
+            f"below the {needed:g}s a write needs, and the leader's fence shut while it "
+            "renews (raise --renew-deadline or --retry-period)"
+        )
+    return None

@@ -211,6 +211,19 @@ def test_operator_config_that_is_not_yaml_or_not_a_mapping(tmp_path):
         load_settings(["--operator-config", str(bad)], {})
 
 
+def test_an_operator_config_key_given_as_a_mapping_names_the_file_and_key(tmp_path):
+    """A mapping where the operator reads a value (``port: {a: 1}``) is not read as
+    "no value": it exits 2 naming the file and the key, unless a flag overrides it."""
+    conf = tmp_path / "config.yaml"
+    conf.write_text("kubernetes.operator.health.probe.port:\n  number: 9000\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(["--operator-config", str(conf)], {})
+    assert str(caught.value).startswith(
+        f"{conf}: kubernetes.operator.health.probe.port: must be a value"
+    ), caught.value
+    assert load_settings(["--operator-config", str(conf), "--port", "9100"], {}).port == 9100
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "canaryd", *args],

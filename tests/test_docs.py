@@ -4,7 +4,7 @@ whose statements hold, and the three documents it links to kept true by the code
 - README.md: at most 250 lines; its quick start gives `make demo` and `make test`; its
   measured figures are the ones docs/OPERATOR.md and docs/PERFORMANCE.md report.
 - docs/CONFIGURATION.md: every flag of ``canaryd --help`` (the flag definitions in
-  canaryd/config/flags.py) with its environment variable and operator config key, and
+  canaryd/config/__init__.py) with its environment variable and operator config key, and
   no flag canaryd does not have.
 - docs/OPERATIONS.md: one runbook section per alert of config/monitoring, which each
   alert's ``runbook_url`` names.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canaryd.config import build_parser, operator_config
+from canaryd.config import KEY_DYNAMIC, OPTIONS, build_parser
 from canaryd.kube import PROXY_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,11 +217,7 @@ IGNORED_WORDS = {"when", "in", "a", "the", "its", "is", "and", "else", "PORT", "
 
 def test_every_operator_config_key_and_environment_variable_read_is_documented():
     text = CONFIGURATION.read_text()
-    keys = [
-        getattr(operator_config, name)
-        for name in dir(operator_config)
-        if name.startswith("KEY_") or name == "REPORTER_PORT_KEY"
-    ]
+    keys = [KEY_DYNAMIC, *(row.key for row in OPTIONS.values() if row.key)]
     assert len(keys) >= 6
     for key in keys:
         assert f"`{key}" in text, key
