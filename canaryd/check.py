@@ -19,7 +19,7 @@ from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
 from canaryd.daemon import connect
-from canaryd.kube import NAMESPACES_PATH, ErrorKind, KubeClient, KubeError, failure_cause, kind_of
+from canaryd.kube import NAMESPACES_PATH, KubeClient, KubeError, failure_cause, kind_of
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
 from canaryd.watcher import list_all
@@ -89,29 +89,21 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO)
         scopes = sorted(settings.namespaces)
     canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
     for kind in map(kind_of, settings.kinds):
-        served = None
-        for namespace in scopes:  # in a namespace that does not exist: an empty list
-            path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
-            try:
+        try:  # in a namespace that does not exist: an empty list
+            for namespace in scopes:
+                path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
                 items, _ = await list_all(kube, path, params, settings.list_timeout)
-            except KubeError as err:
-                if err.status == 404:
-                    served = False
-                    break
-                if err.kind is not ErrorKind.FORBIDDEN and err.status != 401:
-                    raise
-                reason = "unauthorized" if err.status == 401 else "list_forbidden"
-                say(reason, f"list {kind.plural} in {namespace or 'all namespaces'}: {err}")
-                continue
-            served = True
-            canaries += [
-                (kind.plural, str(item.get("kind") or kind.kind), *names(item))
-                for item in items
-                if is_canary(item, settings.label)
-            ]
-        if served is not None:
-            what = "is served" if served else "is not served (its CRD is not installed)"
-            say(None if served else "kind_not_served", f"kind {kind.key} {what}")
+                canaries += [
+                    (kind.plural, str(item.get("kind") or kind.kind), *names(item))
+                    for item in items
+                    if is_canary(item, settings.label)
+                ]
+        except KubeError as err:
+            if err.status != 404:
+                raise
+            say("kind_not_served", f"kind {kind.key} is not served (its CRD is not installed)")
+        else:
+            say(None, f"kind {kind.key} is served")
     existing: list[str] = []  # the watched namespaces that exist
     if settings.namespaces is not None:
         listed, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
@@ -171,10 +163,10 @@ async def operator_series(
 
 
 def unanswered(host: str, err: KubeError) -> str:
-    """One line for an API server that did not answer."""
+    """One line for an API server that did not answer, or refused what it had allowed."""
     cause, said = failure_cause(err), logs.scrub(str(err))
     if cause == "unauthorized":
         return f"the API server at {host} refused the credentials (401): {said}"
     if err.status is not None:
-        return f"the API server at {host} answered an access review with {said}"
+        return f"the API server at {host} answered {err.status}: {said}"
     return f"cannot reach the API server at {host} ({cause}): {said}"
