@@ -68,6 +68,14 @@ OWN = "canaryd-own"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def kubectl_of(cluster: Cluster) -> str | None:
+    """The kubectl `make controlplane` builds (the control plane's release), else one on
+    PATH (CANARYD_E2E_KUBECONFIG)."""
+    if cluster.plane is not None and (cluster.plane.bin_dir / "kubectl").is_file():
+        return str(cluster.plane.bin_dir / "kubectl")
+    return shutil.which("kubectl")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if not LAUNCH:
@@ -589,7 +597,7 @@ async def test_verdict_changes_are_events_on_the_canary_that_kubectl_describe_sh
     assert event.type == "Warning" and event.reporting_controller == "canaryd"
     assert event.note.startswith("not_reconciled: status.observedGeneration did not reach")
     assert recovered.type == "Normal" and recovered.note.startswith("in_time: ")
-    kubectl = shutil.which("kubectl")
+    kubectl = kubectl_of(cluster)
     if kubectl is None:
         return  # the events API said it all; kubectl is not installed here
     described = await asyncio.create_subprocess_exec(
@@ -1717,10 +1725,11 @@ async def test_the_operations_check_that_the_policy_is_live(api, cluster, operat
     """docs/OPERATIONS.md's command (kubectl, the admin impersonating the operator's
     account, a server-side dry run of a label on a canary) is refused by the policy;
     without --as (the admin: an account the policy does not name) it passes."""
-    if not shutil.which("kubectl"):
+    kubectl = kubectl_of(cluster)
+    if kubectl is None:
         pytest.skip("no kubectl")
     await create_canary(api, namespace)
-    argv = operations_policy_check(namespace)
+    argv = [kubectl, *operations_policy_check(namespace)[1:]]
     assert argv[1] == f"--as=system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}", argv
     admin = f"--kubeconfig={cluster.plane.kubeconfig('admin')}"
 
