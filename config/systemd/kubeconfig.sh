@@ -6,10 +6,10 @@
 #
 # With your kubectl credentials (KUBECONFIG, else ~/.kube/config; --context), usually an
 # admin's, used once:
-#  1. kubectl apply --server-side: config/rbac (a ServiceAccount and the ClusterRole that
-#     grants exactly what canaryd uses), or --rbac config/rbac/namespaced (then set
-#     WATCH_NAMESPACES=NS in canaryd.env); the ServiceAccount in --namespace (default
-#     canaryd), --name-suffix after every name (one ServiceAccount per canaryd host);
+#  1. kubectl apply --server-side: config/rbac (the ServiceAccount canaryd and the
+#     ClusterRole that grants exactly what canaryd uses), or --rbac config/rbac/namespaced
+#     (then set WATCH_NAMESPACES=NS in canaryd.env); the ServiceAccount in --namespace
+#     (default canaryd), --name-suffix after every name (one ServiceAccount per host);
 #  2. kubectl create token: a token of that ServiceAccount, valid --duration (default
 #     8760h, a year; at least 10m; the API server may shorten it);
 #  3. kubectl config: OUTPUT (mode 0600) holds your current context's server, its CA
@@ -88,7 +88,7 @@ patches:
 END
 kubectl kustomize "$scratch/rbac" >"$scratch/rbac.yaml" || fail "cannot build $rbac with kustomize"
 admin get namespace "$namespace" >/dev/null 2>&1 || admin create namespace "$namespace"
-admin apply --server-side --field-manager=canaryd-kubeconfig -f "$scratch/rbac.yaml"
+admin apply --server-side --force-conflicts --field-manager=canaryd-kubeconfig -f "$scratch/rbac.yaml"
 answer=$(admin create token "$account" --namespace "$namespace" --duration "$duration" \
 	-o jsonpath='{.status.expirationTimestamp} {.status.token}')
 read -r expires token <<<"$answer"
