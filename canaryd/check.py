@@ -1,13 +1,11 @@
-"""``canaryd check`` (and ``helm test``, which runs it): the pre-flight check. The
-daemon's flags and credentials; access reviews of every permission canaryd will use
-(canaryd.access) and whether the operator's service account exists (an admission policy
-naming an account that does not exist refuses nothing); then, all granted, what the
-daemon would meet: the kinds served (a 404 on their list says not), the watched
-namespaces there, the canaries per namespace, the operator's metrics with each canary's
-series. One line per finding; exit 2 naming what is missing (or on bad configuration,
+"""``canaryd check`` (and ``helm test``, which runs it): the pre-flight check, with the
+daemon's flags and credentials. Access reviews of every permission canaryd will use,
+and whether the operator's service account exists (an admission policy naming an
+account that does not exist refuses nothing); then, all granted, what the daemon would
+meet: the kinds served, the watched namespaces there, the canaries, the operator's
+metrics. One line per finding; exit 2 naming what is missing (or on bad configuration,
 an API server unreached or refusing the credentials), 1 naming why canaryd would be
-blind (a ``canaryd_blind`` reason each), else 0.
-"""
+blind (a ``canaryd_blind`` reason each), else 0."""
 
 from __future__ import annotations
 
@@ -63,22 +61,20 @@ async def check(settings: Settings, out: TextIO) -> int:
             "the operator's writes by this account, and refuses nothing while it does not exist",
             file=out,
         )
-    summary = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
     if missing:
-        summary = f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
-        print(f"{summary}{kube.host}: {', '.join(missing)}", file=out)
-        return 2
-    if gone:
         print(
-            f"{summary}, but the operator's service account {'/'.join(gone)} does not exist",
+            f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
+            f"{kube.host}: {', '.join(missing)}",
             file=out,
         )
         return 2
-    if blind:
-        print(f"{summary}, but canaryd would be blind: {'; '.join(blind)}", file=out)
-        return 1
+    summary = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
+    if gone:
+        summary += f", but the operator's service account {'/'.join(gone)} does not exist"
+    elif blind:
+        summary += f", but canaryd would be blind: {'; '.join(blind)}"
     print(summary, file=out)
-    return 0
+    return 2 if gone else 1 if blind else 0
 
 
 async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO) -> None:
