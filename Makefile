@@ -132,17 +132,19 @@ dist: $(STAMP) helm
 	ORG='$(ORG)' PLATFORMS='$(PLATFORMS)' bash release/dist.sh
 	CANARYD_DIST=1 ORG='$(ORG)' $(BIN)/python -m pytest -p no:cacheprovider -q tests/test_release.py
 
-# A least-privilege kubeconfig for canaryd outside the cluster (systemd): config/rbac's
-# ServiceAccount and roles, applied with an admin kubeconfig, and a token of it.
+# A least-privilege kubeconfig for canaryd outside the cluster (systemd):
+# config/systemd/kubeconfig.sh applies config/rbac's ServiceAccount and roles with your
+# kubectl credentials (an admin's), and writes a kubeconfig with a token of it (mode 0600).
 # make kubeconfig [ADMIN_KUBECONFIG=~/.kube/config] [OUTPUT=canaryd.kubeconfig]
-#                 [RBAC=config/rbac/namespaced NAMESPACE=team-a]
+#                 [RBAC=config/rbac/namespaced NAMESPACE=team-a] [DURATION=8760h]
 ADMIN_KUBECONFIG ?=
 OUTPUT ?= canaryd.kubeconfig
 RBAC ?= config/rbac
 NAMESPACE ?= canaryd
-kubeconfig: $(STAMP)
-	$(BIN)/python -m canaryd.kubeconfig --output '$(OUTPUT)' --rbac '$(RBAC)' \
-		--namespace '$(NAMESPACE)' $(if $(ADMIN_KUBECONFIG),--kubeconfig '$(ADMIN_KUBECONFIG)')
+DURATION ?= 8760h
+kubeconfig:
+	$(if $(ADMIN_KUBECONFIG),KUBECONFIG='$(ADMIN_KUBECONFIG)') config/systemd/kubeconfig.sh \
+		--rbac '$(RBAC)' --namespace '$(NAMESPACE)' --duration '$(DURATION)' '$(OUTPUT)'
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

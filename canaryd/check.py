@@ -1,105 +1,38 @@
-"""``canaryd check``: the pre-flight check. The configuration parsed as the daemon parses
-it, the API server reached with the same credentials, and asked with
-SelfSubjectAccessReviews (authorization.k8s.io/v1) whether canaryd may do what it will
-do: list, watch and patch each wanted kind in each watched namespace (or cluster-wide
-when all are watched), list and watch namespaces, and, under ``--leader-elect``, get,
-create and update its Lease; with ``--operator-account``, get that service account,
-and whether it exists (the admission policy names it: one for an account that does
-not exist refuses nothing). Then, all granted, what the daemon will meet: the kinds
-served, the watched namespaces there, the canaries it would check (per namespace) and,
-with operator-metrics, the operator's metrics answering with their series. One line
-per finding; exit 0 when all is well, 2 naming what is missing (a permission, the
-operator's account; or on bad configuration, or an API server that cannot be reached
-or refuses the credentials), 1 naming why canaryd would be blind (a ``canaryd_blind``
-reason each).
-
-Missing permissions are otherwise quiet: a canary canaryd may not patch is ``unknown``,
-which does not fail /healthz.
-"""
+"""``canaryd check`` (and ``helm test``, which runs it): the pre-flight check, with the
+daemon's flags and credentials. Access reviews of every permission canaryd will use,
+and whether the operator's service account exists (an admission policy naming an
+account that does not exist refuses nothing); then, all granted, what the daemon would
+meet: the kinds served, the watched namespaces there, the canaries, the operator's
+metrics. One line per finding; exit 2 naming what is missing (or on bad configuration,
+an API server unreached or refusing the credentials), 1 naming why canaryd would be
+blind (a ``canaryd_blind`` reason each), else 0."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
 
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
-from canaryd.config import (
-    ConfigError,
-    Settings,
-    load_settings,
-    nested_keys_why,
-    nested_operator_keys,
-)
+from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
 from canaryd.daemon import connect
-from canaryd.discovery import discover_kinds
-from canaryd.kube import NAMESPACES_PATH, ErrorKind, Kind, KubeClient, KubeError, failure_cause
-from canaryd.leader import lease_timings_problem
+from canaryd.kube import NAMESPACES_PATH, KubeClient, KubeError, failure_cause, kind_of
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
 from canaryd.watcher import list_all
 
+Say = Callable[[str | None, str], None]
+"""A finding: its ``canaryd_blind`` reason (None: fine) and its line."""
+
 
 async def check(settings: Settings, out: TextIO) -> int:
-    """Print one line per finding; the exit status: 0 all granted and nothing blind, 2
-    something missing, 1 canaryd would be blind (``would_see``)."""
+    """Print one line per finding; return the exit status."""
     if settings.operator_config is not None:
         read, nested = nested_operator_keys(settings.operator_config)
         for key in nested:
             print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
-    wanted = wanted_permissions(settings)
-    kube = await connect(settings)
-    account = settings.operator_account
-    try:
-        granted = await reviews(kube, wanted)  # the first failure cancels the others
-        for permission, ok in zip(wanted, granted, strict=True):
-            print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
-        gone = (
-            account if account and granted[-1] and not await account_exists(kube, account) else None
-        )
-        blind = await would_see(settings, kube, out) if all(granted) else []
-    except KubeError as failed:
-        raise ConfigError(_unanswered(kube.host, failed)) from failed
-    finally:
-        await kube.close()
-    missing = [p for p, ok in zip(wanted, granted, strict=True) if not ok]
-    if gone:
-        print(
-            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy "
-            "judges the operator's writes by this account, and refuses nothing while it "
-            "does not exist",
-            file=out,
-        )
-    if missing:
-        print(
-            f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
-            f"{kube.host}: {', '.join(map(str, missing))}",
-            file=out,
-        )
-        return 2
-    granted_all = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
-    if gone:
-        print(
-            f"{granted_all}, but the operator's service account {'/'.join(gone)} does not exist",
-            file=out,
-        )
-        return 2
-    if blind:
-        print(f"{granted_all}, but canaryd would be blind: {'; '.join(blind)}", file=out)
-        return 1
-    print(granted_all, file=out)
-    return 0
-
-
-async def would_see(settings: Settings, kube: KubeClient, out: TextIO) -> list[str]:
-    """What the daemon would meet, a line each: the wanted kinds served, the watched
-    namespaces there, the canaries it would check (per namespace) and, with
-    operator-metrics, the operator's metrics answering with their series. Returns what
-    would make it blind, each as its canaryd_blind reason with the line."""
+    wanted, account = wanted_permissions(settings), settings.operator_account
     blind: list[str] = []
 
     def say(reason: str | None, line: str) -> None:
@@ -107,69 +40,98 @@ async def would_see(settings: Settings, kube: KubeClient, out: TextIO) -> list[s
         if reason is not None:
             blind.append(f"{reason}: {line}")
 
-    found = await discover_kinds(kube, settings.kinds, quiet=True)
-    if found.unanswered is not None:
-        raise found.unanswered
-    for key in settings.kinds:
-        if key in found.failed:
-            print(f"warn kind {key}: discovery failed: {found.failed[key]}", file=out)
-        elif key in {kind.key for kind in found.kinds}:
-            say(None, f"kind {key} is served")
-        else:
-            say("kind_not_served", f"kind {key} is not served (its CRD is not installed)")
+    kube = await connect(settings)
+    try:
+        granted = await reviews(kube, wanted)
+        for permission, ok in zip(wanted, granted, strict=True):
+            print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
+        gone = (
+            account if account and granted[-1] and not await account_exists(kube, account) else None
+        )
+        if all(granted):
+            await would_see(settings, kube, say, out)
+    except KubeError as err:
+        raise ConfigError(unanswered(kube.host, err)) from err
+    finally:
+        await kube.close()
+    missing = [str(p) for p, ok in zip(wanted, granted, strict=True) if not ok]
+    if gone:
+        print(
+            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy judges "
+            "the operator's writes by this account, and refuses nothing while it does not exist",
+            file=out,
+        )
+    if missing:
+        print(
+            f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
+            f"{kube.host}: {', '.join(missing)}",
+            file=out,
+        )
+        return 2
+    summary = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
+    if gone:
+        summary += f", but the operator's service account {'/'.join(gone)} does not exist"
+    elif blind:
+        summary += f", but canaryd would be blind: {'; '.join(blind)}"
+    print(summary, file=out)
+    return 2 if gone else 1 if blind else 0
+
+
+async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO) -> None:
+    """What the daemon would meet: each kind served, each watched namespace there, the
+    canaries per namespace and, with operator-metrics, their series."""
     scopes: Sequence[str | None] = [None]
     if settings.namespaces is not None:
+        scopes = sorted(settings.namespaces)
+    canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
+    for kind in map(kind_of, settings.kinds):
+        try:  # in a namespace that does not exist: an empty list
+            for namespace in scopes:
+                path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
+                items, _ = await list_all(kube, path, params, settings.list_timeout)
+                canaries += [
+                    (kind.plural, str(item.get("kind") or kind.kind), *names(item))
+                    for item in items
+                    if is_canary(item, settings.label)
+                ]
+        except KubeError as err:
+            if err.status != 404:
+                raise
+            say("kind_not_served", f"kind {kind.key} is not served (its CRD is not installed)")
+        else:
+            say(None, f"kind {kind.key} is served")
+    existing: list[str] = []  # the watched namespaces that exist
+    if settings.namespaces is not None:
         listed, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
-        there = {str((item.get("metadata") or {}).get("name")) for item in listed}
-        for watched in sorted(settings.namespaces):
-            exists = watched in there
-            line = f"namespace {watched} {'exists' if exists else 'does not exist'}"
+        there = {names(item)[1] for item in listed}
+        for namespace in sorted(settings.namespaces):
+            exists = namespace in there
+            line = f"namespace {namespace} {'exists' if exists else 'does not exist'}"
             say(None if exists else "namespace_missing", line)
-        scopes = sorted(settings.namespaces & there)
-    canaries: list[tuple[Kind, str, str]] = []
-    for kind in found.kinds:
-        for namespace in scopes:
-            try:
-                items, _ = await list_all(
-                    kube,
-                    kind.collection_path(namespace),
-                    {"labelSelector": settings.label},
-                    settings.list_timeout,
-                )
-            except KubeError as err:
-                if err.kind is not ErrorKind.FORBIDDEN and err.status != 401:
-                    raise
-                reason = "unauthorized" if err.status == 401 else "list_forbidden"
-                say(reason, f"list {kind.plural} in {namespace or 'all namespaces'}: {err}")
-                continue
-            for item in items:
-                metadata = item.get("metadata") or {}
-                if is_canary(item, settings.label):
-                    where, name = str(metadata.get("namespace")), str(metadata.get("name"))
-                    canaries.append((kind, where, name))
-    per_namespace = Counter(namespace for _, namespace, _ in canaries)
-    for where in sorted({*per_namespace, *(scope for scope in scopes if scope)}):
+        existing = sorted(settings.namespaces & there)
+    per_namespace = Counter(namespace for _, _, namespace, _ in canaries)
+    for where in sorted({*per_namespace, *existing}):
         count = per_namespace[where]
         print(f"{'ok  ' if count else 'warn'} {count} canaries in {where}", file=out)
     if not canaries:
-        inside = (
-            "any namespace"
-            if settings.namespaces is None
-            else ", ".join(map(str, scopes)) or "the watched namespaces: none exist"
-        )
+        inside = ", ".join(existing) or "the watched namespaces: none exist"
+        if settings.namespaces is None:
+            inside = "any namespace"
         say("no_canaries", f"no canary labelled {settings.label}=true in {inside}")
     if settings.reconciled_by == "operator-metrics":
-        await _operator_series(settings, canaries, say)
-    return blind
+        await operator_series(settings, canaries, say)
 
 
-async def _operator_series(
-    settings: Settings,
-    canaries: list[tuple[Kind, str, str]],
-    say: Callable[[str | None, str], None],
+def names(item: Mapping[str, Any]) -> tuple[str, str]:
+    """An object's namespace and name."""
+    metadata = item.get("metadata") or {}
+    return str(metadata.get("namespace")), str(metadata.get("name"))
+
+
+async def operator_series(
+    settings: Settings, canaries: list[tuple[str, str, str, str]], say: Say
 ) -> None:
-    """The operator's metrics answer, from the operator's reporter, with each canary's
-    count of finished reconciles (--reconciled-by operator-metrics)."""
+    """The operator's metrics answer with each canary's count of finished reconciles."""
     url = settings.operator_metrics_url
     operator = OperatorMetrics(
         url, connect_timeout=settings.scrape_connect_timeout, read_timeout=settings.timeout
@@ -185,9 +147,9 @@ async def _operator_series(
         say("operator_metrics_no_series", f"{url} answered without the operator's metrics")
         return
     missing = [
-        f"{kind.plural}/{namespace}/{name}"
-        for kind, namespace, name in canaries
-        if scrape.count((kind.kind, namespace, name)) is None
+        f"{plural}/{namespace}/{name}"
+        for plural, kind, namespace, name in canaries
+        if scrape.count((kind, namespace, name)) is None
     ]
     seen = f"{url} has the series of {len(canaries) - len(missing)} of {len(canaries)} canaries"
     if missing:
@@ -196,31 +158,11 @@ async def _operator_series(
         say(None, seen)
 
 
-def _unanswered(host: str, err: KubeError) -> str:
-    """One line for an API server that did not answer an access review."""
-    cause = failure_cause(err)
+def unanswered(host: str, err: KubeError) -> str:
+    """One line for an API server that did not answer, or refused what it had allowed."""
+    cause, said = failure_cause(err), logs.scrub(str(err))
     if cause == "unauthorized":
-        return f"the API server at {host} refused the credentials (401): {logs.scrub(str(err))}"
+        return f"the API server at {host} refused the credentials (401): {said}"
     if err.status is not None:
-        return f"the API server at {host} answered an access review with {logs.scrub(str(err))}"
-    return f"cannot reach the API server at {host} ({cause}): {logs.scrub(str(err))}"
-
-
-def main(argv: Sequence[str]) -> None:
-    """``canaryd check [FLAGS]``: the daemon's flags and environment."""
-    try:
-        settings = load_settings(argv, os.environ, "canaryd check")
-        if problem := lease_timings_problem(settings):
-            raise ConfigError(problem)
-    except ConfigError as err:
-        print(f"canaryd: {err}", file=sys.stderr)
-        sys.exit(2)
-    # The check speaks on stdout; the client's own logs only when something is wrong.
-    logs.configure(settings.log_format, "error")
-    try:
-        status = asyncio.run(check(settings, sys.stdout))
-    except ConfigError as err:
-        sys.stdout.flush()
-        print(f"canaryd: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(status)
+        return f"the API server at {host} answered {err.status}: {said}"
+    return f"cannot reach the API server at {host} ({cause}): {said}"

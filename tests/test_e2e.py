@@ -68,6 +68,14 @@ OWN = "canaryd-own"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def kubectl_of(cluster: Cluster) -> str | None:
+    """The kubectl `make controlplane` builds (the control plane's release), else one on
+    PATH (CANARYD_E2E_KUBECONFIG)."""
+    if cluster.plane is not None and (cluster.plane.bin_dir / "kubectl").is_file():
+        return str(cluster.plane.bin_dir / "kubectl")
+    return shutil.which("kubectl")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if not LAUNCH:
@@ -589,7 +597,7 @@ async def test_verdict_changes_are_events_on_the_canary_that_kubectl_describe_sh
     assert event.type == "Warning" and event.reporting_controller == "canaryd"
     assert event.note.startswith("not_reconciled: status.observedGeneration did not reach")
     assert recovered.type == "Normal" and recovered.note.startswith("in_time: ")
-    kubectl = shutil.which("kubectl")
+    kubectl = kubectl_of(cluster)
     if kubectl is None:
         return  # the events API said it all; kubectl is not installed here
     described = await asyncio.create_subprocess_exec(
@@ -661,34 +669,51 @@ def rules_review(plane: Any, token: str, namespace: str) -> tuple[set[Any], set[
     return resources, urls
 
 
+async def make_kubeconfig(plane: Any, output: Path, *args: str) -> tuple[int, str]:
+    """config/systemd/kubeconfig.sh (`make kubeconfig`) with the admin's kubeconfig and
+    the control plane's kubectl: its exit status and what it said."""
+    kubectl = plane.bin_dir / "kubectl"
+    assert kubectl.is_file(), f"{kubectl} is missing: run `make controlplane`"
+    process = await asyncio.create_subprocess_exec(
+        ROOT / "config" / "systemd" / "kubeconfig.sh",
+        *args,
+        str(output),
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PATH": f"{plane.bin_dir}:{os.environ['PATH']}",
+            "KUBECONFIG": str(plane.kubeconfig("admin")),
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(90):
+        said, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, said.decode()
+
+
 async def test_the_least_privilege_kubeconfig_can_do_what_canaryd_needs_and_no_more(
     api, cluster, namespace, tmp_path
 ):
-    """`make kubeconfig` (python -m canaryd.kubeconfig) with the admin's kubeconfig: a
-    ServiceAccount with config/rbac's roles and a kubeconfig with its token. What it may
-    do, beyond what every authenticated user may, is exactly config/rbac's rules; canaryd
-    runs with it; its output holds no token."""
+    """config/systemd/kubeconfig.sh: a ServiceAccount with config/rbac's roles and a
+    kubeconfig (mode 0600, standing alone) with its token. What it may do, beyond what
+    every authenticated user may, is exactly config/rbac's rules; `canaryd check` passes
+    and canaryd runs with it; nothing it says holds the token. The namespaced variant
+    may list in its namespace only. A kubectl that fails leaves no file."""
     plane = cluster.needs_plane()
     import yaml
 
     output = tmp_path / "etc" / "canaryd" / "kubeconfig"
-    args = ["--kubeconfig", str(cluster.admin), "--output", str(output)]
-    args += ["--namespace", "canaryd-systemd", "--name", "canaryd-systemd"]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "canaryd.kubeconfig",
-        *args,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(60):
-        out, err = await process.communicate()
-    said = out.decode() + err.decode()
-    assert process.returncode == 0, said
-    assert f"wrote {output} (mode 0600): ServiceAccount canaryd-systemd/canaryd-systemd" in said
+    args = ("--namespace", "canaryd-systemd", "--name-suffix", "-systemd", "--duration", "1h")
+    code, said = await make_kubeconfig(plane, output, *args)
+    assert code == 0, said
+    assert (
+        f"wrote {output} (mode 0600): ServiceAccount canaryd-systemd/canaryd-systemd, "
+        "token valid until 20"
+    ) in said, said
     assert output.stat().st_mode & 0o777 == 0o600
+    assert list(output.parent.iterdir()) == [output]  # its scratch directory gone
     config = yaml.safe_load(output.read_text())
     token = config["users"][0]["user"]["token"]
     assert token not in said and plane.admin_token not in output.read_text()
@@ -720,8 +745,24 @@ async def test_the_least_privilege_kubeconfig_can_do_what_canaryd_needs_and_no_m
     assert plane.request("DELETE", path + "/x", token=token)[0] == 403
 
     await create_canary(api, namespace)
+    code, lines = await canaryd_check(output, "--namespace", namespace)
+    assert (code, lines[-1]) == (0, f"canaryd check: all 8 permissions granted on {plane.url}")
     async with canaryd(output, "--namespace", namespace) as url:
         await until_healthy(url, namespace)
+
+    namespaced = tmp_path / "namespaced"
+    args = ("--rbac", "config/rbac/namespaced", "--namespace", namespace)
+    code, said = await make_kubeconfig(plane, namespaced, *args, "--name-suffix", "-own")
+    assert code == 0, said
+    own = yaml.safe_load(namespaced.read_text())["users"][0]["user"]["token"]
+    assert plane.request("GET", path, token=own)[0] == 200
+    assert plane.request("GET", f"/apis/{G}/{V}/namespaces/default/{FD}", token=own)[0] == 403
+    code, lines = await canaryd_check(namespaced, "--namespace", namespace)
+    assert code == 0, lines
+
+    code, said = await make_kubeconfig(plane, tmp_path / "nowhere", "--context", "nope")
+    assert code != 0 and "nope" in said, said
+    assert not (tmp_path / "nowhere").exists()
 
 
 async def test_the_demo_plays_on_the_real_control_plane(cluster):
@@ -1684,10 +1725,11 @@ async def test_the_operations_check_that_the_policy_is_live(api, cluster, operat
     """docs/OPERATIONS.md's command (kubectl, the admin impersonating the operator's
     account, a server-side dry run of a label on a canary) is refused by the policy;
     without --as (the admin: an account the policy does not name) it passes."""
-    if not shutil.which("kubectl"):
+    kubectl = kubectl_of(cluster)
+    if kubectl is None:
         pytest.skip("no kubectl")
     await create_canary(api, namespace)
-    argv = operations_policy_check(namespace)
+    argv = [kubectl, *operations_policy_check(namespace)[1:]]
     assert argv[1] == f"--as=system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}", argv
     admin = f"--kubeconfig={cluster.plane.kubeconfig('admin')}"
 

@@ -1,70 +1,63 @@
-"""`make kubeconfig` (canaryd/kubeconfig.py) without a cluster: what it would apply, and
-bad input as one line with status 2. On a real API server: tests/test_e2e.py."""
+"""config/systemd/kubeconfig.sh (`make kubeconfig`) without a cluster: bad input is one
+line and exit 2, before kubectl runs and nothing written. Its result on a real API
+server, with the kubectl of `make controlplane`: tests/test_e2e.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from canaryd import logs
-from canaryd.kubeconfig import main, prepared, read_manifests
-
 ROOT = Path(__file__).resolve().parent.parent
-RBAC = ROOT / "config" / "rbac"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logs():
-    """main() configures logging for a command line (warnings only): put back what
-    tests/conftest.py sets, or later tests lose their info lines."""
-    yield
-    logs.configure("console", "info")
-
-
-def test_the_cluster_wide_manifests_bind_the_service_account_where_it_is_made():
-    objects = prepared(read_manifests(RBAC), "ops", "canaryd-host1")
-    by_kind = {o["kind"]: o for o in objects}
-    assert set(by_kind) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
-    assert by_kind["ServiceAccount"]["metadata"] == {
-        "name": "canaryd-host1",
-        "namespace": "ops",
-        "labels": {"app.kubernetes.io/name": "canaryd"},
-    }
-    binding = by_kind["ClusterRoleBinding"]
-    assert binding["roleRef"]["name"] == by_kind["ClusterRole"]["metadata"]["name"]
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "canaryd-host1", "namespace": "ops"}
-    ]
-    assert "namespace" not in by_kind["ClusterRole"]["metadata"]
-    assert read_manifests(RBAC)[0]["metadata"]["name"] == "canaryd"  # the files untouched
-
-
-def test_the_namespaced_manifests_stay_in_their_namespace():
-    objects = prepared(read_manifests(RBAC / "namespaced"), "team-a", "canaryd")
-    roles = [o for o in objects if o["kind"] in ("Role", "RoleBinding", "ServiceAccount")]
-    assert {o["metadata"]["namespace"] for o in roles} == {"team-a"}
-    for binding in (o for o in objects if "subjects" in o):
-        assert binding["subjects"][0]["namespace"] == "team-a"
+SCRIPT = ROOT / "config" / "systemd" / "kubeconfig.sh"
 
 
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--kubeconfig", "/nonexistent/admin"], "no kubeconfig at /nonexistent/admin"),
-        (["--duration", "5 min"], "below the API's 10 min minimum"),
-        (["--duration", "soon"], "soon"),
-        (["--rbac", "/nonexistent"], "cannot read the RBAC manifests in /nonexistent"),
+        ([], "usage: "),
+        (["--namespace"], "usage: "),
+        (["--bogus", "OUT"], "usage: "),
+        (["OUT", "another"], "usage: "),
+        (["--duration", "5m", "OUT"], "--duration 5m is below the API's 10 minute minimum"),
+        (["--duration", "1 year", "OUT"], "--duration 1 year: give hours, minutes or seconds"),
+        (["--rbac", "/nonexistent", "OUT"], "no kustomization.yaml in /nonexistent"),
+        (["--namespace", "Team_A", "OUT"], "--namespace Team_A is not a namespace name"),
+        (["--name-suffix", "/x", "OUT"], "--name-suffix /x: lower-case letters"),
     ],
 )
-def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, args, says):
-    admin = tmp_path / "admin"
-    admin.write_text("apiVersion: v1\nkind: Config\n")
-    monkeypatch.chdir(ROOT)
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    with pytest.raises(SystemExit) as exited:
-        main(["--output", str(tmp_path / "out"), "--kubeconfig", str(admin), *args])
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert exited.value.code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("canaryd kubeconfig: ") and says in lines[0], lines
+def test_bad_input_is_one_line_and_status_2(tmp_path, args, says):
+    output = tmp_path / "out"
+    # No kubectl on PATH: were the input accepted, it would fail on that instead.
+    result = subprocess.run(
+        [str(SCRIPT), *(str(output) if a == "OUT" else a for a in args)],
+        env={**os.environ, "PATH": "/usr/bin:/bin", "KUBECONFIG": str(tmp_path / "none")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    lines = result.stderr.splitlines()
+    assert (result.returncode, result.stdout, len(lines)) == (2, "", 1), result
+    assert says in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_input_accepted_needs_kubectl(tmp_path):
+    bin_dir = tmp_path / "bin"  # bash and dirname, no kubectl
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
+    result = subprocess.run(
+        [str(SCRIPT), "--duration", "1h30m", str(tmp_path / "out")],
+        env={**os.environ, "PATH": str(bin_dir)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (2, "kubeconfig.sh: kubectl is not on PATH\n")
     assert not (tmp_path / "out").exists()

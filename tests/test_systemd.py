@@ -181,7 +181,7 @@ def test_unit_file_has_what_the_daemon_relies_on():
 def test_the_install_lines_install_this_project_with_a_least_privilege_kubeconfig():
     """PyPI's "canaryd" is an unrelated project: the unit's install lines (and the
     README's and docs/OPERATIONS.md's) install this one from its source, hand over a
-    kubeconfig made by `make kubeconfig`'s tool rather than an admin's, and install the
+    kubeconfig made by config/systemd/kubeconfig.sh rather than an admin's, and install the
     Documentation= file."""
     sections = []
     for doc, end in (("README.md", "\n## "), ("docs/OPERATIONS.md", "\n#### ")):
@@ -192,7 +192,7 @@ def test_the_install_lines_install_this_project_with_a_least_privilege_kubeconfi
         assert "pip install canaryd" not in text
         assert "pip install ." in text
         assert "~/.kube/config /etc/canaryd" not in text
-        assert "canaryd.kubeconfig --output /etc/canaryd/kubeconfig" in text
+        assert "config/systemd/kubeconfig.sh /etc/canaryd/kubeconfig" in text
     documentation = next(
         line.split("=", 1)[1]
         for line in UNIT.read_text().splitlines()
