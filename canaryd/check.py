@@ -35,7 +35,7 @@ from canaryd.config import (
     nested_keys_why,
     nested_operator_keys,
 )
-from canaryd.daemon import connect
+from canaryd.credentials import connect
 from canaryd.discovery import discover_kinds
 from canaryd.kube import NAMESPACES_PATH, ErrorKind, Kind, KubeClient, KubeError, failure_cause
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed

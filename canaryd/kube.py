@@ -1,47 +1,35 @@
-"""Kubernetes access: the resource types canaryd names, credentials from
-kubernetes-asyncio, every request and watch over aiohttp, and the one place where API
-errors are classified (ErrorKind; failure_cause for people).
+"""Kubernetes access: the resource types canaryd names, the one place where API errors
+are classified (ErrorKind; failure_cause for people), the credentials as requests carry
+them, and every request and watch over aiohttp.
 
-kubernetes-asyncio loads kubeconfig and in-cluster credentials and refreshes
-service-account tokens; canaryd builds the TLS context from what it loaded. Requests
-and watches go through two ``aiohttp.ClientSession``s (watches hold their connection
-for minutes: a pool of their own). ``trust_env`` (a per-request proxy/netrc lookup) is
-on only when a proxy is configured in the environment.
-
-A reloaded client certificate or CA bundle makes a new TLS context: aiohttp pools
-connections by context, so no request after the reload goes over a connection made
-with the old one (those left idle are closed by the pool's keep-alive timeout). aiohttp
-retries a request on a pooled connection the server had closed only for idempotent
-methods: a PATCH whose connection failed is reported, never resent here (the
-scheduler resends it identical, see canaryd.scheduler).
+Requests and watches go through two ``aiohttp.ClientSession``s (watches hold their
+connection for minutes: a pool of their own). ``trust_env`` (a per-request proxy/netrc
+lookup) is on only when a proxy is configured in the environment. aiohttp retries a
+request on a pooled connection the server had closed only for idempotent methods: a
+PATCH whose connection failed is reported, never resent here (the writer resends it
+identical, see canaryd.writer). Where the credentials come from: canaryd.credentials.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 import math
 import os
-import signal
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import aiohttp
 import structlog
 from aiohttp.http_exceptions import LineTooLong
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio.config import kube_config
-from kubernetes_asyncio.config.config_exception import ConfigException
-from kubernetes_asyncio.config.exec_provider import ExecProvider
 
 from canaryd import logs, metrics
 from canaryd.backoff import Backoff
@@ -51,19 +39,15 @@ log = structlog.get_logger("canaryd.kube")
 FLINK_GROUP = "flink.apache.org"
 FLINK_VERSION = "v1beta1"
 MERGE_PATCH = "application/merge-patch+json"
-PROXY_VARIABLES = (
-    "HTTPS_PROXY",
-    "https_proxy",
-    "HTTP_PROXY",
-    "http_proxy",
-    "ALL_PROXY",
-    "all_proxy",
-)
+PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
+"""What configures a proxy, upper- or lower-case."""
 RESERVED_CONNECTIONS = 64
 """Request connections beyond the bumps' own, which bumps never take: lists (16 scopes
 at a time, canaryd.watcher), access reviews (8 at once, canaryd.access), the lease."""
 MAX_WATCH_LINE = 2**24
 """A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
+Reload = Callable[[k8s_client.Configuration], Awaitable[Any]]
+"""Loads the credentials into a configuration again; returns kubernetes-asyncio's loader."""
 
 
 @dataclass(frozen=True)
@@ -122,20 +106,6 @@ def segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def server_url_problem(host: str) -> str | None:
-    """What is wrong with a kubeconfig's cluster server, or None when it can be used."""
-    try:
-        parts = urlsplit(host)
-        port = parts.port
-    except ValueError as err:
-        return f"cluster server {host!r} is not a usable URL ({err})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"cluster server {host!r} is not an http(s) URL with a host"
-    if port == 0:
-        return f"cluster server {host!r} has port 0"
-    return None
-
-
 def decode_json(data: bytes) -> Any:
     """JSON from the API server. Raises ValueError on anything that is not JSON, nested
     past the interpreter's depth included."""
@@ -143,6 +113,15 @@ def decode_json(data: bytes) -> Any:
         return json.loads(data)
     except RecursionError as err:
         raise ValueError(f"JSON nested too deeply: {err}") from err
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """The JSON object a body holds; {} for anything else."""
+    try:
+        decoded = decode_json(body)
+    except ValueError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
 
 # -------------------------------------------------------------------- errors
@@ -212,13 +191,8 @@ def serving(status: int, body: bytes) -> bool:
     page, NOT_SERVED) is no sign of it."""
     if 200 <= status < 300:
         return True
-    if status < 400 or status >= 500 or status == 429:
-        return False
-    try:
-        answer = decode_json(body)
-    except ValueError:
-        return False
-    return isinstance(answer, dict) and answer.get("kind") == "Status"
+    status_object = 400 <= status < 500 and status != 429
+    return status_object and _json_object(body).get("kind") == "Status"
 
 
 def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
@@ -246,11 +220,7 @@ def error_from_response(
 ) -> KubeError:
     """A KubeError from a non-2xx answer, reading the Status object when there is one
     (``note`` is said after its message)."""
-    try:
-        decoded = decode_json(body)
-    except ValueError:
-        decoded = None
-    answer = decoded if isinstance(decoded, dict) else {}
+    answer = _json_object(body)
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
         seconds: float | None = float(retry_after or "")
@@ -282,15 +252,11 @@ def failure_cause(err: KubeError) -> str:
     ``timeout``, ``dns``, ``forbidden`` (403), ``credentials`` (they could not be
     loaded), ``server_error`` (5xx, 429), ``http_<code>``, else ``connection``."""
     if err.status is not None:
-        if err.status == 401:
-            return "unauthorized"
-        if err.status == 403:
-            return "forbidden"
+        if err.status in (401, 403):
+            return "unauthorized" if err.status == 401 else "forbidden"
         return "server_error" if err.status >= 500 or err.status == 429 else f"http_{err.status}"
-    if err.reason == "Credentials":
-        return "credentials"
-    if err.reason == "ConnectTimeout":
-        return "timeout"
+    if err.reason in ("Credentials", "ConnectTimeout"):
+        return "credentials" if err.reason == "Credentials" else "timeout"
     # The whole chain, the most telling cause first: a certificate that failed
     # verification while the connect timed out is a TLS problem, not a slow network.
     chain: list[BaseException] = []
@@ -316,6 +282,206 @@ def count_request(verb: str, code: int | str) -> None:
     metrics.API_REQUESTS.labels(verb, str(code)).inc()
 
 
+# --------------------------------------------------------------- credentials
+
+
+class Credentials:
+    """The credentials requests carry: their headers and TLS context, reloaded
+    (``reload``) when the API server refuses them (401), before an exec plugin's token
+    expires, and when TLS files (a CA bundle, a client certificate and key, or the
+    kubeconfig ``files``, which may embed them) change on disk. A new client certificate
+    or CA makes a new TLS context: aiohttp pools connections by context, so no request
+    after it goes over a connection made with the old one (those left idle are closed by
+    the pool's keep-alive timeout)."""
+
+    def __init__(
+        self,
+        configuration: k8s_client.Configuration,
+        reload: Reload | None = None,
+        files: Sequence[str] = (),
+        timeout: float = 10.0,
+    ) -> None:
+        self.configuration = configuration
+        self._reload = reload
+        self._files = tuple(files)
+        self._timeout = timeout
+        self.version = 0
+        """Bumped by every reload: a 401 on credentials older than the current ones is
+        answered by the reload that already happened (one reload per burst of 401s)."""
+        self._lock = asyncio.Lock()
+        self._reload_ok = True
+        self._not_before = -math.inf
+        self._backoff = Backoff(1.0, 30.0)
+        """A failing reload (an exec plugin down), or credentials refused again right
+        after one (an authentication webhook down), waits 1 s, doubling to 30 s: one step
+        per reload, however many requests it answered."""
+        self._refused: int | None = None
+        """The version refused right after its reload, until a request succeeds."""
+        self.expiry: float | None = None
+        """time.time() at which the credentials expire (an exec plugin's
+        expirationTimestamp), when known."""
+        self._authorization: str | None = None
+        self._stamp = self._tls_files()
+        self.tls = self._ssl_context()
+
+    async def headers(self) -> dict[str, str]:
+        """The credential headers (auth_settings() calls the in-cluster token refresh
+        hook). Raises KubeError (transient) when they cannot be had: that hook raises
+        ConfigException ("Token file exists but empty") or FileNotFoundError while the
+        kubelet rotates the token."""
+        try:
+            headers = {
+                str(s["key"]): str(s["value"])
+                for s in (await self.configuration.auth_settings()).values()
+                if s.get("in") == "header" and s.get("value")
+            }
+        except Exception as err:  # any loader failure; the next try may work
+            metrics.ERRORS.labels("credentials").inc()
+            raise error_from_exception(err, "Credentials") from err
+        authorization = headers.get("authorization")
+        if authorization is not None and authorization != self._authorization:
+            self._authorization = authorization
+            logs.register_secret(authorization)  # a rotated token is masked in logs too
+        return headers
+
+    def answered(self, status: int, version: int, retried: bool) -> str:
+        """A request sent with credentials ``version`` was answered ``status``: a success
+        resets the reload backoff; fresh credentials refused too (``retried``) advance it
+        one step for their version (an authentication webhook down would otherwise cost
+        a reload, an exec plugin run, per refused request). Returns what a 401 adds to
+        its error."""
+        if status < 300:
+            self._backoff.reset()
+            self._refused = None
+        elif status == 401 and retried and self._refused != version:
+            self._refused = version
+            self._not_before = time.monotonic() + self._backoff.next()
+        again = status == 401 and self._refused is not None
+        return " (also after reloading the credentials)" if again else ""
+
+    async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
+        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
+        rotated); returns whether fresh credentials are there. ``version``: the
+        credentials a refused request was sent with; when a reload has happened since,
+        that one answers it (100 requests refused at once make one reload, not 100 runs
+        of an exec plugin). Within ``deadline`` (the call's; else the request timeout): a
+        reload still running then fails (its exec plugin killed), and a wait for another's
+        ends."""
+        if self._reload is None:
+            return False
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._timeout
+        try:
+            async with asyncio.timeout_at(deadline), self._lock:
+                if version is not None and version != self.version:
+                    return self._reload_ok  # a reload since answers this request too
+                if time.monotonic() < self._not_before:
+                    return False  # the last reload failed, or was refused: backing off
+                try:
+                    loaded = await self._reload(self.configuration)
+                # Cancelled: at the deadline, or at shutdown (then cancelled on).
+                except (Exception, asyncio.CancelledError) as err:
+                    self.version += 1  # the waiters have their answer: no
+                    metrics.ERRORS.labels("credentials").inc()
+                    delay = self._backoff.next()
+                    self._not_before = time.monotonic() + delay
+                    self._reload_ok = False
+                    log.warning(
+                        "credentials_reload_failed",
+                        error=type(err).__name__,
+                        retry_in=round(delay, 3),
+                    )
+                    if isinstance(err, asyncio.CancelledError):
+                        raise
+                    return False
+                self.version += 1
+                self._reload_ok = True
+                self.note(loaded)
+                self.tls_rotated()
+                return True
+        except TimeoutError:
+            return False  # the request is answered by what refused it
+
+    def note(self, loader: Any) -> None:
+        """What the kubeconfig loader tells of the credentials' lifetime."""
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
+
+    def next_refresh_in(self, now: float) -> float | None:
+        """Seconds until the credentials should be renewed: at 80 % of an exec token's
+        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
+        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
+        nothing expires."""
+        if self._reload is not None and self.expiry is not None:
+            return max(1.0, 0.8 * (self.expiry - now))
+        cfg = self.configuration
+        if isinstance(self.tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
+            return 60.0
+        return None
+
+    async def keep_fresh(self) -> None:
+        """Long-lived: renew the credentials before they expire, not only after a 401,
+        and pick up TLS files rotated on disk."""
+        try:
+            while True:
+                delay = self.next_refresh_in(time.time())
+                if delay is None:
+                    await asyncio.Event().wait()  # nothing expires: until cancelled
+                    continue
+                await asyncio.sleep(delay)
+                if self._reload is not None and (self.expiry or self._tls_files() != self._stamp):
+                    await self.reload()
+                else:
+                    self.tls_rotated()
+        except asyncio.CancelledError:
+            log.info("credential_refresher_stopped", why="cancelled")
+            raise
+
+    def _tls_files(self) -> tuple[object, ...]:
+        """What tells rotated TLS files: each one's path, modification time and size."""
+        stamp: list[object] = []
+        cfg = self.configuration
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._files):
+            try:
+                info = os.stat(path) if path else None
+            except OSError:
+                info = None
+            stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
+        return tuple(stamp)
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        cfg = self.configuration
+        if not str(cfg.host).startswith("https"):
+            return False
+        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        if cfg.cert_file:
+            context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
+        if not cfg.verify_ssl:
+            # Only when the kubeconfig says insecure-skip-tls-verify.
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def tls_rotated(self) -> bool:
+        """A new TLS context when the TLS files changed on disk, so every later request
+        and watch opens a connection that presents and trusts the new ones. Returns
+        whether they changed."""
+        stamp = self._tls_files()
+        if stamp == self._stamp:
+            return False
+        try:
+            context = self._ssl_context()
+        except (OSError, ssl.SSLError, ValueError) as err:
+            # Half-written files (a rotation in progress): the old context stays, and
+            # the next look tries again.
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("tls_files_reload_failed", error=type(err).__name__)
+            return False
+        self._stamp, self.tls = stamp, context
+        log.info("tls_files_reloaded")
+        return True
+
+
 # -------------------------------------------------------------------- client
 
 
@@ -331,44 +497,21 @@ class KubeClient:
         connect_timeout: float = 5.0,
         keepalive_timeout: float = 15.0,
         writes_in_flight: int = 256,
-        reload: Any = None,
+        reload: Reload | None = None,
         kubeconfig: Sequence[str] = (),
     ) -> None:
-        self._config = configuration
-        self._reload = reload
-        self._kubeconfig = tuple(kubeconfig)
-        """The files ``reload`` reads: a change is a rotation too (certificate-authority-data)."""
+        self.credentials = Credentials(configuration, reload, kubeconfig, request_timeout)
         self.host = str(configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         self._connect_timeout = min(connect_timeout, request_timeout)
-        self._proxy = configuration.proxy or None
         self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
         """A request's own bound on its connection (the wait for the pool included); the
         whole call is bounded by its deadline (asyncio.timeout_at)."""
-        self._last_authorization: str | None = None
-        self._reload_lock = asyncio.Lock()
-        self._reload_ok = True
-        self._reload_not_before = -math.inf
-        self._reload_backoff = Backoff(1.0, 30.0)
-        """A failing credential plugin, or credentials refused again right after a
-        reload (an authentication webhook down), is retried after 1 s, doubling to 30 s:
-        a lasting 401 runs no reload per refused request."""
-        self._refused_version: int | None = None
-        """The credentials refused right after a reload (until a request succeeds): their
-        retries refused at once are one refusal, one backoff step."""
-        self._credentials_version = 0
-        """Bumped by every reload: a 401 on credentials older than the current ones is
-        answered by the reload that already happened (one reload per expiry)."""
-        self.credentials_expiry: float | None = None
-        """time.time() at which the loaded credentials expire (an exec plugin's
-        expirationTimestamp), when known."""
         self._answered = -math.inf
         """time.monotonic() at which the latest request answered was sent."""
         self._unanswered = -math.inf
         """time.monotonic() at which the latest request that got no answer was sent."""
-        self._tls_stamp = self._tls_files()
-        self._tls: ssl.SSLContext | bool = self._ssl_context()
-        trust_env = any(os.environ.get(v) for v in PROXY_VARIABLES)
+        trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
         # connect covers the wait for the pool). Bumps in flight hold at most
@@ -385,9 +528,8 @@ class KubeClient:
             headers=headers,
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
-        # Watches, each holding its connection for minutes: a pool of their own with no
-        # limit, so that every scope always gets one however many namespaces are watched
-        # and no watch ever waits behind another, or behind a bump.
+        # Watches: a pool of their own with no limit, so that every scope always gets a
+        # connection however many namespaces are watched, never behind a bump.
         self._watch_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
         )
@@ -413,82 +555,20 @@ class KubeClient:
         else:
             self._unanswered = max(self._unanswered, sent)
 
-    def _tls_files(self) -> tuple[object, ...]:
-        """What tells rotated TLS files (CA bundle, client certificate and key, and the
-        kubeconfig, which may hold them as data): each one's path, modification time and
-        size."""
-        stamp: list[object] = []
-        cfg = self._config
-        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._kubeconfig):
-            try:
-                info = os.stat(path) if path else None
-            except OSError:
-                info = None
-            stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
-        return tuple(stamp)
-
-    def _ssl_context(self) -> ssl.SSLContext | bool:
-        if not self.host.startswith("https"):
-            return False
-        cfg = self._config
-        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        if cfg.cert_file:
-            context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
-        if not cfg.verify_ssl:
-            # Only when the kubeconfig says insecure-skip-tls-verify.
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
-
-    def tls_rotated(self) -> bool:
-        """Re-read the TLS files (CA bundle, client certificate and key) when they changed
-        on disk: a new context, so every later request and watch opens a connection that
-        presents and trusts the new ones. Returns whether they changed."""
-        stamp = self._tls_files()
-        if stamp == self._tls_stamp:
-            return False
-        try:
-            context = self._ssl_context()
-        except (OSError, ssl.SSLError, ValueError) as err:
-            # Half-written files (a rotation in progress): the old context stays, and
-            # the next look tries again.
-            metrics.ERRORS.labels("credentials").inc()
-            log.warning("tls_files_reload_failed", error=type(err).__name__)
-            return False
-        self._tls_stamp, self._tls = stamp, context
-        log.info("tls_files_reloaded")
-        return True
+    async def keep_credentials_fresh(self) -> None:
+        await self.credentials.keep_fresh()
 
     async def close(self) -> None:
         await self._session.close()
         await self._watch_session.close()
 
-    async def _headers(self) -> dict[str, str]:
-        """The credential headers (auth_settings() calls the in-cluster token refresh
-        hook). Raises KubeError (transient) when they cannot be had: that hook raises
-        ConfigException ("Token file exists but empty") or FileNotFoundError while the
-        kubelet rotates the token."""
-        try:
-            headers = {
-                str(s["key"]): str(s["value"])
-                for s in (await self._config.auth_settings()).values()
-                if s.get("in") == "header" and s.get("value")
-            }
-        except Exception as err:  # any loader failure; the next try may work
-            metrics.ERRORS.labels("credentials").inc()
-            raise error_from_exception(err, "Credentials") from err
-        authorization = headers.get("authorization")
-        if authorization is not None and authorization != self._last_authorization:
-            self._last_authorization = authorization
-            logs.register_secret(authorization)  # a rotated token is masked in logs too
-        return headers
-
     def _request_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"ssl": self._tls}
-        if self._proxy:
-            kwargs["proxy"] = self._proxy
-        if self._config.tls_server_name:
-            kwargs["server_hostname"] = self._config.tls_server_name
+        cfg = self.credentials.configuration
+        kwargs: dict[str, Any] = {"ssl": self.credentials.tls}
+        if cfg.proxy:
+            kwargs["proxy"] = cfg.proxy
+        if cfg.tls_server_name:
+            kwargs["server_hostname"] = cfg.tls_server_name
         return kwargs
 
     def _no_answer(self, verb: str, path: str, err: BaseException) -> KubeError:
@@ -534,13 +614,14 @@ class KubeClient:
         """
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
-        deadline = asyncio.get_running_loop().time() + (time_limit or self._request_timeout)
-        for attempt in (1, 2):
-            version = self._credentials_version
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (time_limit or self._request_timeout)
+        for retried in (False, True):
+            version = self.credentials.version
             headers: dict[str, str] | None = None
             try:
                 async with asyncio.timeout_at(deadline):
-                    headers = await self._headers()
+                    headers = await self.credentials.headers()
                     if data is not None:
                         headers["Content-Type"] = content_type
                     sent = time.monotonic()
@@ -564,126 +645,30 @@ class KubeClient:
                 self._note_answer(sent)
                 raise self._no_answer(verb, path, err) from err
             count_request(verb, status)
-            late = False
-            if status == 401 and attempt == 1:
-                reloaded = await self._reload_credentials(version, deadline)
-                # A slow or hung reload (an exec plugin) used the call's time: not sent
-                # again (a leader's write could land past its fence).
-                late = asyncio.get_running_loop().time() >= deadline
-                if reloaded and not late:
-                    continue
-            if status == 401 and attempt == 2 and self._refused_version != version:
-                # Freshly reloaded credentials were refused too: the next reload waits
-                # (an authentication webhook down would otherwise cost a reload, an exec
-                # plugin run, per refused request).
-                self._refused_version = version
-                self._reload_not_before = time.monotonic() + self._reload_backoff.next()
-            elif status < 300:
-                self._reload_backoff.reset()
-                self._refused_version = None
-            if status >= 300:
-                again = status == 401 and self._refused_version is not None
-                note = " (also after reloading the credentials)" if again else ""
-                if late:
+            if status == 401 and not retried:
+                reloaded = await self.credentials.reload(version, deadline)
+                if loop.time() >= deadline:
+                    # A slow or hung reload (an exec plugin) used the call's time: not
+                    # sent again (a leader's write could land past its fence).
                     note = " (reloading the credentials took the call's time: not sent again)"
+                    raise error_from_response(status, payload, retry_after, note)
+                if reloaded:
+                    continue
+            note = self.credentials.answered(status, version, retried)
+            if status >= 300:
                 raise error_from_response(status, payload, retry_after, note)
             try:
                 decoded = decode_json(payload)
-            except ValueError as err:
-                raise KubeError(
-                    ErrorKind.TRANSIENT,
-                    "the API server sent a body that is not JSON",
-                    status=status,
-                ) from err
+            except ValueError:
+                decoded = None
             if not isinstance(decoded, dict):
                 raise KubeError(
                     ErrorKind.TRANSIENT,
-                    "the API server sent JSON that is not an object",
+                    "the API server sent a body that is not a JSON object",
                     status=status,
                 )
             return decoded
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _reload_credentials(
-        self, version: int | None = None, deadline: float | None = None
-    ) -> bool:
-        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
-        rotated). ``version``: the credentials a refused request was sent with; when a
-        reload has happened since, that one answers it (100 requests refused at once
-        make one reload, not 100 runs of an exec plugin). Within ``deadline`` (the
-        call's; else the request timeout): a reload still running then fails (its exec
-        plugin killed), and a wait for another's ends."""
-        if self._reload is None:
-            return False
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + self._request_timeout
-        try:
-            async with asyncio.timeout_at(deadline), self._reload_lock:
-                if version is not None and version != self._credentials_version:
-                    return self._reload_ok  # a reload since answers this request too
-                if time.monotonic() < self._reload_not_before:
-                    return False  # the last reload failed, or was refused: backing off
-                try:
-                    loaded = await self._reload(self._config)
-                # Cancelled: at the deadline, or at shutdown (then cancelled on).
-                except (Exception, asyncio.CancelledError) as err:
-                    metrics.ERRORS.labels("credentials").inc()
-                    delay = self._reload_backoff.next()
-                    self._reload_not_before = time.monotonic() + delay
-                    self._credentials_version += 1  # the waiters have their answer: no
-                    self._reload_ok = False
-                    log.warning(
-                        "credentials_reload_failed",
-                        error=type(err).__name__,
-                        retry_in=round(delay, 3),
-                    )
-                    if isinstance(err, asyncio.CancelledError):
-                        raise
-                    return False
-                self._credentials_version += 1
-                self._reload_ok = True
-                self.note_credentials(loaded)
-                self.tls_rotated()
-                return True
-        except TimeoutError:
-            return False  # the request is answered by what refused it
-
-    def note_credentials(self, loader: Any) -> None:
-        """What the kubeconfig loader tells of the credentials' lifetime."""
-        expiry = getattr(loader, "exec_plugin_expiry", None)
-        self.credentials_expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
-
-    def next_refresh_in(self, now: float) -> float | None:
-        """Seconds until the credentials should be renewed: at 80 % of an exec token's
-        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
-        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
-        nothing expires."""
-        if self._reload is not None and self.credentials_expiry is not None:
-            return max(1.0, 0.8 * (self.credentials_expiry - now))
-        cfg = self._config
-        if isinstance(self._tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
-            return 60.0
-        return None
-
-    async def keep_credentials_fresh(self) -> None:
-        """Long-lived: renew credentials before they expire, not only after a 401, and
-        pick up TLS files rotated on disk."""
-        try:
-            while True:
-                delay = self.next_refresh_in(time.time())
-                if delay is None:
-                    await asyncio.Event().wait()  # nothing expires: until cancelled
-                    continue
-                await asyncio.sleep(delay)
-                if self._reload is not None and (
-                    self.credentials_expiry or self._tls_files() != self._tls_stamp
-                ):
-                    await self._reload_credentials()
-                else:
-                    self.tls_rotated()
-        except asyncio.CancelledError:
-            log.info("credential_refresher_stopped", why="cancelled")
-            raise
 
     async def watch(
         self,
@@ -691,7 +676,7 @@ class KubeClient:
         params: Mapping[str, str],
         *,
         idle_timeout: float,
-        on_connected: Any = None,
+        on_connected: Callable[[], None] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield decoded watch events, one a line; ends when the server ends the stream.
 
@@ -700,8 +685,8 @@ class KubeClient:
         ``idle_timeout`` seconds: a silently dead connection; (reason ``LineTooLong``) for
         a line longer than MAX_WATCH_LINE; and KubeError for anything else that goes wrong.
         """
-        version = self._credentials_version
-        headers = await self._headers()
+        version = self.credentials.version
+        headers = await self.credentials.headers()
         sent = time.monotonic()
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -722,25 +707,14 @@ class KubeClient:
                 body = await response.read() if response.status >= 300 else b""
                 self._note_answer(sent, response.status, body)
                 if response.status == 401:
-                    await self._reload_credentials(version)  # the retry uses fresh ones
+                    await self.credentials.reload(version)  # the retry uses fresh ones
                 if response.status >= 300:
                     raise error_from_response(
                         response.status, body, response.headers.get("Retry-After")
                     )
                 if on_connected is not None:
                     on_connected()
-                while True:
-                    try:
-                        line = await response.content.readline()
-                    except (LineTooLong, ValueError) as err:  # ValueError: aiohttp < 3.14
-                        count_request("watch", "error")
-                        raise KubeError(
-                            ErrorKind.TRANSIENT,
-                            f"a watch line longer than {MAX_WATCH_LINE} bytes",
-                            reason="LineTooLong",
-                        ) from err
-                    if not line:
-                        break  # the end of the stream
+                while line := await self._read_line(response):
                     if (event := _watch_event(line, path)) is not None:
                         yield event
         except KubeError:
@@ -754,6 +728,19 @@ class KubeClient:
                 ) from err
             raise self._no_answer("watch", path, err) from err
 
+    @staticmethod
+    async def _read_line(response: aiohttp.ClientResponse) -> bytes:
+        """The next line of a watch; b"" at the end of the stream."""
+        try:
+            return await response.content.readline()
+        except (LineTooLong, ValueError) as err:  # ValueError: aiohttp < 3.14
+            count_request("watch", "error")
+            raise KubeError(
+                ErrorKind.TRANSIENT,
+                f"a watch line longer than {MAX_WATCH_LINE} bytes",
+                reason="LineTooLong",
+            ) from err
+
 
 def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
     """One watch line's event; None (counted and logged) for a blank line or one that is
@@ -763,88 +750,9 @@ def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
     try:
         event = decode_json(line)
     except ValueError:
-        metrics.ERRORS.labels("watch_decode").inc()
-        log.warning("watch_line_not_json", path=path, size=len(line))
-        return None
+        event = None
     if isinstance(event, dict):
         return event
     metrics.ERRORS.labels("watch_decode").inc()
-    log.warning("watch_line_not_an_object", path=path)
+    log.warning("watch_line_not_an_object", path=path, size=len(line))
     return None
-
-
-# --------------------------------------------------------------- credentials
-
-
-class _ExecProvider(ExecProvider):
-    """kubernetes-asyncio's exec credential plugin run (kube_config's, replaced below),
-    with the plugin in a process group of its own that is killed and reaped when the run
-    ends otherwise than by the plugin's exit: cancelled at its call's deadline or at
-    shutdown. A hung plugin, or a command it started, outlives neither."""
-
-    async def run(self, previous_response: str | None = None) -> Any:
-        spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
-        info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
-        process = await asyncio.create_subprocess_exec(
-            *self.args,
-            env={**self.env, "KUBERNETES_EXEC_INFO": json.dumps(info)},
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-        try:
-            out, err = await process.communicate()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-            raise
-        if process.returncode:
-            said = err.decode("utf-8", "replace").strip()
-            raise ConfigException(f"exec: process returned {process.returncode}. {said}")
-        answer = decode_json(out)  # ValueError: a failed reload too
-        if not isinstance(answer, dict) or answer.get("apiVersion") != self.api_version:
-            raise ConfigException(f"exec: not an ExecCredential of {self.api_version}")
-        if not isinstance(answer.get("status"), dict):
-            raise ConfigException("exec: an ExecCredential without a status")
-        return answer["status"]
-
-
-kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
-
-
-def kubeconfig_path(kubeconfig: str | None) -> str:
-    """The kubeconfig kubectl would read: the given one, else ~/.kube/config."""
-    return kubeconfig or os.path.expanduser("~/.kube/config")
-
-
-def kubeconfig_files(value: str) -> list[str]:
-    """The files of a kubeconfig value: several separated by ':' (';' on Windows), as
-    KUBECONFIG lists them; kubectl merges them, and kubernetes-asyncio's loader does
-    too (KubeConfigMerger: the first file to name a cluster, user or context wins)."""
-    return [os.path.expanduser(path) for path in value.split(os.pathsep) if path]
-
-
-async def load_configuration(
-    kubeconfig: str | None, context: str | None
-) -> tuple[k8s_client.Configuration, Any, Any]:
-    """Credentials as kubectl finds them; returns the configuration, a reload function
-    and the loader (what it knows of the credentials' lifetime).
-
-    In-cluster when no kubeconfig is given and KUBERNETES_SERVICE_HOST is set (its token
-    is re-read by kubernetes-asyncio's refresh hook), else the kubeconfig.
-    """
-    configuration = k8s_client.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return configuration, None, None
-    path = kubeconfig_path(kubeconfig)
-
-    async def reload(target: k8s_client.Configuration) -> Any:
-        return await k8s_config.load_kube_config(
-            config_file=path, context=context, client_configuration=target, persist_config=False
-        )
-
-    loader = await reload(configuration)
-    return configuration, reload, loader

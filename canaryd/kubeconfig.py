@@ -29,14 +29,8 @@ import yaml
 
 from canaryd import logs
 from canaryd.config import ConfigError, parse_duration
-from canaryd.kube import (
-    ErrorKind,
-    KubeClient,
-    KubeError,
-    kubeconfig_path,
-    load_configuration,
-    segment,
-)
+from canaryd.credentials import kubeconfig_path, load_configuration
+from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 
 FIELD_MANAGER = "canaryd-kubeconfig"
 BASE_NAME = "canaryd"

@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 from canaryd import metrics
+from canaryd.credentials import load_configuration
 from canaryd.kube import (
     MAX_WATCH_LINE,
     MERGE_PATCH,
     KubeClient,
     KubeError,
     failure_cause,
-    load_configuration,
     object_path,
 )
 from canaryd.registry import CanaryState

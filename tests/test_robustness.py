@@ -537,19 +537,16 @@ async def test_a_half_open_pool_costs_no_bump_per_idle_connection(kube, tmp_path
             assert canary is not None and canary.state is not CanaryState.UNHEALTHY
 
 
-async def test_lists_and_the_lease_get_a_connection_while_every_bump_hangs(kube):
+async def test_lists_and_the_lease_get_a_connection_while_every_bump_hangs(kube, kubeconfig):
     """A brownout: as many bumps as may be in flight (the shipped default) all hang for
     their whole timeout, each holding a connection. A relist, an access review or a
     lease renewal still gets one at once; on a pool of exactly the bumps' size it
     waited for one until its connect timeout ("no connection within")."""
-    from canaryd.daemon import kube_client
+    from canaryd.credentials import connect
 
     canary = create_canary(kube)
-    settings = replace(Settings(), timeout=4.0)  # connect timeout 2 s
-    configuration = k8s_client.Configuration()
-    configuration.host = kube.url
-    configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
-    client = kube_client(configuration, settings, None)
+    settings = replace(Settings(), timeout=4.0, kubeconfig=str(kubeconfig))  # connect: 2 s
+    client = await connect(settings)
     hung: list[Any] = []
     every_bump_hangs = asyncio.Event()
 
