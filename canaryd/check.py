@@ -35,9 +35,16 @@ from canaryd.config import (
     nested_keys_why,
     nested_operator_keys,
 )
-from canaryd.credentials import connect
 from canaryd.discovery import discover_kinds
-from canaryd.kube import NAMESPACES_PATH, ErrorKind, Kind, KubeClient, KubeError, failure_cause
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    connect,
+    failure_cause,
+)
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
 from canaryd.watcher import list_all

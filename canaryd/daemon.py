@@ -31,9 +31,9 @@ from canaryd.config import (
     operator_config_values,
     read_operator_config,
 )
-from canaryd.credentials import CredentialsError, connect, runs_a_plugin
+from canaryd.credentials import CredentialsError, runs_a_plugin
 from canaryd.episodes import Episodes
-from canaryd.kube import KubeClient, KubeError
+from canaryd.kube import KubeClient, KubeError, connect
 from canaryd.leader import LeaderElector
 from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry

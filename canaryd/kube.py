@@ -20,19 +20,18 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 import structlog
 from aiohttp.http_exceptions import LineTooLong
-from kubernetes_asyncio import client as k8s_client
 
 from canaryd import logs, metrics
-from canaryd.backoff import Backoff
+from canaryd.config import Settings
+from canaryd.credentials import Credentials, load
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -46,8 +45,6 @@ RESERVED_CONNECTIONS = 64
 at a time, canaryd.watcher), access reviews (8 at once, canaryd.access), the lease."""
 MAX_WATCH_LINE = 2**24
 """A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
-Reload = Callable[[k8s_client.Configuration], Awaitable[Any]]
-"""Loads the credentials into a configuration again; returns kubernetes-asyncio's loader."""
 
 
 @dataclass(frozen=True)
@@ -282,206 +279,6 @@ def count_request(verb: str, code: int | str) -> None:
     metrics.API_REQUESTS.labels(verb, str(code)).inc()
 
 
-# --------------------------------------------------------------- credentials
-
-
-class Credentials:
-    """The credentials requests carry: their headers and TLS context, reloaded
-    (``reload``) when the API server refuses them (401), before an exec plugin's token
-    expires, and when TLS files (a CA bundle, a client certificate and key, or the
-    kubeconfig ``files``, which may embed them) change on disk. A new client certificate
-    or CA makes a new TLS context: aiohttp pools connections by context, so no request
-    after it goes over a connection made with the old one (those left idle are closed by
-    the pool's keep-alive timeout)."""
-
-    def __init__(
-        self,
-        configuration: k8s_client.Configuration,
-        reload: Reload | None = None,
-        files: Sequence[str] = (),
-        timeout: float = 10.0,
-    ) -> None:
-        self.configuration = configuration
-        self._reload = reload
-        self._files = tuple(files)
-        self._timeout = timeout
-        self.version = 0
-        """Bumped by every reload: a 401 on credentials older than the current ones is
-        answered by the reload that already happened (one reload per burst of 401s)."""
-        self._lock = asyncio.Lock()
-        self._reload_ok = True
-        self._not_before = -math.inf
-        self._backoff = Backoff(1.0, 30.0)
-        """A failing reload (an exec plugin down), or credentials refused again right
-        after one (an authentication webhook down), waits 1 s, doubling to 30 s: one step
-        per reload, however many requests it answered."""
-        self._refused: int | None = None
-        """The version refused right after its reload, until a request succeeds."""
-        self.expiry: float | None = None
-        """time.time() at which the credentials expire (an exec plugin's
-        expirationTimestamp), when known."""
-        self._authorization: str | None = None
-        self._stamp = self._tls_files()
-        self.tls = self._ssl_context()
-
-    async def headers(self) -> dict[str, str]:
-        """The credential headers (auth_settings() calls the in-cluster token refresh
-        hook). Raises KubeError (transient) when they cannot be had: that hook raises
-        ConfigException ("Token file exists but empty") or FileNotFoundError while the
-        kubelet rotates the token."""
-        try:
-            headers = {
-                str(s["key"]): str(s["value"])
-                for s in (await self.configuration.auth_settings()).values()
-                if s.get("in") == "header" and s.get("value")
-            }
-        except Exception as err:  # any loader failure; the next try may work
-            metrics.ERRORS.labels("credentials").inc()
-            raise error_from_exception(err, "Credentials") from err
-        authorization = headers.get("authorization")
-        if authorization is not None and authorization != self._authorization:
-            self._authorization = authorization
-            logs.register_secret(authorization)  # a rotated token is masked in logs too
-        return headers
-
-    def answered(self, status: int, version: int, retried: bool) -> str:
-        """A request sent with credentials ``version`` was answered ``status``: a success
-        resets the reload backoff; fresh credentials refused too (``retried``) advance it
-        one step for their version (an authentication webhook down would otherwise cost
-        a reload, an exec plugin run, per refused request). Returns what a 401 adds to
-        its error."""
-        if status < 300:
-            self._backoff.reset()
-            self._refused = None
-        elif status == 401 and retried and self._refused != version:
-            self._refused = version
-            self._not_before = time.monotonic() + self._backoff.next()
-        again = status == 401 and self._refused is not None
-        return " (also after reloading the credentials)" if again else ""
-
-    async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
-        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
-        rotated); returns whether fresh credentials are there. ``version``: the
-        credentials a refused request was sent with; when a reload has happened since,
-        that one answers it (100 requests refused at once make one reload, not 100 runs
-        of an exec plugin). Within ``deadline`` (the call's; else the request timeout): a
-        reload still running then fails (its exec plugin killed), and a wait for another's
-        ends."""
-        if self._reload is None:
-            return False
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + self._timeout
-        try:
-            async with asyncio.timeout_at(deadline), self._lock:
-                if version is not None and version != self.version:
-                    return self._reload_ok  # a reload since answers this request too
-                if time.monotonic() < self._not_before:
-                    return False  # the last reload failed, or was refused: backing off
-                try:
-                    loaded = await self._reload(self.configuration)
-                # Cancelled: at the deadline, or at shutdown (then cancelled on).
-                except (Exception, asyncio.CancelledError) as err:
-                    self.version += 1  # the waiters have their answer: no
-                    metrics.ERRORS.labels("credentials").inc()
-                    delay = self._backoff.next()
-                    self._not_before = time.monotonic() + delay
-                    self._reload_ok = False
-                    log.warning(
-                        "credentials_reload_failed",
-                        error=type(err).__name__,
-                        retry_in=round(delay, 3),
-                    )
-                    if isinstance(err, asyncio.CancelledError):
-                        raise
-                    return False
-                self.version += 1
-                self._reload_ok = True
-                self.note(loaded)
-                self.tls_rotated()
-                return True
-        except TimeoutError:
-            return False  # the request is answered by what refused it
-
-    def note(self, loader: Any) -> None:
-        """What the kubeconfig loader tells of the credentials' lifetime."""
-        expiry = getattr(loader, "exec_plugin_expiry", None)
-        self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
-
-    def next_refresh_in(self, now: float) -> float | None:
-        """Seconds until the credentials should be renewed: at 80 % of an exec token's
-        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
-        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
-        nothing expires."""
-        if self._reload is not None and self.expiry is not None:
-            return max(1.0, 0.8 * (self.expiry - now))
-        cfg = self.configuration
-        if isinstance(self.tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
-            return 60.0
-        return None
-
-    async def keep_fresh(self) -> None:
-        """Long-lived: renew the credentials before they expire, not only after a 401,
-        and pick up TLS files rotated on disk."""
-        try:
-            while True:
-                delay = self.next_refresh_in(time.time())
-                if delay is None:
-                    await asyncio.Event().wait()  # nothing expires: until cancelled
-                    continue
-                await asyncio.sleep(delay)
-                if self._reload is not None and (self.expiry or self._tls_files() != self._stamp):
-                    await self.reload()
-                else:
-                    self.tls_rotated()
-        except asyncio.CancelledError:
-            log.info("credential_refresher_stopped", why="cancelled")
-            raise
-
-    def _tls_files(self) -> tuple[object, ...]:
-        """What tells rotated TLS files: each one's path, modification time and size."""
-        stamp: list[object] = []
-        cfg = self.configuration
-        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._files):
-            try:
-                info = os.stat(path) if path else None
-            except OSError:
-                info = None
-            stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
-        return tuple(stamp)
-
-    def _ssl_context(self) -> ssl.SSLContext | bool:
-        cfg = self.configuration
-        if not str(cfg.host).startswith("https"):
-            return False
-        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        if cfg.cert_file:
-            context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
-        if not cfg.verify_ssl:
-            # Only when the kubeconfig says insecure-skip-tls-verify.
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
-
-    def tls_rotated(self) -> bool:
-        """A new TLS context when the TLS files changed on disk, so every later request
-        and watch opens a connection that presents and trusts the new ones. Returns
-        whether they changed."""
-        stamp = self._tls_files()
-        if stamp == self._stamp:
-            return False
-        try:
-            context = self._ssl_context()
-        except (OSError, ssl.SSLError, ValueError) as err:
-            # Half-written files (a rotation in progress): the old context stays, and
-            # the next look tries again.
-            metrics.ERRORS.labels("credentials").inc()
-            log.warning("tls_files_reload_failed", error=type(err).__name__)
-            return False
-        self._stamp, self.tls = stamp, context
-        log.info("tls_files_reloaded")
-        return True
-
-
 # -------------------------------------------------------------------- client
 
 
@@ -491,17 +288,15 @@ class KubeClient:
 
     def __init__(
         self,
-        configuration: k8s_client.Configuration,
+        credentials: Credentials,
         *,
         request_timeout: float = 10.0,
         connect_timeout: float = 5.0,
         keepalive_timeout: float = 15.0,
         writes_in_flight: int = 256,
-        reload: Reload | None = None,
-        kubeconfig: Sequence[str] = (),
     ) -> None:
-        self.credentials = Credentials(configuration, reload, kubeconfig, request_timeout)
-        self.host = str(configuration.host).rstrip("/")
+        self.credentials = credentials
+        self.host = str(credentials.configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         self._connect_timeout = min(connect_timeout, request_timeout)
         self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
@@ -562,6 +357,13 @@ class KubeClient:
         await self._session.close()
         await self._watch_session.close()
 
+    async def _headers(self) -> dict[str, str]:
+        """The credentials' headers; a KubeError (transient) when they cannot be had."""
+        try:
+            return await self.credentials.headers()
+        except Exception as err:  # any loader failure; the next try may work
+            raise error_from_exception(err, "Credentials") from err
+
     def _request_kwargs(self) -> dict[str, Any]:
         cfg = self.credentials.configuration
         kwargs: dict[str, Any] = {"ssl": self.credentials.tls}
@@ -621,7 +423,7 @@ class KubeClient:
             headers: dict[str, str] | None = None
             try:
                 async with asyncio.timeout_at(deadline):
-                    headers = await self.credentials.headers()
+                    headers = await self._headers()
                     if data is not None:
                         headers["Content-Type"] = content_type
                     sent = time.monotonic()
@@ -686,7 +488,7 @@ class KubeClient:
         a line longer than MAX_WATCH_LINE; and KubeError for anything else that goes wrong.
         """
         version = self.credentials.version
-        headers = await self.credentials.headers()
+        headers = await self._headers()
         sent = time.monotonic()
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -756,3 +558,15 @@ def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
     metrics.ERRORS.labels("watch_decode").inc()
     log.warning("watch_line_not_an_object", path=path, size=len(line))
     return None
+
+
+async def connect(settings: Settings) -> KubeClient:
+    """A client with the settings' credentials (canaryd.credentials.load), timings and
+    pool."""
+    return KubeClient(
+        await load(settings),
+        request_timeout=settings.request_timeout,
+        connect_timeout=settings.connect_timeout,
+        keepalive_timeout=settings.keepalive_timeout,
+        writes_in_flight=settings.max_bumps_in_flight,
+    )

@@ -29,7 +29,7 @@ import yaml
 
 from canaryd import logs
 from canaryd.config import ConfigError, parse_duration
-from canaryd.credentials import kubeconfig_path, load_configuration
+from canaryd.credentials import Credentials, kubeconfig_path, load_configuration
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 
 FIELD_MANAGER = "canaryd-kubeconfig"
@@ -199,7 +199,7 @@ async def run(args: argparse.Namespace, objects: list[dict[str, Any]]) -> str:
         detail = logs.scrub(str(err)) or type(err).__name__
         raise ConfigError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
     logs.register_secret(configuration.api_key.get("BearerToken"))
-    admin = KubeClient(configuration)
+    admin = KubeClient(Credentials(configuration))
     try:
         await apply(
             admin,
@@ -251,7 +251,7 @@ async def check(path: Path, namespace: str | None) -> None:
     """With the new kubeconfig: canaryd's first list is allowed (a new binding takes a
     moment to reach every API server), and reading secrets is not."""
     configuration, _, _ = await load_configuration(str(path), None)
-    kube = KubeClient(configuration)
+    kube = KubeClient(Credentials(configuration))
     wanted = {"group": "flink.apache.org", "resource": "flinkdeployments", "verb": "list"}
     where = "in every namespace"
     if namespace is not None:

@@ -673,7 +673,7 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
     """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
     refused too, one step of its backoff: the next reload may come 1 s later (before:
     a step per refused retry, 30 s)."""
-    from canaryd.credentials import load_configuration
+    from canaryd.credentials import Credentials, load_configuration
     from canaryd.kube import KubeClient, KubeError
 
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
@@ -685,7 +685,7 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         reloads += 1
         return await reload(target)
 
-    client = KubeClient(configuration, reload=counted)
+    client = KubeClient(Credentials(configuration, counted))
     kube.inject(Fault(verb="get", code=401, times=-1))
     try:
         answers = await asyncio.gather(
@@ -708,8 +708,8 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
     rotated CA file does, and the next connection trusts the new CA (before: only CA
     files were watched; the embedded data was read at start only)."""
     from canaryd.config import Settings
-    from canaryd.credentials import connect
-    from canaryd.kube import Credentials
+    from canaryd.credentials import Credentials
+    from canaryd.kube import connect
 
     handshakes = Handshakes(server_context)
     reloaded = asyncio.Event()
@@ -762,7 +762,7 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
     """One deadline covers the whole call: a 401 whose reload (an exec plugin) takes
     longer than the call's time limit ends the call; the retry is not sent late (a
     leader's write past its fence)."""
-    from canaryd.credentials import load_configuration
+    from canaryd.credentials import Credentials, load_configuration
     from canaryd.kube import ErrorKind, KubeClient, KubeError
 
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
@@ -772,7 +772,7 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
         await asyncio.sleep(0.5)
         return await reload(target)
 
-    client = KubeClient(configuration, request_timeout=0.3, reload=slow_reload)
+    client = KubeClient(Credentials(configuration, slow_reload), request_timeout=0.3)
     kube.inject(Fault(verb="get", code=401, times=1))
     try:
         with pytest.raises(KubeError) as caught:
