@@ -1,13 +1,10 @@
 """Kubernetes access: the resource types canaryd names, the one place where API errors
-are classified (ErrorKind; failure_cause for people), the credentials as requests carry
-them, and every request and watch over aiohttp.
+are classified (ErrorKind; failure_cause for people), and every request and watch, over
+aiohttp with the credentials of canaryd.credentials.
 
-Requests and watches go through two ``aiohttp.ClientSession``s (watches hold their
-connection for minutes: a pool of their own). ``trust_env`` (a per-request proxy/netrc
-lookup) is on only when a proxy is configured in the environment. aiohttp retries a
-request on a pooled connection the server had closed only for idempotent methods: a
-PATCH whose connection failed is reported, never resent here (the writer resends it
-identical, see canaryd.writer). Where the credentials come from: canaryd.credentials.
+aiohttp retries a request on a pooled connection the server had closed only for
+idempotent methods: a PATCH whose connection failed is reported, never resent here (the
+writer resends it identical, see canaryd.writer).
 """
 
 from __future__ import annotations
@@ -112,13 +109,13 @@ def decode_json(data: bytes) -> Any:
         raise ValueError(f"JSON nested too deeply: {err}") from err
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
-    """The JSON object a body holds; {} for anything else."""
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The JSON object a body holds; None for anything else."""
     try:
         decoded = decode_json(body)
     except ValueError:
-        return {}
-    return decoded if isinstance(decoded, dict) else {}
+        return None
+    return decoded if isinstance(decoded, dict) else None
 
 
 # -------------------------------------------------------------------- errors
@@ -189,7 +186,7 @@ def serving(status: int, body: bytes) -> bool:
     if 200 <= status < 300:
         return True
     status_object = 400 <= status < 500 and status != 429
-    return status_object and _json_object(body).get("kind") == "Status"
+    return status_object and (_json_object(body) or {}).get("kind") == "Status"
 
 
 def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
@@ -217,7 +214,7 @@ def error_from_response(
 ) -> KubeError:
     """A KubeError from a non-2xx answer, reading the Status object when there is one
     (``note`` is said after its message)."""
-    answer = _json_object(body)
+    answer = _json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
         seconds: float | None = float(retry_after or "")
@@ -302,10 +299,8 @@ class KubeClient:
         self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
         """A request's own bound on its connection (the wait for the pool included); the
         whole call is bounded by its deadline (asyncio.timeout_at)."""
-        self._answered = -math.inf
-        """time.monotonic() at which the latest request answered was sent."""
-        self._unanswered = -math.inf
-        """time.monotonic() at which the latest request that got no answer was sent."""
+        self._answered = self._unanswered = -math.inf
+        """Send times of the latest exchange answered serving, and of the latest not."""
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
@@ -459,11 +454,8 @@ class KubeClient:
             note = self.credentials.answered(status, version, retried)
             if status >= 300:
                 raise error_from_response(status, payload, retry_after, note)
-            try:
-                decoded = decode_json(payload)
-            except ValueError:
-                decoded = None
-            if not isinstance(decoded, dict):
+            decoded = _json_object(payload)
+            if decoded is None:
                 raise KubeError(
                     ErrorKind.TRANSIENT,
                     "the API server sent a body that is not a JSON object",
@@ -516,7 +508,18 @@ class KubeClient:
                     )
                 if on_connected is not None:
                     on_connected()
-                while line := await self._read_line(response):
+                while True:
+                    try:
+                        line = await response.content.readline()
+                    except (LineTooLong, ValueError) as err:  # ValueError: aiohttp < 3.14
+                        count_request("watch", "error")
+                        raise KubeError(
+                            ErrorKind.TRANSIENT,
+                            f"a watch line longer than {MAX_WATCH_LINE} bytes",
+                            reason="LineTooLong",
+                        ) from err
+                    if not line:
+                        break  # the end of the stream
                     if (event := _watch_event(line, path)) is not None:
                         yield event
         except KubeError:
@@ -530,34 +533,17 @@ class KubeClient:
                 ) from err
             raise self._no_answer("watch", path, err) from err
 
-    @staticmethod
-    async def _read_line(response: aiohttp.ClientResponse) -> bytes:
-        """The next line of a watch; b"" at the end of the stream."""
-        try:
-            return await response.content.readline()
-        except (LineTooLong, ValueError) as err:  # ValueError: aiohttp < 3.14
-            count_request("watch", "error")
-            raise KubeError(
-                ErrorKind.TRANSIENT,
-                f"a watch line longer than {MAX_WATCH_LINE} bytes",
-                reason="LineTooLong",
-            ) from err
-
 
 def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
     """One watch line's event; None (counted and logged) for a blank line or one that is
     not a JSON object."""
     if line.isspace():
         return None
-    try:
-        event = decode_json(line)
-    except ValueError:
-        event = None
-    if isinstance(event, dict):
-        return event
-    metrics.ERRORS.labels("watch_decode").inc()
-    log.warning("watch_line_not_an_object", path=path, size=len(line))
-    return None
+    event = _json_object(line)
+    if event is None:
+        metrics.ERRORS.labels("watch_decode").inc()
+        log.warning("watch_line_not_an_object", path=path, size=len(line))
+    return event
 
 
 async def connect(settings: Settings) -> KubeClient:
