@@ -1,12 +1,9 @@
-"""Where the Kubernetes credentials come from, and their first load: the client's start.
+"""Kubernetes credentials: where they come from, their load, and as requests carry them.
 
-The kubeconfig kubectl would read (several files separated by ':' as KUBECONFIG lists
-them, else ~/.kube/config), read here once for a clear error, its context and whether an
-exec plugin gives the credentials; or, with no kubeconfig given and
-KUBERNETES_SERVICE_HOST set, the in-cluster service account (its token re-read by
-kubernetes-asyncio's refresh hook). kubernetes-asyncio loads them and merges the files
-(the first to name a cluster, user or context wins); its exec plugin run is replaced by
-one that a deadline or a shutdown ends (``_ExecProvider``).
+kubernetes-asyncio loads them as kubectl finds them (in-cluster, its refresh hook
+re-reading the token; or the kubeconfig, merging its files: the first to name a cluster,
+user or context wins), with its exec plugin run replaced by one that a deadline or a
+shutdown ends (``_ExecProvider``).
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ class CredentialsError(ConfigError):
 
 @dataclass(frozen=True)
 class Source:
-    """Where the credentials come from: the kubeconfig (its value and files) or
-    IN_CLUSTER; the context; whether an exec plugin gives them (it may fail or hang
-    for a while: the daemon loads them once its health server runs)."""
+    """The kubeconfig (its value and files) or IN_CLUSTER; the context; whether an exec
+    plugin gives the credentials."""
 
     where: str
     context: str | None
@@ -67,11 +63,10 @@ def kubeconfig_path(kubeconfig: str | None) -> str:
 
 
 def source(settings: Settings) -> Source:
-    """The settings' credentials. The kubeconfig's files are each checked: one that is
-    unreadable or not a mapping, or none there at all, is a ``ConfigError`` of one clear
-    line, not the loader's internals ("list indices must be integers", a NoneType). The
-    context is the given one, else the current context kubectl would use: the first
-    file's that sets one (kubernetes-asyncio's merge takes the last file's)."""
+    """The settings' credentials, the kubeconfig read once. A file unreadable or not a
+    mapping, or none there at all, is a ``ConfigError`` of one clear line, not the
+    loader's internals ("list indices must be integers"). The context is the given one,
+    else kubectl's: the first file's current context (kubernetes-asyncio's is the last's)."""
     if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         return Source(IN_CLUSTER, settings.context)
     where = kubeconfig_path(settings.kubeconfig)
@@ -116,9 +111,8 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def runs_a_plugin(settings: Settings) -> bool:
-    """Whether an exec plugin gives the credentials (retried at start:
-    ``Daemon._connect``); any other kubeconfig or the in-cluster account that cannot be
-    loaded is bad configuration (exit 2 before anything runs)."""
+    """Whether an exec plugin gives the credentials: it may fail or hang for a while (the
+    daemon loads them once its health server runs, and retries)."""
     return source(settings).plugin
 
 
@@ -139,8 +133,8 @@ def server_url_problem(host: str) -> str | None:
 async def load_configuration(
     kubeconfig: str | None, context: str | None
 ) -> tuple[k8s_client.Configuration, Reload | None, Any]:
-    """Credentials as kubectl finds them; returns the configuration, a reload function
-    (None in-cluster) and the loader (what it knows of the credentials' lifetime)."""
+    """The configuration, a reload function (None in-cluster) and the loader (what it
+    knows of the credentials' lifetime)."""
     configuration = k8s_client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -156,9 +150,8 @@ async def load_configuration(
 
 
 async def load(settings: Settings) -> Credentials:
-    """The settings' credentials. Not loaded within the request timeout (an exec plugin
-    still running then is killed and reaped): a ``CredentialsError``; a kubeconfig
-    missing, bad, or whose cluster server is no URL: a ``ConfigError``."""
+    """The settings' credentials: a ``CredentialsError`` when not loaded within the request
+    timeout; a ``ConfigError`` when the kubeconfig or its cluster server is bad."""
     found = source(settings)
     try:
         async with asyncio.timeout(settings.request_timeout) as bound:
@@ -220,13 +213,10 @@ kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
 class Credentials:
-    """The credentials requests carry: their headers and TLS context, reloaded
-    (``reload``) when the API server refuses them (401), before an exec plugin's token
-    expires, and when TLS files (a CA bundle, a client certificate and key, or the
-    kubeconfig ``files``, which may embed them) change on disk. A new client certificate
-    or CA makes a new TLS context: aiohttp pools connections by context, so no request
-    after it goes over a connection made with the old one (those left idle are closed by
-    the pool's keep-alive timeout)."""
+    """The credentials requests carry, headers and TLS context, reloaded on a 401, before
+    an exec plugin's token expires, and when TLS files (CA, client certificate and key,
+    the kubeconfig ``files`` that may embed them) change. A new TLS context: aiohttp pools
+    connections by context, so no later request uses a connection made with the old one."""
 
     def __init__(
         self,
@@ -239,21 +229,15 @@ class Credentials:
         self._reload = reload
         self._files = tuple(files)
         self._timeout = timeout
-        self.version = 0
-        """Bumped by every reload: a 401 on credentials older than the current ones is
-        answered by the reload that already happened (one reload per burst of 401s)."""
+        self.version = 0  # bumped by every reload
         self._lock = asyncio.Lock()
         self._reload_ok = True
         self._not_before = -math.inf
         self._backoff = Backoff(1.0, 30.0)
-        """A failing reload (an exec plugin down), or credentials refused again right
-        after one (an authentication webhook down), waits 1 s, doubling to 30 s: one step
-        per reload, however many requests it answered."""
-        self._refused: int | None = None
-        """The version refused right after its reload, until a request succeeds."""
-        self.expiry: float | None = None
-        """time.time() at which the credentials expire (an exec plugin's
-        expirationTimestamp), when known."""
+        """A failing reload (an exec plugin down), or credentials refused right after one
+        (an authentication webhook down): the next waits 1 s, doubling to 30 s."""
+        self._refused: int | None = None  # the version refused after its reload
+        self.expiry: float | None = None  # time.time() an exec plugin's token expires
         self._authorization: str | None = None
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
@@ -280,10 +264,8 @@ class Credentials:
 
     def answered(self, status: int, version: int, retried: bool) -> str:
         """A request sent with credentials ``version`` was answered ``status``: a success
-        resets the reload backoff; fresh credentials refused too (``retried``) advance it
-        one step for their version (an authentication webhook down would otherwise cost
-        a reload, an exec plugin run, per refused request). Returns what a 401 adds to
-        its error."""
+        resets the reload backoff; fresh ones refused too (``retried``) advance it one step
+        per version, not per request. Returns what a 401 adds to its error."""
         if status < 300:
             self._backoff.reset()
             self._refused = None
