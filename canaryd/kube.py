@@ -158,14 +158,11 @@ _STATUS_KINDS = {
     404: ErrorKind.GONE,
     403: ErrorKind.FORBIDDEN,
     410: ErrorKind.EXPIRED,
-    401: ErrorKind.TRANSIENT,
-    408: ErrorKind.TRANSIENT,
-    429: ErrorKind.TRANSIENT,
 }
 
 
 def classify_status(status: int) -> ErrorKind:
-    if status >= 500:
+    if status >= 500 or status in (401, 408, 429):
         return ErrorKind.TRANSIENT
     return _STATUS_KINDS.get(status, ErrorKind.INVALID)
 
@@ -301,15 +298,14 @@ class KubeClient:
         whole call is bounded by its deadline (asyncio.timeout_at)."""
         self._answered = self._unanswered = -math.inf
         """Send times of the latest exchange answered serving, and of the latest not."""
+        # trust_env (a proxy and netrc lookup per request) only when a proxy is configured.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
-        # Bounded: a request that cannot get a connection in time fails (ClientTimeout's
-        # connect covers the wait for the pool). Bumps in flight hold at most
-        # ``writes_in_flight`` connections (Settings.max_bumps_in_flight); the pool has
-        # RESERVED_CONNECTIONS more, so that lists, access reviews and the lease never
-        # wait behind bumps that all hang in a brownout. aiohttp hands out the idle
-        # connection released first, so a burst's connections take turns and all stay
-        # alive while they are reused within keepalive_timeout (Settings.keepalive_timeout).
+        # Bounded (ClientTimeout's connect covers the wait for the pool): bumps in flight
+        # hold at most ``writes_in_flight`` connections, and RESERVED_CONNECTIONS more keep
+        # lists, access reviews and the lease from waiting behind bumps that all hang in
+        # a brownout. aiohttp hands out the idle connection released first, so a burst's
+        # connections take turns and stay alive while reused within keepalive_timeout.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=writes_in_flight + RESERVED_CONNECTIONS, keepalive_timeout=keepalive_timeout
@@ -336,10 +332,8 @@ class KubeClient:
 
     def _note_answer(self, sent: float, status: int = 0, body: bytes = b"") -> None:
         """An exchange sent at ``sent`` was answered ``status`` with ``body`` (0: it
-        failed): answered when that shows the server serving, else unanswered. Whether a
-        watch that failed was answered first (its 200 came, then the stream broke) need
-        not be known: then ``_answered`` is already at least ``sent``, and
-        ``answered_since`` is unchanged."""
+        failed). A watch that failed after its 200 changes nothing: ``_answered`` is
+        already at least ``sent``."""
         if serving(status, body):
             self._answered = max(self._answered, sent)
         else:
@@ -368,8 +362,10 @@ class KubeClient:
             kwargs["server_hostname"] = cfg.tls_server_name
         return kwargs
 
-    def _no_answer(self, verb: str, path: str, err: BaseException) -> KubeError:
-        """An exchange that ended without an answer, counted: the KubeError it is."""
+    def _no_answer(self, verb: str, path: str, sent: float, err: BaseException) -> KubeError:
+        """An exchange sent at ``sent`` that ended without an answer, counted and noted:
+        the KubeError it is."""
+        self._note_answer(sent)
         count_request(verb, "error")
         if isinstance(err, aiohttp.ConnectionTimeoutError):
             # A black-holed address: no connection (or none from the pool) in time.
@@ -399,16 +395,13 @@ class KubeClient:
         content_type: str = "application/json",
         time_limit: float | None = None,
     ) -> dict[str, Any]:
-        """One request; returns the decoded JSON object or raises KubeError, whatever
-        went wrong: this is the Kubernetes boundary.
+        """One request: the decoded JSON object, or a KubeError whatever went wrong.
 
-        ``verb`` (get, list, patch, ...) labels the request in the metrics; ``data`` is
-        an already serialised JSON body, ``body`` one to serialise; ``time_limit``
-        replaces the request timeout (lists, a leader's writes). Whatever has not been
-        answered within it is abandoned: its connection is closed, so a late answer is
-        never read. One deadline covers the whole call (credentials, and the one retry
-        after a 401 with reloaded credentials).
-        """
+        ``verb`` (get, list, patch, ...) labels it in the metrics; ``data`` is a serialised
+        JSON body, ``body`` one to serialise; ``time_limit`` replaces the request timeout.
+        One deadline covers the whole call (credentials, the one retry after a 401 with
+        reloaded credentials): what is not answered by then is abandoned, its connection
+        closed, so a late answer is never read."""
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         loop = asyncio.get_running_loop()
@@ -439,8 +432,7 @@ class KubeClient:
             except Exception as err:
                 if headers is None:  # the deadline passed while they were being had
                     raise error_from_exception(err, "Credentials") from err
-                self._note_answer(sent)
-                raise self._no_answer(verb, path, err) from err
+                raise self._no_answer(verb, path, sent, err) from err
             count_request(verb, status)
             if status == 401 and not retried:
                 reloaded = await self.credentials.reload(version, deadline)
@@ -482,8 +474,7 @@ class KubeClient:
         version = self.credentials.version
         headers = await self._headers()
         sent = time.monotonic()
-        timeout = aiohttp.ClientTimeout(
-            total=None,
+        timeout = aiohttp.ClientTimeout(  # no total: a watch lasts minutes
             sock_read=idle_timeout,
             connect=self._connect_timeout,
             sock_connect=self._connect_timeout,
@@ -525,13 +516,13 @@ class KubeClient:
         except KubeError:
             raise
         except Exception as err:
-            self._note_answer(sent)
             connecting = isinstance(err, aiohttp.ConnectionTimeoutError)
             if isinstance(err, aiohttp.ServerTimeoutError) and not connecting:
+                self._note_answer(sent)
                 raise KubeError(
                     ErrorKind.TRANSIENT, f"no event for {idle_timeout}s", reason="Idle"
                 ) from err
-            raise self._no_answer("watch", path, err) from err
+            raise self._no_answer("watch", path, sent, err) from err
 
 
 def _watch_event(line: bytes, path: str) -> dict[str, Any] | None:
