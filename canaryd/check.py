@@ -16,8 +16,7 @@ from typing import Any, TextIO
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
-from canaryd.daemon import connect
-from canaryd.kube import NAMESPACES_PATH, KubeClient, KubeError, failure_cause, kind_of
+from canaryd.kube import NAMESPACES_PATH, KubeClient, KubeError, connect, failure_cause, kind_of
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
 from canaryd.watcher import list_all

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import platform
 import signal
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import structlog
-import yaml
 
-from canaryd import __version__, logs, metrics
+from canaryd import __version__, metrics
 from canaryd.access import account_exists
 from canaryd.backoff import Backoff
 from canaryd.config import (
@@ -34,15 +31,9 @@ from canaryd.config import (
     operator_config_values,
     read_operator_config,
 )
+from canaryd.credentials import CredentialsError, runs_a_plugin
 from canaryd.episodes import Episodes
-from canaryd.kube import (
-    KubeClient,
-    KubeError,
-    kubeconfig_files,
-    kubeconfig_path,
-    load_configuration,
-    server_url_problem,
-)
+from canaryd.kube import KubeClient, KubeError, connect
 from canaryd.leader import LeaderElector
 from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry
@@ -52,110 +43,6 @@ from canaryd.systemd import Notifier
 from canaryd.watcher import Watcher
 
 log = structlog.get_logger("canaryd.daemon")
-
-
-class CredentialsError(ConfigError):
-    """Credentials not loaded: ``canaryd check`` exits 2; the daemon tries again."""
-
-
-async def connect(settings: Settings) -> KubeClient:
-    """A client with the credentials kubectl would use (in-cluster when no kubeconfig is
-    given and KUBERNETES_SERVICE_HOST is set), and the timings and the pool derived from
-    the settings. Credentials not loaded within the request timeout (an exec plugin
-    still running then is killed and reaped: kube._ExecProvider) are a
-    ``CredentialsError``."""
-    where, context = credentials_source(settings)
-    try:
-        async with asyncio.timeout(settings.request_timeout) as bound:
-            configuration, reload, loader = await load_configuration(settings.kubeconfig, context)
-    except Exception as err:  # any loader failure
-        metrics.ERRORS.labels("credentials").inc()
-        detail = logs.scrub(str(err)) or type(err).__name__
-        if bound.expired():
-            detail = f"not loaded within the request timeout ({settings.request_timeout:g}s)"
-        raise CredentialsError(f"cannot load Kubernetes credentials ({where}): {detail}") from err
-    problem = server_url_problem(str(configuration.host or ""))
-    if problem is not None:
-        raise ConfigError(f"kubeconfig {where}: {problem}")
-    logs.register_secret(configuration.api_key.get("BearerToken"))
-    kube = kube_client(configuration, settings, reload)
-    kube.note_credentials(loader)
-    return kube
-
-
-def runs_a_plugin(settings: Settings) -> bool:
-    """Whether the credentials come from an exec plugin, which may fail or hang for a
-    while (retried at start: ``Daemon._connect``); any other kubeconfig or the in-cluster
-    account that cannot be loaded is bad configuration (exit 2 before anything runs).
-    The context and user are found as kubectl merges the files: the first one wins."""
-    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return False
-    where, context = credentials_source(settings)
-    found: dict[str, dict[str, Any]] = {"contexts": {}, "users": {}}
-    for path in kubeconfig_files(where):
-        with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError, TypeError):
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-            for section, named in found.items():
-                for item in data.get(section) or []:
-                    if isinstance(item, dict) and isinstance(item.get(section[:-1]), dict):
-                        named.setdefault(str(item.get("name")), item[section[:-1]])
-    user = found["contexts"].get(str(context), {}).get("user")
-    return "exec" in found["users"].get(str(user), {})
-
-
-def credentials_source(settings: Settings) -> tuple[str, str | None]:
-    """Where the credentials come from, and the context: a kubeconfig missing or not
-    one is a ``ConfigError``."""
-    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-    if in_cluster:
-        return "in-cluster service account", settings.context
-    where = kubeconfig_path(settings.kubeconfig)
-    return where, settings.context or check_kubeconfig(where)
-
-
-def check_kubeconfig(value: str) -> str | None:
-    """The kubeconfig's files as kubectl reads KUBECONFIG (several separated by ':',
-    missing ones skipped), each checked: one that is unreadable or not a mapping, or
-    none there at all, gets one clear line, not the loader's internals ("list indices
-    must be integers", a NoneType). Returns the current context kubectl would use: the
-    first file's that sets one (kubernetes-asyncio's merge takes the last file's)."""
-    files = kubeconfig_files(value)
-    present = [path for path in files if Path(path).exists()]
-    if not present:
-        raise ConfigError(
-            f"no kubeconfig at {' or '.join(files) or repr(value)}: pass --kubeconfig or "
-            "set KUBECONFIG (in a pod, canaryd uses its service account)"
-        )
-    current = None
-    for path in present:
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read kubeconfig {path}: {err}") from err
-        except yaml.YAMLError as err:
-            raise ConfigError(f"kubeconfig {path} is not valid YAML") from err
-        if not isinstance(data, dict):
-            shown = "empty" if data is None else f"a YAML {type(data).__name__}"
-            raise ConfigError(
-                f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
-                "users, contexts and current-context)"
-            )
-        if current is None and data.get("current-context"):
-            current = str(data["current-context"])
-    return current
-
-
-def kube_client(configuration: Any, settings: Settings, reload: Any) -> KubeClient:
-    """The client, with the timings and the pool derived from the settings."""
-    return KubeClient(
-        configuration,
-        request_timeout=settings.request_timeout,
-        connect_timeout=settings.connect_timeout,
-        keepalive_timeout=settings.keepalive_timeout,
-        writes_in_flight=settings.max_bumps_in_flight,
-        reload=reload,
-        kubeconfig=kubeconfig_files(kubeconfig_path(settings.kubeconfig)) if reload else (),
-    )
 
 
 class _Shutdown(Exception):

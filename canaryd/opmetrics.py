@@ -52,7 +52,7 @@ _RECONCILED = re.compile(re.escape(RECONCILED_SUFFIX).encode() + rb"\{([^}\n]*)\
 _PROCESS = re.compile(
     rb"(_KubeClient_HttpRequest_Count|_Status_JVM_CPU_Time)(\{[^}\n]*\})?[ \t]+([^ \t\n]+)"
 )
-_START = re.compile(rb"process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
+_START = re.compile(rb"(?m)^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
 """A process start time, when a reporter exports one (Flink's Prometheus reporter does
 not: its registry holds Flink's metrics only)."""
 
@@ -116,7 +116,7 @@ class Scrape:
     @property
     def has_operator_series(self) -> bool:
         """Does the answer come from the operator's reporter at all?"""
-        return bool(self.process) or bool(self.reconciled)
+        return bool(self.process or self.reconciled)
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
@@ -162,9 +162,7 @@ class Scrape:
             if value is not None:
                 self.process[match.group(1) + (match.group(2) or b"")] = value
         for match in _START.finditer(block):
-            at = match.start()
-            value = _number(match.group(1))
-            if (at == 0 or block[at - 1] == 10) and value is not None:
+            if (value := _number(match.group(1))) is not None:
                 self.start_time = value if EARLIEST_START < value < LATEST_START else None
 
 
@@ -215,9 +213,8 @@ class OperatorMetrics:
         not a frozen one)."""
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
-        self._keys: dict[bytes, ResourceKey | None] = {}
         self.last: Scrape | None = None
-        """The last usable answer."""
+        """The last usable answer (its label sets, parsed, are where the next read starts)."""
         self.instance = 0
         """The operator process judged now, as far as its metrics tell: grows by one at
         each restart seen (a bump's baseline from another is not comparable)."""
@@ -246,7 +243,7 @@ class OperatorMetrics:
                 ),
                 trust_env=False,
             )
-        scrape = Scrape(self._keys)
+        scrape = Scrape(self.last.keys if self.last is not None else None)
         answered = False
         try:
             async with self._session.get(self.url, allow_redirects=False) as response:
@@ -286,7 +283,6 @@ class OperatorMetrics:
         if restarted is not None:
             self.instance, self.instance_since = self.instance + 1, restarted
         self.last, self._refused_since_answer = scrape, False
-        self._keys = scrape.keys
         return scrape
 
     def restart_seen(self, scrape: Scrape) -> float | None:

@@ -357,10 +357,10 @@ def test_bad_leader_election_settings_are_one_line(tmp_path, capsys, monkeypatch
 def test_canaryd_check_refuses_the_same_lease_timings(capsys):
     """The lease timings are checked beside the leader (leader.lease_timings_problem):
     both entry points exit 2 with its line before connecting to anything."""
-    from canaryd import check
+    from canaryd.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
-        check.main(["--leader-elect", "--renew-deadline", "20s"])
+        main(["check", "--leader-elect", "--renew-deadline", "20s"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "canaryd: lease duration must be greater than the renew deadline"

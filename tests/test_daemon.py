@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 from canaryd import metrics
+from canaryd.credentials import Credentials, load_configuration
 from canaryd.kube import (
     MAX_WATCH_LINE,
     MERGE_PATCH,
     KubeClient,
     KubeError,
     failure_cause,
-    load_configuration,
     object_path,
 )
 from canaryd.registry import CanaryState
@@ -1039,7 +1039,7 @@ async def test_a_hung_credential_plugin_ends_with_the_request_that_ran_it(kube, 
     create_canary(kube)
     config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
     configuration, reload, _ = await load_configuration(str(config), None)
-    client = KubeClient(configuration, reload=reload)
+    client = KubeClient(Credentials(configuration, reload))
     limit = 3.0
     with hung_plugin(tmp_path) as pids:
         kube.token = "revoked-and-not-renewed-123"

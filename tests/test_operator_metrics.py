@@ -726,6 +726,6 @@ async def test_the_label_sets_remembered_are_those_of_the_last_answer():
     finally:
         await reader.close()
         server.close()
-    assert len(reader._keys) <= series, (
-        f"{len(reader._keys)} label sets remembered for an answer of {series} series"
+    assert reader.last is not None and len(reader.last.keys) <= series, (
+        f"{len(reader.last.keys)} label sets remembered for an answer of {series} series"
     )

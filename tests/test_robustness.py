@@ -25,6 +25,7 @@ from canaryd import kube as kube_module
 from canaryd import writer as writer_module
 from canaryd.access import Permission, reviews
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
+from canaryd.credentials import Credentials
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
@@ -77,7 +78,7 @@ async def test_a_token_refresh_error_is_a_kube_error_and_the_daemon_lives_on(
 async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, monkeypatch):
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
-    kube_client = KubeClient(configuration, request_timeout=1.0)
+    kube_client = KubeClient(Credentials(configuration), request_timeout=1.0)
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug below the client")
@@ -441,7 +442,7 @@ async def _raw_server(
     configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     if token is not None:
         configuration.api_key = {"BearerToken": token}
-    kube_client = KubeClient(configuration, request_timeout=request_timeout)
+    kube_client = KubeClient(Credentials(configuration), request_timeout=request_timeout)
     try:
         yield kube_client, configuration
     finally:
@@ -537,19 +538,16 @@ async def test_a_half_open_pool_costs_no_bump_per_idle_connection(kube, tmp_path
             assert canary is not None and canary.state is not CanaryState.UNHEALTHY
 
 
-async def test_lists_and_the_lease_get_a_connection_while_every_bump_hangs(kube):
+async def test_lists_and_the_lease_get_a_connection_while_every_bump_hangs(kube, kubeconfig):
     """A brownout: as many bumps as may be in flight (the shipped default) all hang for
     their whole timeout, each holding a connection. A relist, an access review or a
     lease renewal still gets one at once; on a pool of exactly the bumps' size it
     waited for one until its connect timeout ("no connection within")."""
-    from canaryd.daemon import kube_client
+    from canaryd.kube import connect
 
     canary = create_canary(kube)
-    settings = replace(Settings(), timeout=4.0)  # connect timeout 2 s
-    configuration = k8s_client.Configuration()
-    configuration.host = kube.url
-    configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
-    client = kube_client(configuration, settings, None)
+    settings = replace(Settings(), timeout=4.0, kubeconfig=str(kubeconfig))  # connect: 2 s
+    client = await connect(settings)
     hung: list[Any] = []
     every_bump_hangs = asyncio.Event()
 

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import trustme
 import yaml
+from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs
 from canaryd.registry import CanaryState, Registry
@@ -646,16 +647,14 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
     """Valid credentials refused for a while (an authentication webhook down): the
     reloads back off (1 s, doubling) instead of one kubeconfig read or exec-plugin run
     per refused request."""
-    from canaryd import kube as kube_module
-
     reloads: list[float] = []
-    real = kube_module.k8s_config.load_kube_config
+    real = k8s_config.load_kube_config
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         reloads.append(asyncio.get_running_loop().time())
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(kube_module.k8s_config, "load_kube_config", counted)
+    monkeypatch.setattr(k8s_config, "load_kube_config", counted)
     names = [f"c{n}" for n in range(10)]
     for name in names:
         create_canary(kube, name)
@@ -674,7 +673,8 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
     """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
     refused too, one step of its backoff: the next reload may come 1 s later (before:
     a step per refused retry, 30 s)."""
-    from canaryd.kube import KubeClient, KubeError, load_configuration
+    from canaryd.credentials import Credentials, load_configuration
+    from canaryd.kube import KubeClient, KubeError
 
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
     configuration, reload, _ = await load_configuration(str(config), None)
@@ -685,7 +685,7 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         reloads += 1
         return await reload(target)
 
-    client = KubeClient(configuration, reload=counted)
+    client = KubeClient(Credentials(configuration, counted))
     kube.inject(Fault(verb="get", code=401, times=-1))
     try:
         answers = await asyncio.gather(
@@ -695,7 +695,7 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         assert all(isinstance(a, KubeError) and a.status == 401 for a in answers), answers
         assert len(kube.requests_for("get")) == 40  # each sent again once, reloaded
         assert reloads == 1
-        assert client._reload_not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
+        assert client.credentials._not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
     finally:
         await client.close()
 
@@ -707,22 +707,22 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
     certificate-authority-data with it: the file's change makes a new TLS context, as a
     rotated CA file does, and the next connection trusts the new CA (before: only CA
     files were watched; the embedded data was read at start only)."""
-    from canaryd import kube as kube_module
     from canaryd.config import Settings
-    from canaryd.daemon import connect
+    from canaryd.credentials import Credentials
+    from canaryd.kube import connect
 
     handshakes = Handshakes(server_context)
     reloaded = asyncio.Event()
-    real = kube_module.k8s_config.load_kube_config
+    real = k8s_config.load_kube_config
 
     async def noted(*args: Any, **kwargs: Any) -> Any:
         loaded = await real(*args, **kwargs)
         reloaded.set()
         return loaded
 
-    monkeypatch.setattr(kube_module.k8s_config, "load_kube_config", noted)
+    monkeypatch.setattr(k8s_config, "load_kube_config", noted)
     # The look for rotated files: every minute, here at once.
-    monkeypatch.setattr(kube_module.KubeClient, "next_refresh_in", lambda *_: 0.01)
+    monkeypatch.setattr(Credentials, "next_refresh_in", lambda *_: 0.01)
     kube = FakeKube(token=TOKEN)
     path = tmp_path / "kubeconfig"
 
@@ -762,7 +762,8 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
     """One deadline covers the whole call: a 401 whose reload (an exec plugin) takes
     longer than the call's time limit ends the call; the retry is not sent late (a
     leader's write past its fence)."""
-    from canaryd.kube import ErrorKind, KubeClient, KubeError, load_configuration
+    from canaryd.credentials import Credentials, load_configuration
+    from canaryd.kube import ErrorKind, KubeClient, KubeError
 
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
     configuration, reload, _ = await load_configuration(str(config), None)
@@ -771,7 +772,7 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
         await asyncio.sleep(0.5)
         return await reload(target)
 
-    client = KubeClient(configuration, request_timeout=0.3, reload=slow_reload)
+    client = KubeClient(Credentials(configuration, slow_reload), request_timeout=0.3)
     kube.inject(Fault(verb="get", code=401, times=1))
     try:
         with pytest.raises(KubeError) as caught:

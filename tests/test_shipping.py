@@ -25,6 +25,7 @@ from canaryd.__main__ import main
 from canaryd.access import ACCESS_REVIEWS, KIND_VERBS, PatchReviews, Permission
 from canaryd.check import check
 from canaryd.config import ConfigError, load_settings
+from canaryd.credentials import Credentials
 from canaryd.kube import KubeClient
 from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube, Fault
 from tests.conftest import TOKEN
@@ -716,7 +717,7 @@ async def test_patch_reviews_ask_an_unanswered_round_again_and_forget_unwatched_
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
     configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
-    client = KubeClient(configuration)
+    client = KubeClient(Credentials(configuration))
     answered = asyncio.Event()
     patch_reviews: PatchReviews[str] = PatchReviews(TEST_SETTINGS, client, answered.set)
 

@@ -176,6 +176,7 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
     established stream, every reconnect retried at once, forever, with no episode."""
     from kubernetes_asyncio import client as k8s_client
 
+    from canaryd.credentials import Credentials
     from canaryd.kube import KINDS, KubeClient
     from canaryd.watcher import ListWatch, Scope
 
@@ -184,7 +185,7 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
         configuration = k8s_client.Configuration()
         configuration.host = url
         kube = KubeClient(
-            configuration,
+            Credentials(configuration),
             request_timeout=settings.request_timeout,
             connect_timeout=settings.connect_timeout,
         )

@@ -1,0 +1,398 @@
+"""Kubernetes credentials: where they come from, their load, and as requests carry them.
+
+kubernetes-asyncio loads them as kubectl finds them (in-cluster, its refresh hook
+re-reading the token; or the kubeconfig, merging its files: the first to name a cluster,
+user or context wins), with its exec plugin run replaced by one that a deadline or a
+shutdown ends (``_ExecProvider``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+import yaml
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.config import kube_config
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.config.exec_provider import ExecProvider
+
+from canaryd import logs, metrics
+from canaryd.backoff import Backoff
+from canaryd.config import ConfigError, Settings
+
+log = structlog.get_logger("canaryd.credentials")
+
+IN_CLUSTER = "in-cluster service account"
+Reload = Callable[[k8s_client.Configuration], Awaitable[Any]]
+"""Loads the credentials into a configuration again; returns kubernetes-asyncio's loader."""
+
+
+class CredentialsError(ConfigError):
+    """Credentials not loaded: ``canaryd check`` exits 2; the daemon tries again."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """The kubeconfig (its value and files) or IN_CLUSTER; the context; whether an exec
+    plugin gives the credentials."""
+
+    where: str
+    context: str | None
+    files: tuple[str, ...] = ()
+    plugin: bool = False
+
+
+def kubeconfig_path(kubeconfig: str | None) -> str:
+    """The kubeconfig kubectl would read: the given one, else ~/.kube/config."""
+    return kubeconfig or os.path.expanduser("~/.kube/config")
+
+
+def source(settings: Settings) -> Source:
+    """The settings' credentials, the kubeconfig read once. A file unreadable or not a
+    mapping, or none there at all, is a ``ConfigError`` of one clear line, not the
+    loader's internals ("list indices must be integers"). The context is the given one,
+    else kubectl's: the first file's current context (kubernetes-asyncio's is the last's)."""
+    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return Source(IN_CLUSTER, settings.context)
+    where = kubeconfig_path(settings.kubeconfig)
+    files = [os.path.expanduser(path) for path in where.split(os.pathsep) if path]
+    present = [path for path in files if Path(path).exists()]
+    if not present:
+        raise ConfigError(
+            f"no kubeconfig at {' or '.join(files) or repr(where)}: pass --kubeconfig or "
+            "set KUBECONFIG (in a pod, canaryd uses its service account)"
+        )
+    current = None
+    named: dict[str, dict[str, dict[str, Any]]] = {"contexts": {}, "users": {}}
+    for path in present:
+        data = _read(path)
+        if current is None and data.get("current-context"):
+            current = str(data["current-context"])
+        for section, found in named.items():
+            items = data.get(section)
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, dict) and isinstance(item.get(section[:-1]), dict):
+                    found.setdefault(str(item.get("name")), item[section[:-1]])
+    context = settings.context or current
+    user = named["contexts"].get(str(context), {}).get("user")
+    plugin = "exec" in named["users"].get(str(user), {})
+    return Source(where, context, tuple(files), plugin)
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read kubeconfig {path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"kubeconfig {path} is not valid YAML") from err
+    if not isinstance(data, dict):
+        shown = "empty" if data is None else f"a YAML {type(data).__name__}"
+        raise ConfigError(
+            f"kubeconfig {path} is {shown}, not a kubeconfig (a mapping with clusters, "
+            "users, contexts and current-context)"
+        )
+    return data
+
+
+def runs_a_plugin(settings: Settings) -> bool:
+    """Whether an exec plugin gives the credentials: it may fail or hang for a while (the
+    daemon loads them once its health server runs, and retries)."""
+    return source(settings).plugin
+
+
+def server_url_problem(host: str) -> str | None:
+    """What is wrong with a kubeconfig's cluster server, or None when it can be used."""
+    try:
+        parts = urlsplit(host)
+        port = parts.port
+    except ValueError as err:
+        return f"cluster server {host!r} is not a usable URL ({err})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"cluster server {host!r} is not an http(s) URL with a host"
+    if port == 0:
+        return f"cluster server {host!r} has port 0"
+    return None
+
+
+async def load_configuration(
+    kubeconfig: str | None, context: str | None
+) -> tuple[k8s_client.Configuration, Reload | None, Any]:
+    """The configuration, a reload function (None in-cluster) and the loader (what it
+    knows of the credentials' lifetime)."""
+    configuration = k8s_client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        return configuration, None, None
+    path = kubeconfig_path(kubeconfig)
+
+    async def reload(target: k8s_client.Configuration) -> Any:
+        return await k8s_config.load_kube_config(
+            config_file=path, context=context, client_configuration=target, persist_config=False
+        )
+
+    return configuration, reload, await reload(configuration)
+
+
+async def load(settings: Settings) -> Credentials:
+    """The settings' credentials: a ``CredentialsError`` when not loaded within the request
+    timeout; a ``ConfigError`` when the kubeconfig or its cluster server is bad."""
+    found = source(settings)
+    try:
+        async with asyncio.timeout(settings.request_timeout) as bound:
+            configuration, reload, loader = await load_configuration(
+                settings.kubeconfig, found.context
+            )
+    except Exception as err:  # any loader failure
+        metrics.ERRORS.labels("credentials").inc()
+        detail = logs.scrub(str(err)) or type(err).__name__
+        if bound.expired():
+            detail = f"not loaded within the request timeout ({settings.request_timeout:g}s)"
+        raise CredentialsError(
+            f"cannot load Kubernetes credentials ({found.where}): {detail}"
+        ) from err
+    problem = server_url_problem(str(configuration.host or ""))
+    if problem is not None:
+        raise ConfigError(f"kubeconfig {found.where}: {problem}")
+    credentials = Credentials(configuration, reload, found.files, settings.request_timeout)
+    credentials.note(loader)
+    return credentials
+
+
+class _ExecProvider(ExecProvider):
+    """kubernetes-asyncio's exec credential plugin run (kube_config's, replaced below),
+    with the plugin in a process group of its own that is killed and reaped when the run
+    ends otherwise than by the plugin's exit: cancelled at its call's deadline or at
+    shutdown. A hung plugin, or a command it started, outlives neither."""
+
+    async def run(self, previous_response: str | None = None) -> Any:
+        spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
+        info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
+        process = await asyncio.create_subprocess_exec(
+            *self.args,
+            env={**self.env, "KUBERNETES_EXEC_INFO": json.dumps(info)},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = await process.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            raise
+        if process.returncode:
+            said = err.decode("utf-8", "replace").strip()
+            raise ConfigException(f"exec: process returned {process.returncode}. {said}")
+        answer = json.loads(out)  # ValueError, RecursionError: a failed reload too
+        if not isinstance(answer, dict) or answer.get("apiVersion") != self.api_version:
+            raise ConfigException(f"exec: not an ExecCredential of {self.api_version}")
+        if not isinstance(answer.get("status"), dict):
+            raise ConfigException("exec: an ExecCredential without a status")
+        return answer["status"]
+
+
+kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
+
+
+class Credentials:
+    """The credentials requests carry, headers and TLS context, reloaded on a 401, before
+    an exec plugin's token expires, and when TLS files (CA, client certificate and key,
+    the kubeconfig ``files`` that may embed them) change. A new TLS context: aiohttp pools
+    connections by context, so no later request uses a connection made with the old one."""
+
+    def __init__(
+        self,
+        configuration: k8s_client.Configuration,
+        reload: Reload | None = None,
+        files: Sequence[str] = (),
+        timeout: float = 10.0,
+    ) -> None:
+        self.configuration = configuration
+        self._reload = reload
+        self._files = tuple(files)
+        self._timeout = timeout
+        self.version = 0  # bumped by every reload
+        self._lock = asyncio.Lock()
+        self._reload_ok = True
+        self._not_before = -math.inf
+        self._backoff = Backoff(1.0, 30.0)
+        """A failing reload (an exec plugin down), or credentials refused right after one
+        (an authentication webhook down): the next waits 1 s, doubling to 30 s."""
+        self._refused: int | None = None  # the version refused after its reload
+        self.expiry: float | None = None  # time.time() an exec plugin's token expires
+        self._authorization: str | None = None
+        logs.register_secret(configuration.api_key.get("BearerToken"))
+        self._stamp = self._tls_files()
+        self.tls = self._ssl_context()
+
+    async def headers(self) -> dict[str, str]:
+        """The credential headers (auth_settings() calls the in-cluster token refresh
+        hook, which raises ConfigException ("Token file exists but empty") or
+        FileNotFoundError while the kubelet rotates the token: counted, raised)."""
+        try:
+            headers = {
+                str(s["key"]): str(s["value"])
+                for s in (await self.configuration.auth_settings()).values()
+                if s.get("in") == "header" and s.get("value")
+            }
+        except Exception:
+            metrics.ERRORS.labels("credentials").inc()
+            raise
+        authorization = headers.get("authorization")
+        if authorization is not None and authorization != self._authorization:
+            self._authorization = authorization
+            logs.register_secret(authorization)  # a rotated token is masked in logs too
+        return headers
+
+    def answered(self, status: int, version: int, retried: bool) -> str:
+        """A request sent with credentials ``version`` was answered ``status``: a success
+        resets the reload backoff; fresh ones refused too (``retried``) advance it one step
+        per version, not per request. Returns what a 401 adds to its error."""
+        if status < 300:
+            self._backoff.reset()
+            self._refused = None
+        elif status == 401 and retried and self._refused != version:
+            self._refused = version
+            self._not_before = time.monotonic() + self._backoff.next()
+        again = status == 401 and self._refused is not None
+        return " (also after reloading the credentials)" if again else ""
+
+    async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
+        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
+        rotated); returns whether fresh credentials are there. ``version``: the
+        credentials a refused request was sent with; when a reload has happened since,
+        that one answers it (100 requests refused at once make one reload, not 100 runs
+        of an exec plugin). Within ``deadline`` (the call's; else the request timeout): a
+        reload still running then fails (its exec plugin killed), and a wait for another's
+        ends."""
+        if self._reload is None:
+            return False
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._timeout
+        try:
+            async with asyncio.timeout_at(deadline), self._lock:
+                if version is not None and version != self.version:
+                    return self._reload_ok  # a reload since answers this request too
+                if time.monotonic() < self._not_before:
+                    return False  # the last reload failed, or was refused: backing off
+                try:
+                    loaded = await self._reload(self.configuration)
+                # Cancelled: at the deadline, or at shutdown (then cancelled on).
+                except (Exception, asyncio.CancelledError) as err:
+                    self.version += 1  # the waiters have their answer: no
+                    metrics.ERRORS.labels("credentials").inc()
+                    delay = self._backoff.next()
+                    self._not_before = time.monotonic() + delay
+                    self._reload_ok = False
+                    log.warning(
+                        "credentials_reload_failed",
+                        error=type(err).__name__,
+                        retry_in=round(delay, 3),
+                    )
+                    if isinstance(err, asyncio.CancelledError):
+                        raise
+                    return False
+                self.version += 1
+                self._reload_ok = True
+                self.note(loaded)
+                self.tls_rotated()
+                return True
+        except TimeoutError:
+            return False  # the request is answered by what refused it
+
+    def note(self, loader: Any) -> None:
+        """What the kubeconfig loader tells of the credentials' lifetime."""
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
+
+    def next_refresh_in(self, now: float) -> float | None:
+        """Seconds until the credentials should be renewed: at 80 % of an exec token's
+        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
+        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
+        nothing expires."""
+        if self._reload is not None and self.expiry is not None:
+            return max(1.0, 0.8 * (self.expiry - now))
+        cfg = self.configuration
+        if isinstance(self.tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
+            return 60.0
+        return None
+
+    async def keep_fresh(self) -> None:
+        """Long-lived: renew the credentials before they expire, not only after a 401,
+        and pick up TLS files rotated on disk."""
+        try:
+            while True:
+                delay = self.next_refresh_in(time.time())
+                if delay is None:
+                    await asyncio.Event().wait()  # nothing expires: until cancelled
+                    continue
+                await asyncio.sleep(delay)
+                if self._reload is not None and (self.expiry or self._tls_files() != self._stamp):
+                    await self.reload()
+                else:
+                    self.tls_rotated()
+        except asyncio.CancelledError:
+            log.info("credential_refresher_stopped", why="cancelled")
+            raise
+
+    def _tls_files(self) -> tuple[object, ...]:
+        """What tells rotated TLS files: each one's path, modification time and size."""
+        stamp: list[object] = []
+        cfg = self.configuration
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._files):
+            try:
+                info = os.stat(path) if path else None
+            except OSError:
+                info = None
+            stamp.append((path, info.st_mtime_ns, info.st_size) if info else (path, None))
+        return tuple(stamp)
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        cfg = self.configuration
+        if not str(cfg.host).startswith("https"):
+            return False
+        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        if cfg.cert_file:
+            context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
+        if not cfg.verify_ssl:
+            # Only when the kubeconfig says insecure-skip-tls-verify.
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def tls_rotated(self) -> bool:
+        """A new TLS context when the TLS files changed on disk, so every later request
+        and watch opens a connection that presents and trusts the new ones. Returns
+        whether they changed."""
+        stamp = self._tls_files()
+        if stamp == self._stamp:
+            return False
+        try:
+            context = self._ssl_context()
+        except (OSError, ssl.SSLError, ValueError) as err:
+            # Half-written files (a rotation in progress): the old context stays, and
+            # the next look tries again.
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("tls_files_reload_failed", error=type(err).__name__)
+            return False
+        self._stamp, self.tls = stamp, context
+        log.info("tls_files_reloaded")
+        return True
