@@ -167,12 +167,12 @@ class Daemon:
         self.settings = settings
         self.registry = Registry(settings.label)
         self._collector = metrics.StateCollector(
-            self.registry,
-            lambda: self._not_ready(),
-            lambda: self.watcher.coverage() if self.watcher is not None else {},
-            self.registry.tracked,
+            counts=self.registry.counts,
+            canaries=self.registry.tracked,
+            not_ready=lambda: self._not_ready(),
+            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
+            blind=lambda: self._blind(),
         )
-        self._blind_collector = metrics.BlindCollector(lambda: self._blind())
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -201,13 +201,11 @@ class Daemon:
         return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
 
     async def run(self) -> None:
-        for collector in (self._collector, self._blind_collector):
-            metrics.REGISTRY.register(collector)
+        metrics.REGISTRY.register(self._collector)
         try:
             await self._run()
         finally:
-            for collector in (self._collector, self._blind_collector):
-                metrics.REGISTRY.unregister(collector)
+            metrics.REGISTRY.unregister(self._collector)
 
     async def _run(self) -> None:
         settings = self.settings
