@@ -32,10 +32,13 @@ SENSITIVE_FIELDS = frozenset(
         "headers",
     }
 )
-_PATTERNS = (
-    re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"),
-    re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"),
-    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+_MASKS = (
+    (re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"), rf"\1{REDACTED}"),
+    (re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"), REDACTED),
+    (
+        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+        REDACTED,
+    ),
 )
 _secrets: dict[str, None] = {}  # an ordered set: the newest MAX_SECRETS are kept
 MAX_SECRETS = 8
@@ -58,9 +61,8 @@ def scrub(text: str) -> str:
     for secret in _secrets:
         if secret in text:
             text = text.replace(secret, REDACTED)
-    text = _PATTERNS[0].sub(lambda m: m.group(1) + REDACTED, text)
-    for pattern in _PATTERNS[1:]:
-        text = pattern.sub(REDACTED, text)
+    for pattern, mask in _MASKS:
+        text = pattern.sub(mask, text)
     return text
 
 
@@ -87,20 +89,6 @@ def redact(
     return event_dict
 
 
-class _Stderr:
-    """Writes to whatever ``sys.stderr`` is at the time of writing (test capture swaps it)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
-    return structlog.PrintLogger(_Stderr())  # type: ignore[arg-type]
-
-
 def configure(log_format: str = "json", level: str = "info") -> None:
     numeric = logging.getLevelNamesMapping()[level.upper()]
     shared: list[Any] = [
@@ -108,22 +96,17 @@ def configure(log_format: str = "json", level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if log_format == "json":
-        tail: list[Any] = [
-            structlog.processors.format_exc_info,
-            redact,
-            structlog.processors.JSONRenderer(),
-        ]
-    else:
-        tail = [
-            structlog.processors.format_exc_info,
-            redact,
-            structlog.dev.ConsoleRenderer(colors=False),
-        ]
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    tail: list[Any] = [structlog.processors.format_exc_info, redact, renderer]
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=_stderr_logger,
+        # Whatever sys.stderr is at the time of writing (test capture swaps it).
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,  # configure() again takes effect everywhere
     )
     # Other libraries' records, rendered the same way.
