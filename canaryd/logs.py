@@ -19,18 +19,8 @@ import structlog
 
 REDACTED = "[REDACTED]"
 SENSITIVE_FIELDS = frozenset(
-    {
-        "token",
-        "authorization",
-        "password",
-        "secret",
-        "api_key",
-        "bearer",
-        "client_key",
-        "client-key-data",
-        "key_data",
-        "headers",
-    }
+    "token authorization password secret api_key bearer client_key client-key-data key_data "
+    "headers".split()
 )
 _MASKS = (
     (re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"), rf"\1{REDACTED}"),
