@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -32,8 +33,8 @@ def _counter(
     return counter
 
 
-def _gauge(name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
-    return Gauge(name, documentation, labels, registry=REGISTRY)
+_gauge = partial(Gauge, registry=REGISTRY)
+_histogram = partial(Histogram, registry=REGISTRY)
 
 
 API_REQUESTS = _counter(
@@ -64,7 +65,7 @@ BUMPS_IN_FLIGHT = _gauge(
     "canaryd_bumps_in_flight",
     "Bumps being written now (waiting for an answer, a retry or the leader's fence; at most 256).",
 )
-BUMP_DURATION = Histogram(
+BUMP_DURATION = _histogram(
     "canaryd_bump_duration_seconds",
     "How long a bump takes to travel, on the monotonic clock from the moment its PATCH "
     "is sent, by stage: answered (the write's answer), observed (the watch event with "
@@ -72,7 +73,6 @@ BUMP_DURATION = Histogram(
     "(status.observedGeneration reached it).",
     ["kind", "stage"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-    registry=REGISTRY,
 )
 CONFLICTS = _counter(
     "canaryd_conflicts_total", "409 Conflicts on bumps (each one re-reads the object)."
@@ -89,11 +89,10 @@ VERDICTS = _counter(
     ["verdict"],
     VERDICT_KINDS,
 )
-VERDICT_LATENESS = Histogram(
+VERDICT_LATENESS = _histogram(
     "canaryd_verdict_lateness_seconds",
     "How late after its deadline a bump was judged.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-    registry=REGISTRY,
 )
 DROPPED = _counter(
     "canaryd_canaries_dropped_total",
