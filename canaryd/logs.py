@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,27 +56,24 @@ def scrub(text: str) -> str:
     return text
 
 
+def redact(_logger: Any, _method: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The structlog processor: a field named like a credential is replaced, and every
+    string inside the others is scrubbed."""
+    return {
+        k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v) for k, v in fields.items()
+    }
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, str):
         return scrub(value)
     if value is None or isinstance(value, int | float | bool):
         return value
     if isinstance(value, Mapping):
-        return {
-            k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v)
-            for k, v in value.items()
-        }
+        return redact(None, "", value)
     if isinstance(value, list | tuple | set | frozenset):
         return [_clean(v) for v in value]
     return scrub(str(value))
-
-
-def redact(
-    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    for key, value in list(event_dict.items()):
-        event_dict[key] = REDACTED if key.lower() in SENSITIVE_FIELDS else _clean(value)
-    return event_dict
 
 
 def configure(log_format: str = "json", level: str = "info") -> None:
