@@ -48,11 +48,7 @@ BUMP_RESULTS = (
 ).split()
 BUMPS = _counter(
     "canaryd_bumps",
-    "Nonce bumps by result: written, or why none was: failed (transient), skipped, "
-    "fenced (held at the leader's write fence past its retry window), "
-    "conflict_exhausted, forbidden, invalid, gone, gone_unconfirmed, gone_but_present, "
-    "not_canary, replaced (a re-read found a new object of the name), no_change, "
-    "no_generation.",
+    "Nonce bumps by result: written, or why none was (docs/CONFIGURATION.md says each).",
     ["result"],
     BUMP_RESULTS,
 )
@@ -82,10 +78,8 @@ VERDICT_KINDS = (
 ).split()
 VERDICTS = _counter(
     "canaryd_verdicts",
-    "Bumps judged at their deadline: healthy or unhealthy; or why not yet: deferred (the "
-    "watch not in sync), suspected (canaryd's own watch replaced), rechecked (a late "
-    "judge), unreachable (no verdict: the API server away), operator_unavailable (no "
-    "verdict: the operator's metrics not read).",
+    "Bumps judged at their deadline: healthy or unhealthy; or why not yet (deferred, "
+    "suspected, rechecked) or why no verdict (unreachable, operator_unavailable).",
     ["verdict"],
     VERDICT_KINDS,
 )
@@ -106,9 +100,7 @@ DROPPED = _counter(
 WATCH_RESTART_WHYS = "ended dropped idle short expired suspected error forbidden gone".split()
 WATCH_RESTARTS = _counter(
     "canaryd_watch_restarts_total",
-    "Watch streams re-opened, by resource and why: ended (server timeout), dropped, idle, "
-    "short (ended at once), expired (410), suspected (half-open, replaced), error, "
-    "forbidden, gone.",
+    "Watch streams re-opened, by resource and why (docs/CONFIGURATION.md says each).",
     ["resource", "why"],
 )
 RELISTS = _counter(
@@ -146,10 +138,8 @@ BAD_HTTP_REQUESTS = _counter(
 )
 HTTP_CONNECTIONS_DROPPED = _counter(
     "canaryd_http_connections_dropped_total",
-    "Connections to the health port closed by canaryd: header_timeout (a request head "
-    "not complete in time), headers_too_large (answered 431), chunked_body (answered "
-    "411), too_many (closed to make room for a new one at the cap, or a new one "
-    "refused), answer_unread (no next request long after the last: its answer not read).",
+    "Connections to the health port closed by canaryd, by reason (docs/CONFIGURATION.md "
+    "says each).",
     ["reason"],
     ("header_timeout", "headers_too_large", "chunked_body", "too_many", "answer_unread"),
 )
@@ -177,8 +167,8 @@ OPERATOR_RESTARTS = _counter(
 VERDICT_EVENTS = _counter(
     "canaryd_verdict_events_total",
     "Kubernetes Events on canaries whose verdict changed, by result: created, updated "
-    "(a series: the same Event again), spam_filtered (over a canary's token bucket), "
-    "dropped (replaced where it waited by a newer one on the same canary), failed.",
+    "(a series), spam_filtered, dropped (replaced by a newer one before it was written), "
+    "failed.",
     ["result"],
     ("created", "updated", "spam_filtered", "dropped", "failed"),
 )
@@ -251,20 +241,16 @@ class StateCollector(Collector):
         )
         yield _family(
             "canaryd_watch_scopes",
-            "Wanted watch scopes by state: listed, waiting, forbidden (403), gone (404), "
-            "namespace_missing, kind_not_served, patch_forbidden (an access review refused "
-            "patch there, or its bumps are answered 403; a scope that cannot exist is "
-            "counted too).",
+            "Wanted watch scopes by state: listed, waiting, or why nothing there can be "
+            "checked (docs/CONFIGURATION.md says each).",
             "state",
             self._scopes(),
         )
         blind = self._blind()
         yield _family(
             "canaryd_blind",
-            "1 while canaryd checks nothing or cannot judge, by reason: no_canaries, "
-            "list_forbidden (403), unauthorized (401), namespace_missing, kind_not_served, "
-            "patch_forbidden, operator_metrics_unreachable, operator_metrics_no_series "
-            "(/readyz and /healthz?verbose say what).",
+            "1 while canaryd checks nothing or cannot judge, by reason, else 0 (/readyz and "
+            "/healthz?verbose say what).",
             "reason",
             {reason: int(reason in blind) for reason in BLIND_REASONS},
         )
