@@ -54,12 +54,12 @@ class Daemon:
         self.settings = settings
         self.registry = Registry(settings.label)
         self._collector = metrics.StateCollector(
-            self.registry,
-            lambda: self._not_ready(),
-            lambda: self.watcher.coverage() if self.watcher is not None else {},
-            self.registry.tracked,
+            counts=self.registry.counts,
+            canaries=self.registry.tracked,
+            not_ready=lambda: self._not_ready(),
+            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
+            blind=lambda: self._blind(),
         )
-        self._blind_collector = metrics.BlindCollector(lambda: self._blind())
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -88,13 +88,11 @@ class Daemon:
         return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
 
     async def run(self) -> None:
-        for collector in (self._collector, self._blind_collector):
-            metrics.REGISTRY.register(collector)
+        metrics.REGISTRY.register(self._collector)
         try:
             await self._run()
         finally:
-            for collector in (self._collector, self._blind_collector):
-                metrics.REGISTRY.unregister(collector)
+            metrics.REGISTRY.unregister(self._collector)
 
     async def _run(self) -> None:
         settings = self.settings
@@ -246,17 +244,14 @@ class Daemon:
         """operator-metrics reads the operator's Prometheus reporter: say at start where,
         and warn when the operator config canaryd reads does not set one up (canaries
         then stay ``pending``: nothing restarts the operator)."""
-        settings = self.settings
-        path = settings.operator_config
+        path = self.settings.operator_config
         configured: bool | None = None
         if path is not None:
-            try:
+            with contextlib.suppress(ConfigError):  # read at start already: a problem is told
                 configured = has_prometheus_reporter(read_operator_config(path))
-            except ConfigError:
-                configured = None  # read at start already: a reload problem is logged there
         (log.warning if configured is False else log.info)(
             "operator_metrics",
-            url=settings.operator_metrics_url,
+            url=self.settings.operator_metrics_url,
             reporter_configured=configured,
             hint=None
             if configured is not False
@@ -377,12 +372,11 @@ class Daemon:
         followed, and on SIGHUP whenever it decides a setting."""
         try:
             while True:
-                follows = self.follows_operator_config
+                every = (
+                    self.settings.config_check_interval if self.follows_operator_config else None
+                )
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(
-                        self.settings.config_check_interval if follows else None
-                    ):
-                        await self._reload.wait()
+                    await asyncio.wait_for(self._reload.wait(), every)
                 self._reload.clear()
                 if self.settings.from_file:
                     self.apply_operator_config()

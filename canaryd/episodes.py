@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import structlog
 
@@ -57,8 +58,7 @@ class Episodes:
         self._affected = 0
         """Subjects that started failing in this episode (counted, not kept: an episode
         one subject keeps open must not hold every other that came and went)."""
-        self._started_at: float | None = None
-        self._summarised_at = 0.0
+        self._started_at = self._summarised_at = 0.0
 
     @property
     def failing(self) -> int:
@@ -72,7 +72,7 @@ class Episodes:
         """``subject`` failed (again) with ``cause``; ``error`` says how."""
         now = self._clock()
         self._log.debug(self.detail_event, **{self.subject: str(subject)}, cause=cause, error=error)
-        if self._started_at is None:
+        if not self._failing:
             self._started_at = self._summarised_at = now
         if subject not in self._failing:
             self._affected += 1
@@ -83,21 +83,20 @@ class Episodes:
             self._log.warning(
                 f"{self.name}_started", cause=cause, **{self.subject: str(subject)}, error=error
             )
-            return
-        self._summarise(now)
+        else:
+            self._summarise(now)
 
     def recovered(self, subject: Hashable | None = None) -> None:
         """``subject`` works again, or is no longer tracked; None: every subject (what
         is not retried, such as an Event, ends with the first that works again)."""
-        if subject is None:
-            if not self._failing:
+        if not self._failing:
+            return
+        if subject is not None:
+            if self._failing.pop(subject, None) is None:
                 return
-        elif self._failing.pop(subject, None) is None:
-            return
-        elif self._failing:
-            self._summarise(self._clock())
-            return
-        assert self._started_at is not None
+            if self._failing:
+                self._summarise(self._clock())
+                return
         self._log.info(
             f"{self.name}_ended",
             lasted=round(self._clock() - self._started_at, 3),
@@ -109,38 +108,37 @@ class Episodes:
     def stopped(self, why: str) -> None:
         """Nothing is tried any more (canaryd stops, or the task that tried restarts):
         an episode still going is told as still failing, never as ended."""
-        if not self._failing:
-            return
-        assert self._started_at is not None
-        self._log.info(
-            f"{self.name}_still_failing",
-            why=why,
-            failing=len(self._failing),
-            causes=dict(sorted(Counter(self._failing.values()).items())),
-            **{self.subjects: sorted(str(subject) for subject in self._failing)[:SHOWN]},
-            lasted=round(self._clock() - self._started_at, 3),
-            affected=self._affected,
-        )
-        self._end()
+        if self._failing:
+            lasted = round(self._clock() - self._started_at, 3)
+            self._log.info(
+                f"{self.name}_still_failing",
+                why=why,
+                **self._told(),
+                lasted=lasted,
+                affected=self._affected,
+            )
+            self._end()
 
     def _end(self) -> None:
         self._failing.clear()
         self._announced.clear()
         self._affected = 0
-        self._started_at = None
 
     def _summarise(self, now: float) -> None:
         if now - self._summarised_at < self._interval():
             return
-        assert self._started_at is not None
         self._summarised_at = now
-        names = sorted(str(subject) for subject in self._failing)
+        lasting = round(now - self._started_at, 3)
         self._log.warning(
-            f"{self.name}_ongoing",
-            failing=len(self._failing),
-            causes=dict(sorted(Counter(self._failing.values()).items())),
-            **{self.subjects: names[:SHOWN]},
-            more=max(0, len(names) - SHOWN),
-            example=self._example,
-            lasting=round(now - self._started_at, 3),
+            f"{self.name}_ongoing", **self._told(), example=self._example, lasting=lasting
         )
+
+    def _told(self) -> dict[str, Any]:
+        """How many subjects fail, by cause, and which (the first few)."""
+        names = sorted(str(subject) for subject in self._failing)
+        return {
+            "failing": len(names),
+            "causes": dict(sorted(Counter(self._failing.values()).items())),
+            self.subjects: names[:SHOWN],
+            "more": max(0, len(names) - SHOWN),
+        }

@@ -92,14 +92,14 @@ class Events:
                 _, event = self.queued.popitem(last=False)
                 if not self.queued:
                     self._waiting.clear()
-                subject = "/".join((event["kind"], event["namespace"], event["name"]))
                 try:
                     result = await self._write(event)
-                    if result != "spam_filtered":  # written: what failed before is over
-                        self.failures.recovered()
                 except KubeError as err:
                     result = "failed"
+                    subject = "/".join((event["kind"], event["namespace"], event["name"]))
                     self.failures.failed(subject, err.kind.value, str(err))
+                if result in ("created", "updated"):  # written: what failed before is over
+                    self.failures.recovered()
                 metrics.VERDICT_EVENTS.labels(result).inc()
         finally:
             self.failures.stopped("the Events task stopped")
@@ -118,29 +118,28 @@ class Events:
         return seen
 
     async def _write(self, event: dict[str, str]) -> str:
-        now, wall = self._clock(), time.time()
+        now = self._clock()
         seen = self._spam(event["uid"], now)
         if seen is None:
             return "spam_filtered"
         namespace, reason = event["namespace"], event["reason"]
-        stamp = wall_time(wall, fraction=True)  # a MicroTime
+        stamp = wall_time(time.time(), fraction=True)  # a MicroTime
         path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"
         earlier = seen.series.get(reason)
         if earlier is not None and now - earlier[2] < SERIES_FOR:
             name, count = earlier[0], earlier[1] + 1
-            patch = {"series": {"count": count, "lastObservedTime": stamp}}
             try:
                 await self.kube.request(
                     "patch",
                     "PATCH",
                     f"{path}/{segment(name)}",
-                    body=patch,
+                    body={"series": {"count": count, "lastObservedTime": stamp}},
                     content_type="application/merge-patch+json",
                 )
                 seen.series[reason] = (name, count, now)
                 return "updated"
             except KubeError as err:
-                if err.status != 404:
+                if err.status != 404:  # gone (Events expire): a new one starts the series
                     raise
         kind = kind_of(event["kind"])
         name = f"{event['name']}.{time.time_ns():x}"

@@ -45,17 +45,17 @@ def raise_open_files_limit() -> OpenFiles:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns what is in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     infinity = resource.RLIM_INFINITY
-
-    def shown(value: int) -> int | None:
-        return None if value == infinity else value
-
-    if soft == hard or (hard == infinity and soft == infinity):
-        return OpenFiles(shown(soft), shown(hard))
     # An unlimited hard limit is not a soft limit the kernel accepts for NOFILE
     # (fs.nr_open caps it): ask for a large finite one instead.
     target = hard if hard != infinity else max(soft, 1 << 20)
+    if soft in (hard, target):
+        return OpenFiles(_limit(soft), _limit(hard))
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as err:
-        return OpenFiles(shown(soft), shown(hard), problem=str(err))
-    return OpenFiles(shown(target), shown(hard), raised_from=shown(soft))
+        return OpenFiles(_limit(soft), _limit(hard), problem=str(err))
+    return OpenFiles(_limit(target), _limit(hard), raised_from=_limit(soft))
+
+
+def _limit(value: int) -> int | None:
+    return None if value == resource.RLIM_INFINITY else value

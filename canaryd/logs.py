@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,23 +19,16 @@ import structlog
 
 REDACTED = "[REDACTED]"
 SENSITIVE_FIELDS = frozenset(
-    {
-        "token",
-        "authorization",
-        "password",
-        "secret",
-        "api_key",
-        "bearer",
-        "client_key",
-        "client-key-data",
-        "key_data",
-        "headers",
-    }
+    "token authorization password secret api_key bearer client_key client-key-data key_data "
+    "headers".split()
 )
-_PATTERNS = (
-    re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"),
-    re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"),
-    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+_MASKS = (
+    (re.compile(r"(?i)(bearer\s+)[^\s'\",}]+"), rf"\1{REDACTED}"),
+    (re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"), REDACTED),
+    (
+        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+        REDACTED,
+    ),
 )
 _secrets: dict[str, None] = {}  # an ordered set: the newest MAX_SECRETS are kept
 MAX_SECRETS = 8
@@ -58,10 +51,17 @@ def scrub(text: str) -> str:
     for secret in _secrets:
         if secret in text:
             text = text.replace(secret, REDACTED)
-    text = _PATTERNS[0].sub(lambda m: m.group(1) + REDACTED, text)
-    for pattern in _PATTERNS[1:]:
-        text = pattern.sub(REDACTED, text)
+    for pattern, mask in _MASKS:
+        text = pattern.sub(mask, text)
     return text
+
+
+def redact(_logger: Any, _method: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The structlog processor: a field named like a credential is replaced, and every
+    string inside the others is scrubbed."""
+    return {
+        k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v) for k, v in fields.items()
+    }
 
 
 def _clean(value: Any) -> Any:
@@ -70,35 +70,10 @@ def _clean(value: Any) -> Any:
     if value is None or isinstance(value, int | float | bool):
         return value
     if isinstance(value, Mapping):
-        return {
-            k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v)
-            for k, v in value.items()
-        }
+        return redact(None, "", value)
     if isinstance(value, list | tuple | set | frozenset):
         return [_clean(v) for v in value]
     return scrub(str(value))
-
-
-def redact(
-    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    for key, value in list(event_dict.items()):
-        event_dict[key] = REDACTED if key.lower() in SENSITIVE_FIELDS else _clean(value)
-    return event_dict
-
-
-class _Stderr:
-    """Writes to whatever ``sys.stderr`` is at the time of writing (test capture swaps it)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
-    return structlog.PrintLogger(_Stderr())  # type: ignore[arg-type]
 
 
 def configure(log_format: str = "json", level: str = "info") -> None:
@@ -108,22 +83,17 @@ def configure(log_format: str = "json", level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if log_format == "json":
-        tail: list[Any] = [
-            structlog.processors.format_exc_info,
-            redact,
-            structlog.processors.JSONRenderer(),
-        ]
-    else:
-        tail = [
-            structlog.processors.format_exc_info,
-            redact,
-            structlog.dev.ConsoleRenderer(colors=False),
-        ]
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    tail: list[Any] = [structlog.processors.format_exc_info, redact, renderer]
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=_stderr_logger,
+        # Whatever sys.stderr is at the time of writing (test capture swaps it).
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,  # configure() again takes effect everywhere
     )
     # Other libraries' records, rendered the same way.

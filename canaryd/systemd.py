@@ -25,19 +25,13 @@ class Notifier:
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         path = env.get("NOTIFY_SOCKET", "")
-        self.address: str | None = None
+        self.address = path if path.startswith("/") else None
         if path.startswith("@"):
             self.address = "\0" + path[1:]  # abstract namespace
-        elif path.startswith("/"):
-            self.address = path
         self.watchdog_interval: float | None = None
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
-        if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
+        if usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid())):
             self.watchdog_interval = int(usec) / 1e6 / 2
-
-    @property
-    def enabled(self) -> bool:
-        return self.address is not None
 
     def notify(self, message: str) -> bool:
         if self.address is None:
@@ -59,24 +53,17 @@ class Notifier:
     ) -> None:
         """Send READY=1 when ``ready()``; then WATCHDOG=1 each interval while ``stuck()``
         returns None (else it returns why the daemon is stuck)."""
-        if not self.enabled:
+        if self.address is None:
             return
-        tick = self.watchdog_interval or 0.5
         sent_ready = False
-        try:
-            while True:
-                if not sent_ready and ready():
-                    sent_ready = self.notify("READY=1")
-                if self.watchdog_interval is not None:
-                    why = stuck()
-                    if why is None:
-                        self.notify("WATCHDOG=1")
-                    else:
-                        metrics.ERRORS.labels("watchdog_withheld").inc()
-                        log.error("watchdog_withheld", why=why)
-                elif sent_ready:
-                    return  # no watchdog: nothing more to say until STOPPING
-                await sleep(tick)
-        except asyncio.CancelledError:
-            log.info("notifier_stopped", why="cancelled")
-            raise
+        while not sent_ready or self.watchdog_interval is not None:
+            if not sent_ready and ready():
+                sent_ready = self.notify("READY=1")
+            if self.watchdog_interval is not None:
+                why = stuck()
+                if why is None:
+                    self.notify("WATCHDOG=1")
+                else:
+                    metrics.ERRORS.labels("watchdog_withheld").inc()
+                    log.error("watchdog_withheld", why=why)
+            await sleep(self.watchdog_interval or 0.5)
