@@ -209,12 +209,12 @@ BAD_HTTP_REQUESTS = _counter(
 )
 HTTP_CONNECTIONS_DROPPED = _counter(
     "canaryd_http_connections_dropped_total",
-    "Connections to the health port closed by canaryd: header_timeout (a request head "
-    "not complete in time), headers_too_large (answered 431), chunked_body (answered "
-    "411), too_many (closed to make room for a new one at the cap, or a new one "
-    "refused), answer_unread (no next request long after the last: its answer not read).",
+    "Connections to the health port closed by canaryd: headers_too_large (too much sent "
+    "before a request was handled: answered 431), too_many (closed to make room for a new "
+    "one at the cap, or a new one refused), answer_unread (no next request long after the "
+    "last: its answer not read).",
     ["reason"],
-    ("header_timeout", "headers_too_large", "chunked_body", "too_many", "answer_unread"),
+    ("headers_too_large", "too_many", "answer_unread"),
 )
 LEADER = Gauge(
     "canaryd_leader",
