@@ -211,8 +211,8 @@ HTTP_CONNECTIONS_DROPPED = _counter(
     "canaryd_http_connections_dropped_total",
     "Connections to the health port closed by canaryd: headers_too_large (too much sent "
     "before a request was handled: answered 431), too_many (closed to make room for a new "
-    "one at the cap, or a new one refused), answer_unread (no next request long after the "
-    "last: its answer not read).",
+    "one at the cap, or a new one refused), answer_unread (closed at the cap, its answer "
+    "not taken for 30 s).",
     ["reason"],
     ("headers_too_large", "too_many", "answer_unread"),
 )

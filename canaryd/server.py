@@ -1,23 +1,16 @@
 """The health server: /healthz and / (the verdict, upstream-compatible), /livez
-(canaryd's own process), /readyz, /metrics.
-
-``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
+(canaryd's own process), /readyz, /metrics. It reads the daemon through a
+``HealthView``; ``/healthz`` without ``?verbose`` or JSON reads one counter: O(1).
 
 The port is unauthenticated and often reachable from every pod, so no client may hold
-more of canaryd than a request needs. Per connection: a request head within
-``KEEPALIVE_TIMEOUT`` of its accept or of its last answer (aiohttp's keep-alive
-timeout), at most ``MAX_HEAD_BYTES`` received before a request is handled (431), an
-answer taken within ``ANSWER_TIMEOUT``. At most ``MAX_CONNECTIONS`` open: at the cap a
-new connection closes the least recently active one that is not being answered (a
-request in its handler, or answer bytes the kernel has not taken), so neither slow
-clients nor many kept-alive ones lock a probe out and no answer is cut short; it is
-refused only while every connection is being answered.
+more of canaryd than a request needs: aiohttp's own limits bound a request head's time
+and lines, ``Connection`` the bytes that may come before a request is handled, and
+``ConnectionCap`` how many connections are open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -44,11 +37,12 @@ last answer (aiohttp's keep-alive timeout, an hour by default): a probe or a scr
 sends its head at once; a head trickled slowly is closed like an idle connection."""
 MAX_HEAD_BYTES = 16 * 1024
 """Bytes a connection may send from its accept or its last request's start until a
-request is handled: a probe's head is a few hundred, a scrape's with a bearer token a
-few thousand. (aiohttp's own limits, 8 KiB a line and 128 lines, allow ~1 MiB.)"""
+request is handled (431): a probe's head is a few hundred, a scrape's with a bearer
+token a few thousand. aiohttp's own limits, 128 lines of 8 KiB, let one head hold
+about 500 KiB."""
 ANSWER_TIMEOUT = 30.0
-"""Seconds after an answer within which it must be taken: a client that stopped
-reading does not hold its connection longer."""
+"""Seconds after which an answer still not taken no longer keeps its connection from
+being closed for a new one at the cap."""
 MAX_CONNECTIONS = 256
 """Connections open at once, at most (twice the listen backlog: a whole batch of
 accepted connections cannot push out a probe that has not been read yet)."""
@@ -107,7 +101,7 @@ class Tally:
 
 class Connection(web.RequestHandler):
     """aiohttp's handler of one connection, counted by the cap, and closed once more than
-    ``MAX_HEAD_BYTES`` came without a request to handle (no bytes are parsed here)."""
+    ``MAX_HEAD_BYTES`` came without a request to handle (counted, not parsed)."""
 
     __slots__ = ("cap", "received")
 
@@ -132,35 +126,49 @@ class Connection(web.RequestHandler):
 
 
 class ConnectionCap:
-    """At most ``max_connections`` open. Those not being answered are kept in the order
-    they were last active (accepted, or answered); a new one at the cap closes the first
-    of them whose answer is all handed to the kernel, or is refused. A sweep while
-    connections are open closes those whose answer is not taken in time."""
+    """At most ``max_connections`` open. Those not being answered (a request in its
+    handler) are kept in the order they were last active (accepted, or answered); a new
+    one at the cap closes the first of them whose answer is all handed to the kernel
+    (or not taken for ``answer_timeout``), so neither slow clients nor many kept-alive
+    ones lock a probe out, and no answer is cut short; it is refused when there is none.
+    What it closes is counted and told (``http_connections_dropped``)."""
 
     def __init__(
         self,
-        on_drop: Callable[[str], None],
+        interval: Callable[[], float],
         *,
         max_connections: int = MAX_CONNECTIONS,
         answer_timeout: float = ANSWER_TIMEOUT,
     ) -> None:
-        self.on_drop, self.max_connections = on_drop, max_connections
-        self.answer_timeout = answer_timeout
+        self.max_connections, self.answer_timeout = max_connections, answer_timeout
         self.open: set[Connection] = set()
         self.idle: dict[Connection, float] = {}
         """Connections not being answered, with when they were last active, oldest first."""
-        self._sweep: asyncio.TimerHandle | None = None
+        self._tally = Tally("http_connections_dropped", interval)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Busy from when its handler begins; aiohttp writes the answer to the transport
+        in the step the handler returns (``writing`` until all is sent)."""
+        connection = request.protocol
+        assert isinstance(connection, Connection)
+        self.begins(connection)
+        try:
+            return await handler(request)
+        finally:
+            self.ended(connection)
 
     def admit(self, connection: Connection) -> None:
         if len(self.open) >= self.max_connections:
-            victim = next((c for c in self.idle if not self.writing(c)), None)
-            if victim is None:
+            stale = asyncio.get_running_loop().time() - self.answer_timeout
+            for victim, since in self.idle.items():
+                if not self.writing(victim) or since < stale:
+                    self.drop(victim, "answer_unread" if self.writing(victim) else "too_many")
+                    break
+            else:
                 return self.drop(connection, "too_many")
-            self.drop(victim, "too_many")
         self.open.add(connection)
         self.ended(connection)
-        if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_later(1.0, self.sweep)
 
     @staticmethod
     def writing(connection: Connection) -> bool:
@@ -184,7 +192,8 @@ class ConnectionCap:
         """Close it now: told why (``answer``) when no answer of its own is under way."""
         quiet = connection in self.idle and not self.writing(connection)
         self.closed(connection)
-        self.on_drop(reason)
+        metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
+        self._tally.add(reason)
         if connection.transport is None:
             return
         if answer and quiet:
@@ -192,25 +201,6 @@ class ConnectionCap:
             connection.transport.close()
         else:
             connection.transport.abort()
-
-    def sweep(self) -> None:
-        """Close the connections answered ``answer_timeout`` ago and still not asking
-        again: aiohttp's keep-alive timeout closes the idle ones long before, so those
-        are the ones whose answer is not read."""
-        now = asyncio.get_running_loop().time()
-        while self.idle:
-            connection, since = next(iter(self.idle.items()))
-            if now - since < self.answer_timeout:
-                break
-            self.drop(connection, "answer_unread")
-        self._sweep = None
-        if self.open:
-            self._sweep = asyncio.get_running_loop().call_later(1.0, self.sweep)
-
-    def stop(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
 
 
 class RequestErrorLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -238,35 +228,18 @@ class HealthServer:
 
     def __init__(self, settings: Settings, view: HealthView) -> None:
         self.settings, self.view = settings, view
-        dropped = Tally("http_connections_dropped", lambda: settings.timeout)
-
-        def on_drop(reason: str) -> None:
-            metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
-            dropped.add(reason)
-
-        self.cap = ConnectionCap(on_drop)
-
-        @web.middleware
-        async def answering(request: web.Request, handler: Handler) -> web.StreamResponse:
-            """Busy from when its handler begins; aiohttp writes the answer to the
-            transport in the step the handler returns (``writing`` until all is sent)."""
-            connection = request.protocol
-            assert isinstance(connection, Connection)
-            self.cap.begins(connection)
-            try:
-                return await handler(request)
-            finally:
-                self.cap.ended(connection)
-
-        self.app = web.Application(client_max_size=1024, middlewares=[answering])
-        for path, handler in (
-            ("/healthz", self.health),
-            ("/", self.health),
-            ("/livez", self.live),
-            ("/readyz", self.ready),
-            ("/metrics", self.metrics_page),
-        ):
-            self.app.router.add_get(path, handler)
+        self.cap = ConnectionCap(lambda: settings.timeout)
+        self.app = web.Application(client_max_size=1024, middlewares=[self.cap.middleware])
+        self.app.add_routes(
+            web.get(path, handler)
+            for path, handler in (
+                ("/healthz", self.health),
+                ("/", self.health),
+                ("/livez", self.live),
+                ("/readyz", self.ready),
+                ("/metrics", self.metrics_page),
+            )
+        )
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -284,9 +257,7 @@ class HealthServer:
                 "canaries": [canary_json(c) for c in registry.canaries()],
                 "blind": self.view.blind(),
             }
-            return web.Response(
-                status=status, text=json.dumps(body), content_type="application/json"
-            )
+            return web.json_response(body, status=status)
         text = "OK" if healthy else "ERROR"
         if "verbose" in request.query:
             lines = [text]
@@ -322,25 +293,27 @@ class HealthServer:
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(metrics.REGISTRY)
-        response = web.Response(body=body)
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         server, loop = self._runner.server, asyncio.get_running_loop()
         errors = RequestErrorLog(lambda: self.settings.timeout)
+
+        def connection() -> Connection:
+            return Connection(
+                self.cap,
+                server,
+                loop=loop,
+                logger=errors,
+                access_log=None,
+                keepalive_timeout=KEEPALIVE_TIMEOUT,
+            )
+
         try:
             self._listener = await loop.create_server(
-                lambda: Connection(
-                    self.cap,
-                    server,
-                    loop=loop,
-                    logger=errors,
-                    access_log=None,
-                    keepalive_timeout=KEEPALIVE_TIMEOUT,
-                ),
+                connection,
                 self.settings.host,
                 self.settings.port,
                 backlog=MAX_CONNECTIONS // 2,
@@ -363,4 +336,3 @@ class HealthServer:
             if self._listener is not None:
                 self._listener.close()
             await self._runner.cleanup()
-            self.cap.stop()

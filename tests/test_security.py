@@ -284,11 +284,17 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
     being answered (a new one that has not sent its head, or one kept alive between
     requests), the least recently active: accepted or answered longest ago; never one
     being answered (its request in the handler, or its answer still held by the
-    transport): when all are, the new one is refused. And a connection answered and
-    not asking again is closed after the answer timeout."""
+    transport, unless not taken for the answer timeout): when all are, the new one is
+    refused."""
+    from canaryd import metrics
     from canaryd.server import ConnectionCap
+    from tests.harness import counter
 
-    dropped: list[str] = []
+    def dropped() -> dict[str, float]:
+        return {
+            reason: counter(metrics.HTTP_CONNECTIONS_DROPPED, reason)
+            for reason in ("too_many", "answer_unread")
+        }
 
     def connect(cap: ConnectionCap, answering: bool = False) -> Any:
         connection = _Connection()
@@ -297,22 +303,21 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
             cap.begins(connection)  # type: ignore[arg-type]
         return connection
 
-    cap = ConnectionCap(dropped.append, max_connections=2)
+    before = dropped()
+    cap = ConnectionCap(lambda: 1.0, max_connections=2)
     answering = connect(cap, answering=True)
     slow = connect(cap)
     new = connect(cap)
     assert slow.transport.aborted and not answering.transport.aborted
-    assert not new.transport.aborted and dropped == ["too_many"]
+    assert not new.transport.aborted
     cap.begins(new)
     refused = connect(cap)  # both being answered
-    assert refused.transport.aborted and dropped == ["too_many", "too_many"]
-    assert len(cap.open) == 2
-    cap.stop()
+    assert refused.transport.aborted and len(cap.open) == 2
+    assert dropped()["too_many"] == before["too_many"] + 2
 
     # Kept-alive clients between requests: the one answered longest ago makes room,
     # not the new connection that has not sent its head yet, nor one being answered.
-    dropped.clear()
-    kept = ConnectionCap(dropped.append, max_connections=3)
+    kept = ConnectionCap(lambda: 1.0, max_connections=3)
     first, second = connect(kept, answering=True), connect(kept, answering=True)
     kept.ended(first)
     kept.ended(second)
@@ -325,18 +330,20 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
     another = connect(kept)
     assert first.transport.aborted
     assert not (probe.transport.aborted or busy.transport.aborted or another.transport.aborted)
-    assert dropped == ["too_many", "too_many"]
-    kept.stop()
+    assert dropped()["too_many"] == before["too_many"] + 4
 
-    dropped.clear()
-    unread = ConnectionCap(dropped.append, answer_timeout=0.0)
-    served = connect(unread, answering=True)
-    answered = connect(unread, answering=True)
+    # An answer not taken for the answer timeout no longer keeps its connection.
+    unread = ConnectionCap(lambda: 1.0, max_connections=2, answer_timeout=-1.0)  # past
+    served, answered = connect(unread, answering=True), connect(unread, answering=True)
     unread.ended(answered)
-    unread.sweep()
+    answered.transport.unsent = 100_000
+    connect(unread)
     assert answered.transport.aborted and not served.transport.aborted
-    assert dropped == ["answer_unread"]
-    unread.stop()
+    assert dropped() == {
+        **before,
+        "too_many": before["too_many"] + 4,
+        "answer_unread": before["answer_unread"] + 1,
+    }
 
 
 KEPT_ALIVE_CLIENTS = 300
