@@ -36,10 +36,9 @@ KEEPALIVE_TIMEOUT = 5.0
 last answer (aiohttp's keep-alive timeout, an hour by default): a probe or a scrape
 sends its head at once; a head trickled slowly is closed like an idle connection."""
 MAX_HEAD_BYTES = 16 * 1024
-"""Bytes a connection may send from its accept or its last request's start until a
-request is handled (431): a probe's head is a few hundred, a scrape's with a bearer
-token a few thousand. aiohttp's own limits, 128 lines of 8 KiB, let one head hold
-about 500 KiB."""
+"""Bytes a connection may send from its accept or its last answer until a request is
+answered (else 431): a probe's head is a few hundred, a scrape's with a bearer token a
+few thousand. aiohttp's own limits, 128 lines of 8 KiB, let one head hold ~500 KiB."""
 ANSWER_TIMEOUT = 30.0
 """Seconds after which an answer still not taken no longer keeps its connection from
 being closed for a new one at the cap."""
@@ -100,13 +99,26 @@ class Tally:
 
 
 class Connection(web.RequestHandler):
-    """aiohttp's handler of one connection, counted by the cap, and closed once more than
-    ``MAX_HEAD_BYTES`` came without a request to handle (counted, not parsed)."""
+    """aiohttp's handler of one connection, with the health port's limits: its head in
+    ``KEEPALIVE_TIMEOUT``, at most ``MAX_HEAD_BYTES`` before a request is answered
+    (counted, not parsed), and counted by the cap."""
 
     __slots__ = ("cap", "received")
 
-    def __init__(self, cap: ConnectionCap, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        cap: ConnectionCap,
+        server: web.Server,
+        loop: asyncio.AbstractEventLoop,
+        logger: RequestErrorLog,
+    ) -> None:
+        super().__init__(
+            server,
+            loop=loop,
+            logger=logger,  # type: ignore[arg-type]  # a LoggerAdapter works as one
+            access_log=None,  # type: ignore[arg-type]  # none, as aiohttp allows
+            keepalive_timeout=KEEPALIVE_TIMEOUT,
+        )
         self.cap, self.received = cap, 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -121,17 +133,17 @@ class Connection(web.RequestHandler):
             self.cap.drop(self, "headers_too_large", TOO_LARGE)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.cap.closed(self)
+        self.cap.open.pop(self, None)
         super().connection_lost(exc)
 
 
 class ConnectionCap:
-    """At most ``max_connections`` open. Those not being answered (a request in its
-    handler) are kept in the order they were last active (accepted, or answered); a new
-    one at the cap closes the first of them whose answer is all handed to the kernel
-    (or not taken for ``answer_timeout``), so neither slow clients nor many kept-alive
-    ones lock a probe out, and no answer is cut short; it is refused when there is none.
-    What it closes is counted and told (``http_connections_dropped``)."""
+    """At most ``max_connections`` open, kept in the order they were last active
+    (accepted, or answered). A new one at the cap closes the first whose answer is all
+    handed to the kernel (or not taken for ``answer_timeout``), so neither slow clients
+    nor many kept-alive ones lock a probe out and no answer is cut short; it is refused
+    when there is none. The handlers never wait: a request is answered in the step its
+    handler runs. What the cap closes is counted and told."""
 
     def __init__(
         self,
@@ -141,34 +153,35 @@ class ConnectionCap:
         answer_timeout: float = ANSWER_TIMEOUT,
     ) -> None:
         self.max_connections, self.answer_timeout = max_connections, answer_timeout
-        self.open: set[Connection] = set()
-        self.idle: dict[Connection, float] = {}
-        """Connections not being answered, with when they were last active, oldest first."""
+        self.open: dict[Connection, float] = {}
+        """Each open connection, with when it was last active, least recently first."""
         self._tally = Tally("http_connections_dropped", interval)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Busy from when its handler begins; aiohttp writes the answer to the transport
-        in the step the handler returns (``writing`` until all is sent)."""
-        connection = request.protocol
-        assert isinstance(connection, Connection)
-        self.begins(connection)
         try:
             return await handler(request)
-        finally:
-            self.ended(connection)
+        finally:  # aiohttp writes the answer to the transport in this same step
+            connection = request.protocol
+            assert isinstance(connection, Connection)
+            self.active(connection)
 
     def admit(self, connection: Connection) -> None:
         if len(self.open) >= self.max_connections:
             stale = asyncio.get_running_loop().time() - self.answer_timeout
-            for victim, since in self.idle.items():
+            for victim, since in self.open.items():
                 if not self.writing(victim) or since < stale:
                     self.drop(victim, "answer_unread" if self.writing(victim) else "too_many")
                     break
             else:
                 return self.drop(connection, "too_many")
-        self.open.add(connection)
-        self.ended(connection)
+        self.open[connection] = asyncio.get_running_loop().time()
+
+    def active(self, connection: Connection) -> None:
+        """It was answered: the most recently active, and its next head counted anew."""
+        connection.received = 0
+        if self.open.pop(connection, None) is not None:
+            self.open[connection] = asyncio.get_running_loop().time()
 
     @staticmethod
     def writing(connection: Connection) -> bool:
@@ -176,27 +189,14 @@ class ConnectionCap:
         transport = connection.transport
         return transport is not None and bool(transport.get_write_buffer_size())
 
-    def begins(self, connection: Connection) -> None:
-        connection.received = 0
-        self.idle.pop(connection, None)
-
-    def ended(self, connection: Connection) -> None:
-        if connection in self.open:
-            self.idle[connection] = asyncio.get_running_loop().time()
-
-    def closed(self, connection: Connection) -> None:
-        self.open.discard(connection)
-        self.idle.pop(connection, None)
-
     def drop(self, connection: Connection, reason: str, answer: bytes = b"") -> None:
-        """Close it now: told why (``answer``) when no answer of its own is under way."""
-        quiet = connection in self.idle and not self.writing(connection)
-        self.closed(connection)
+        """Close it now: told why (``answer``) when no answer of its own is being written."""
+        self.open.pop(connection, None)
         metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
         self._tally.add(reason)
         if connection.transport is None:
             return
-        if answer and quiet:
+        if answer and not self.writing(connection):
             connection.transport.write(answer)
             connection.transport.close()
         else:
@@ -299,21 +299,11 @@ class HealthServer:
         self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         server, loop = self._runner.server, asyncio.get_running_loop()
+        assert server is not None
         errors = RequestErrorLog(lambda: self.settings.timeout)
-
-        def connection() -> Connection:
-            return Connection(
-                self.cap,
-                server,
-                loop=loop,
-                logger=errors,
-                access_log=None,
-                keepalive_timeout=KEEPALIVE_TIMEOUT,
-            )
-
         try:
             self._listener = await loop.create_server(
-                connection,
+                lambda: Connection(self.cap, server, loop, errors),
                 self.settings.host,
                 self.settings.port,
                 backlog=MAX_CONNECTIONS // 2,

@@ -283,9 +283,8 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
     """Which connection the cap closes for a new one at MAX_CONNECTIONS: of those not
     being answered (a new one that has not sent its head, or one kept alive between
     requests), the least recently active: accepted or answered longest ago; never one
-    being answered (its request in the handler, or its answer still held by the
-    transport, unless not taken for the answer timeout): when all are, the new one is
-    refused."""
+    being answered (its answer still held by the transport, unless not taken for the
+    answer timeout): when all are, the new one is refused."""
     from canaryd import metrics
     from canaryd.server import ConnectionCap
     from tests.harness import counter
@@ -296,21 +295,19 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
             for reason in ("too_many", "answer_unread")
         }
 
-    def connect(cap: ConnectionCap, answering: bool = False) -> Any:
+    def connect(cap: ConnectionCap, unsent: int = 0) -> Any:
         connection = _Connection()
         cap.admit(connection)  # type: ignore[arg-type]
-        if answering:
-            cap.begins(connection)  # type: ignore[arg-type]
+        connection.transport.unsent = unsent  # an answer being written
         return connection
 
     before = dropped()
     cap = ConnectionCap(lambda: 1.0, max_connections=2)
-    answering = connect(cap, answering=True)
-    slow = connect(cap)
+    answering = connect(cap, unsent=1000)
+    slow = connect(cap)  # accepted, its head not complete
     new = connect(cap)
-    assert slow.transport.aborted and not answering.transport.aborted
-    assert not new.transport.aborted
-    cap.begins(new)
+    assert slow.transport.aborted and not (answering.transport.aborted or new.transport.aborted)
+    new.transport.unsent = 1000
     refused = connect(cap)  # both being answered
     assert refused.transport.aborted and len(cap.open) == 2
     assert dropped()["too_many"] == before["too_many"] + 2
@@ -318,11 +315,11 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
     # Kept-alive clients between requests: the one answered longest ago makes room,
     # not the new connection that has not sent its head yet, nor one being answered.
     kept = ConnectionCap(lambda: 1.0, max_connections=3)
-    first, second = connect(kept, answering=True), connect(kept, answering=True)
-    kept.ended(first)
-    kept.ended(second)
+    first, second = connect(kept), connect(kept)
+    kept.active(first)
+    kept.active(second)
     first.transport.unsent = 100_000  # its answer still being written: not cut short
-    busy = connect(kept, answering=True)
+    busy = connect(kept, unsent=1000)
     probe = connect(kept)  # the cap: the second answered goes
     assert second.transport.aborted
     assert not (first.transport.aborted or busy.transport.aborted or probe.transport.aborted)
@@ -334,13 +331,10 @@ async def test_at_the_cap_the_least_recently_active_not_being_answered_makes_roo
 
     # An answer not taken for the answer timeout no longer keeps its connection.
     unread = ConnectionCap(lambda: 1.0, max_connections=2, answer_timeout=-1.0)  # past
-    served, answered = connect(unread, answering=True), connect(unread, answering=True)
-    unread.ended(answered)
-    answered.transport.unsent = 100_000
+    answered, served = connect(unread, unsent=100_000), connect(unread, unsent=1000)
     connect(unread)
     assert answered.transport.aborted and not served.transport.aborted
     assert dropped() == {
-        **before,
         "too_many": before["too_many"] + 4,
         "answer_unread": before["answer_unread"] + 1,
     }
@@ -461,7 +455,7 @@ async def test_at_the_cap_an_answer_still_being_written_is_not_cut_short(kube, k
         got = await loop.sock_recv(slow, 4096)  # the answer's start: the handler returned
         head = got.split(b"\r\n\r\n", 1)[0].lower()
         length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-        (slow_connection,) = server.cap.idle
+        (slow_connection,) = server.cap.open
         unsent = slow_connection.transport.get_write_buffer_size()
         assert unsent > 0, "the answer went whole to the kernel: the test needs smaller buffers"
 
