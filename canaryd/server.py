@@ -168,14 +168,18 @@ class ConnectionCap:
 
     def admit(self, connection: Connection) -> None:
         if len(self.open) >= self.max_connections:
-            stale = asyncio.get_running_loop().time() - self.answer_timeout
-            for victim, since in self.open.items():
-                if not self.writing(victim) or since < stale:
-                    self.drop(victim, "answer_unread" if self.writing(victim) else "too_many")
-                    break
-            else:
+            victim = self._victim()
+            if victim is None:
                 return self.drop(connection, "too_many")
+            self.drop(victim, "answer_unread" if self.writing(victim) else "too_many")
         self.open[connection] = asyncio.get_running_loop().time()
+
+    def _victim(self) -> Connection | None:
+        """The least recently active connection not being answered, or whose answer has
+        not been taken for ``answer_timeout``."""
+        stale = asyncio.get_running_loop().time() - self.answer_timeout
+        candidates = (c for c, since in self.open.items() if not self.writing(c) or since < stale)
+        return next(candidates, None)
 
     def active(self, connection: Connection) -> None:
         """It was answered: the most recently active, and its next head counted anew."""
