@@ -34,7 +34,8 @@ log = structlog.get_logger("canaryd.server")
 KEEPALIVE_TIMEOUT = 5.0
 """Seconds a connection may wait for a complete request head, from its accept or its
 last answer (aiohttp's keep-alive timeout, an hour by default): a probe or a scrape
-sends its head at once; a head trickled slowly is closed like an idle connection."""
+sends its head at once; a head trickled slowly is closed like an idle connection.
+(aiohttp 3.14.3 and older do not time a first head: there the cap alone bounds it.)"""
 MAX_HEAD_BYTES = 16 * 1024
 """Bytes a connection may send from its accept or its last answer until a request is
 answered (else 431): a probe's head is a few hundred, a scrape's with a bearer token a
@@ -162,9 +163,8 @@ class ConnectionCap:
         try:
             return await handler(request)
         finally:  # aiohttp writes the answer to the transport in this same step
-            connection = request.protocol
-            assert isinstance(connection, Connection)
-            self.active(connection)
+            if isinstance(connection := request.protocol, Connection):
+                self.active(connection)
 
     def admit(self, connection: Connection) -> None:
         if len(self.open) >= self.max_connections:
