@@ -56,9 +56,9 @@ class Daemon:
         self._collector = metrics.StateCollector(
             counts=self.registry.counts,
             canaries=self.registry.tracked,
-            not_ready=lambda: self._not_ready(),
+            not_ready=self.not_ready,
             scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
-            blind=lambda: self._blind(),
+            blind=self.blind,
         )
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
@@ -99,9 +99,7 @@ class Daemon:
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
         kube = None if runs_a_plugin(settings) else await connect(settings)
-        self.server = HealthServer(
-            settings, self.registry, self._not_ready, self._role, self.stuck, self._blind
-        )
+        self.server = HealthServer(settings, self)
         try:
             await self.server.start()
         except OSError as err:
@@ -302,7 +300,7 @@ class Daemon:
             log.error("task_restarting", task=name, why=why, restart_in=round(delay, 3))
             await asyncio.sleep(delay)
 
-    def _role(self) -> tuple[str, str | None]:
+    def role(self) -> tuple[str, str | None]:
         """/healthz's ``role`` and ``leader``."""
         if self.elector is None:
             return "single", None
@@ -315,7 +313,7 @@ class Daemon:
         if self.scheduler is not None and not self.scheduler.active:
             self.scheduler.standby(leader)
 
-    def _blind(self) -> dict[str, str]:
+    def blind(self) -> dict[str, str]:
         """Why canaryd checks nothing or cannot judge, by ``canaryd_blind`` reason."""
         if self._credentials_problem is not None:  # at start: nothing can be listed yet
             return {"unauthorized": self._credentials_problem}
@@ -326,7 +324,7 @@ class Daemon:
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready
 
-    def _not_ready(self) -> list[str] | None:
+    def not_ready(self) -> list[str] | None:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
         if self._credentials_problem is not None:

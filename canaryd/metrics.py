@@ -141,7 +141,7 @@ HTTP_CONNECTIONS_DROPPED = _counter(
     "Connections to the health port closed by canaryd, by reason (docs/CONFIGURATION.md "
     "says each).",
     ["reason"],
-    ("header_timeout", "headers_too_large", "chunked_body", "too_many", "answer_unread"),
+    ("headers_too_large", "too_many", "answer_unread"),
 )
 LEADER = _gauge(
     "canaryd_leader",

@@ -1,29 +1,21 @@
 """The health server: /healthz and / (the verdict, upstream-compatible), /livez
-(canaryd's own process), /readyz, /metrics.
-
-``/healthz`` without ``?verbose`` or JSON reads one counter of the registry: O(1).
+(canaryd's own process), /readyz, /metrics. It reads the daemon through a
+``HealthView``; ``/healthz`` without ``?verbose`` or JSON reads one counter: O(1).
 
 The port is unauthenticated and often reachable from every pod, so no client may hold
-more of canaryd than a request needs (``ConnectionGuard``): every request head within
-``HEADER_TIMEOUT`` and ``MAX_HEAD_BYTES``, every answer read within
-``ANSWER_TIMEOUT``, an idle keep-alive connection closed after ``IDLE_TIMEOUT``,
-and at most ``MAX_CONNECTIONS`` open. At the cap a new connection closes the least
-recently active one that has no request in progress (sending a head, or idle between
-requests) and no answer still being written, so neither slow clients nor many
-kept-alive ones can lock a probe out, and no answer is cut short; it is refused only
-while every connection is being answered.
+more of canaryd than a request needs: aiohttp's own limits bound a request head's time
+and lines, ``Connection`` the bytes that may come before a request is handled, and
+``ConnectionCap`` how many connections are open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
@@ -39,25 +31,33 @@ from canaryd.registry import Canary, Registry, one_line
 
 log = structlog.get_logger("canaryd.server")
 
-HEADER_TIMEOUT = 5.0
-"""Seconds a request head (request line and headers) may take from its first byte (a
-new connection: from its accept). A probe or a scrape sends its head at once; one
-that trickles it is closed."""
-IDLE_TIMEOUT = HEADER_TIMEOUT + 1.0
-"""Seconds a kept-alive connection may idle after an answer (aiohttp's keep-alive
-timeout, an hour by default): closed as usual, not counted as dropped. Longer than
-the header timeout, so that a head that never ends is told as such."""
+KEEPALIVE_TIMEOUT = 5.0
+"""Seconds a connection may wait for a complete request head, from its accept or its
+last answer (aiohttp's keep-alive timeout, an hour by default): a probe or a scrape
+sends its head at once; a head trickled slowly is closed like an idle connection.
+(aiohttp 3.14.3 and older do not time a first head: there the cap alone bounds it.)"""
+MAX_HEAD_BYTES = 16 * 1024
+"""Bytes a connection may send from its accept or its last answer until a request is
+answered (else 431): a probe's head is a few hundred, a scrape's with a bearer token a
+few thousand. aiohttp's own limits, 128 lines of 8 KiB, let one head hold ~500 KiB."""
 ANSWER_TIMEOUT = 30.0
-"""Seconds after a request head within which the next one must begin: an answer that
-is not read (a client that stopped reading) does not hold its connection longer."""
+"""Seconds after which an answer still not taken no longer keeps its connection from
+being closed for a new one at the cap."""
 MAX_CONNECTIONS = 256
 """Connections open at once, at most (twice the listen backlog: a whole batch of
 accepted connections cannot push out a probe that has not been read yet)."""
-MAX_HEAD_BYTES = 16 * 1024
-"""Bytes a request head may have: a probe's is a few hundred, a scrape's with a bearer
-token a few thousand."""
-SWEEP_INTERVAL = 0.25
-"""How often the deadlines above are checked while connections are open (seconds)."""
+TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n\r\n"
+
+
+class HealthView(Protocol):
+    """What the health server reads of the daemon."""
+
+    registry: Registry
+
+    def not_ready(self) -> list[str] | None: ...
+    def role(self) -> tuple[str, str | None]: ...
+    def stuck(self) -> str | None: ...
+    def blind(self) -> Mapping[str, str]: ...
 
 
 def canary_json(canary: Canary) -> dict[str, object]:
@@ -80,371 +80,188 @@ def canary_json(canary: Canary) -> dict[str, object]:
     }
 
 
-class ConnectionGuard:
-    """Bounds what clients of the health port can hold: how many connections, how long
-    a request head may take and how large it may be, how long an answer may go unread.
-    Wraps aiohttp's protocol factory, so every byte is seen before aiohttp buffers it;
-    aiohttp's own keep-alive timeout closes idle connections (``IDLE_TIMEOUT``).
+class Tally:
+    """Occurrences told in at most one warning per interval, by kind since the last
+    line: an attack is not a line per connection or per request."""
 
-    Deadlines are kept in three insertion-ordered maps (by when a head began, when it
-    ended, when its answer was written) and swept a few times a second while
-    connections are open: no timer per request on the probe's path."""
+    def __init__(self, event: str, interval: Callable[[], float]) -> None:
+        self.event, self._interval = event, interval
+        self._told_at: float | None = None
+        self._untold: Counter[str] = Counter()
+
+    def add(self, kind: str, **fields: object) -> None:
+        self._untold[kind] += 1
+        now = time.monotonic()
+        if self._told_at is None or now - self._told_at >= self._interval():
+            by_kind, next_in = dict(self._untold), round(self._interval(), 3)
+            log.warning(self.event, by_reason=by_kind, next_line_in=next_in, **fields)
+            self._told_at = now
+            self._untold.clear()
+
+
+class Connection(web.RequestHandler):
+    """aiohttp's handler of one connection, with the health port's limits: its head in
+    ``KEEPALIVE_TIMEOUT``, at most ``MAX_HEAD_BYTES`` before a request is answered
+    (counted, not parsed), and counted by the cap."""
+
+    __slots__ = ("cap", "received")
 
     def __init__(
         self,
-        on_drop: Callable[[str], None],
-        *,
-        header_timeout: float = HEADER_TIMEOUT,
-        answer_timeout: float = ANSWER_TIMEOUT,
-        max_connections: int = MAX_CONNECTIONS,
-        max_head_bytes: int = MAX_HEAD_BYTES,
-        sweep_interval: float = SWEEP_INTERVAL,
+        cap: ConnectionCap,
+        server: web.Server,
+        loop: asyncio.AbstractEventLoop,
+        logger: RequestErrorLog,
     ) -> None:
-        self.on_drop = on_drop
-        self.header_timeout, self.answer_timeout = header_timeout, answer_timeout
-        self.max_connections, self.max_head_bytes = max_connections, max_head_bytes
-        self.sweep_interval = sweep_interval
-        self.open: dict[object, GuardedConnection] = {}
-        """By transport (what a request knows of its connection)."""
-        self.in_head: dict[GuardedConnection, float] = {}
-        """Connections sending a request head (a new one included), with when it began
-        (a new connection: its accept), oldest first."""
-        self.headed: dict[GuardedConnection, float] = {}
-        """Connections being answered, with when their last head ended, oldest first."""
-        self.idle: dict[GuardedConnection, float] = {}
-        """Kept-alive connections between requests, with when their last answer was
-        written, oldest first."""
-        self._sweep: asyncio.TimerHandle | None = None
-
-    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        return lambda: GuardedConnection(self, factory)
-
-    def admit(self, connection: GuardedConnection, transport: object, now: float) -> bool:
-        """Room for a new connection: at the cap, the least recently active one without
-        a request in progress is closed (a head begun longest ago, or an answer written
-        longest ago), never one being answered (``busy``); when all are, the new one is
-        refused."""
-        if len(self.open) >= self.max_connections:
-            free = (
-                next(((c, since) for c, since in waiting.items() if not c.busy), None)
-                for waiting in (self.in_head, self.idle)
-            )
-            victim = min((c for c in free if c is not None), key=lambda c: c[1], default=None)
-            if victim is None:
-                self.on_drop("too_many")
-                return False
-            victim[0].drop("too_many")
-        self.open[transport] = connection
-        self.in_head[connection] = now
-        if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
-        return True
-
-    def head_begins(self, connection: GuardedConnection, now: float) -> None:
-        self.headed.pop(connection, None)
-        self.idle.pop(connection, None)
-        self.in_head[connection] = now
-
-    def head_ended(self, connection: GuardedConnection, now: float) -> None:
-        del self.in_head[connection]
-        self.headed[connection] = now
-        connection.unanswered += 1
-
-    def answered(self, transport: object | None) -> None:
-        """A request's handler returned: aiohttp writes its answer to the transport in
-        the same step. Its connection is idle once no other request of it waits (still
-        ``busy`` while the transport holds answer bytes the kernel has not taken)."""
-        connection = self.open.get(transport)
-        if connection is None:
-            return
-        connection.unanswered -= 1
-        if not connection.unanswered and self.headed.pop(connection, None) is not None:
-            self.idle[connection] = asyncio.get_running_loop().time()
-
-    def closed(self, connection: GuardedConnection) -> None:
-        self.open.pop(connection.transport, None)
-        self.in_head.pop(connection, None)
-        self.headed.pop(connection, None)
-        self.idle.pop(connection, None)
-
-    def sweep(self) -> None:
-        """Close what is past its deadline: a head begun ``header_timeout`` ago, a head
-        ended or an answer written ``answer_timeout`` ago with no next request."""
-        self._sweep = None
-        now = asyncio.get_running_loop().time()
-        for waiting, limit, reason in (
-            (self.in_head, self.header_timeout, "header_timeout"),
-            (self.headed, self.answer_timeout, "answer_unread"),
-            (self.idle, self.answer_timeout, "answer_unread"),
-        ):
-            while waiting:
-                connection, since = next(iter(waiting.items()))
-                if now - since < limit:
-                    break
-                connection.drop(reason)  # leaves ``waiting``
-        if self.open:
-            self._sweep = asyncio.get_running_loop().call_later(self.sweep_interval, self.sweep)
-
-    def stop(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
-
-
-def _refusal(status: bytes, text: bytes) -> bytes:
-    return (
-        b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-        b"Connection: close\r\n\r\n%s" % (status, len(text), text)
-    )
-
-
-REFUSALS = {
-    "headers_too_large": _refusal(
-        b"431 Request Header Fields Too Large", b"request head over %d bytes" % MAX_HEAD_BYTES
-    ),
-    "chunked_body": _refusal(b"411 Length Required", b"no chunked request bodies here"),
-}
-"""What a connection closed for its request's form is told first."""
-BODY_HEADER = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*)", re.I)
-"""A request head's body headers (the request line is never one)."""
-
-
-class GuardedConnection(asyncio.Protocol):
-    """One connection: aiohttp's protocol inside, made only once the connection is
-    admitted; bytes are passed on only while the connection keeps to the limits. It
-    follows request heads by their blank line, and skips a body by its Content-Length
-    (the health port takes no chunked body: 411, closed)."""
-
-    def __init__(self, guard: ConnectionGuard, factory: Callable[[], asyncio.Protocol]) -> None:
-        self._guard, self._factory = guard, factory
-        self._inner: asyncio.Protocol | None = None
-        self.transport: asyncio.BaseTransport | None = None
-        self.unanswered = 0
-        """Requests whose head ended and whose handler has not returned."""
-        self._head = b""
-        """The current head's bytes so far, when it came in more than one piece."""
-        self._in_head = True
-        self._body_left = 0
-        self._dropped = False
+        super().__init__(
+            server,
+            loop=loop,
+            logger=logger,  # type: ignore[arg-type]  # a LoggerAdapter works as one
+            access_log=None,  # type: ignore[arg-type]  # none, as aiohttp allows
+            keepalive_timeout=KEEPALIVE_TIMEOUT,
+        )
+        self.cap, self.received = cap, 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        if not self._guard.admit(self, transport, asyncio.get_running_loop().time()):
-            self._dropped = True
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        self._inner = self._factory()
-        self._inner.connection_made(transport)
+        super().connection_made(transport)
+        self.cap.admit(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._dropped or self._inner is None:
-            return
-        if not self._follow_heads(data):
-            return
-        self._inner.data_received(data)
+        self.received += len(data)
+        if self.received <= MAX_HEAD_BYTES:
+            super().data_received(data)
+        elif self.transport is not None and not self.transport.is_closing():
+            self.cap.drop(self, "headers_too_large", TOO_LARGE)
 
-    def _follow_heads(self, data: bytes) -> bool:
-        """Track request heads through ``data``; False when the connection was closed."""
-        pos, size = 0, len(data)
-        while pos < size:
-            if self._body_left:
-                taken = min(self._body_left, size - pos)
-                self._body_left -= taken
-                pos += taken
-                continue
-            if not self._in_head:  # the next request begins
-                self._in_head = True
-                self._guard.head_begins(self, asyncio.get_running_loop().time())
-            known = len(self._head)
-            buffer = self._head + data[pos:] if known else (data[pos:] if pos else data)
-            ends = [
-                (index, len(blank))
-                for blank, back in ((b"\r\n\r\n", 3), (b"\n\n", 1))
-                if (index := buffer.find(blank, max(0, known - back))) >= 0
-            ]
-            if not ends:
-                if len(buffer) > self._guard.max_head_bytes:
-                    self.drop("headers_too_large")
-                    return False
-                self._head = buffer
-                return True
-            index, blank = min(ends)
-            head = buffer[: index + blank]
-            if len(head) > self._guard.max_head_bytes:
-                self.drop("headers_too_large")
-                return False
-            pos += len(head) - known
-            self._head, self._in_head = b"", False
-            self._guard.head_ended(self, asyncio.get_running_loop().time())
-            for name, value in BODY_HEADER.findall(head):
-                if name.lower() == b"transfer-encoding":
-                    self.drop("chunked_body")
-                    return False
-                with contextlib.suppress(ValueError):  # aiohttp answers a bad one 400
-                    self._body_left = max(0, int(value.strip()))
-        return True
-
-    @property
-    def busy(self) -> bool:
-        """A request of it is being answered (a pipelined one included, while its next
-        head comes), or the transport still holds answer bytes (writing paused or not):
-        closing it would cut an answer short."""
-        return bool(self.unanswered or self.transport.get_write_buffer_size())  # type: ignore[union-attr]
-
-    def eof_received(self) -> bool | None:
-        if self._dropped or self._inner is None:
-            return None
-        return self._inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._guard.closed(self)
-        if self._inner is not None:
-            self._inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.resume_writing()
-
-    def drop(self, reason: str) -> None:
-        """Close it now: nothing more is read. A request refused for its form is told
-        why (431 for a head too large, as aiohttp answers a header line past its limit;
-        411 for a chunked body); the others are aborted."""
-        if self._dropped:
-            return
-        self._dropped = True
-        self._guard.closed(self)
-        self._guard.on_drop(reason)
-        if self.transport is None:
-            return
-        answer = REFUSALS.get(reason)
-        if answer is not None:
-            self.transport.write(answer)  # type: ignore[attr-defined]
-            self.transport.close()
-        else:
-            self.transport.abort()  # type: ignore[attr-defined]
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.cap.open.pop(self, None)
+        super().connection_lost(exc)
 
 
-class DroppedConnectionLog:
-    """Counts connections the guard closed, and tells them in at most one line per
-    interval (by reason since the last line): an attack is not a line per connection."""
+class ConnectionCap:
+    """At most ``max_connections`` open, kept in the order they were last active
+    (accepted, or answered). A new one at the cap closes the first whose answer is all
+    handed to the kernel (or not taken for ``answer_timeout``), so neither slow clients
+    nor many kept-alive ones lock a probe out and no answer is cut short; it is refused
+    when there is none. The handlers never wait: a request is answered in the step its
+    handler runs. What the cap closes is counted and told."""
 
-    def __init__(self, interval: Callable[[], float], clock: Callable[[], float] = time.monotonic):
-        self._interval, self._clock = interval, clock
-        self._told_at: float | None = None
-        self._untold: dict[str, int] = {}
+    def __init__(
+        self,
+        interval: Callable[[], float],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        answer_timeout: float = ANSWER_TIMEOUT,
+    ) -> None:
+        self.max_connections, self.answer_timeout = max_connections, answer_timeout
+        self.open: dict[Connection, float] = {}
+        """Each open connection, with when it was last active, least recently first."""
+        self._tally = Tally("http_connections_dropped", interval)
 
-    def __call__(self, reason: str) -> None:
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        finally:  # aiohttp writes the answer to the transport in this same step
+            if isinstance(connection := request.protocol, Connection):
+                self.active(connection)
+
+    def admit(self, connection: Connection) -> None:
+        if len(self.open) >= self.max_connections:
+            victim = self._victim()
+            if victim is None:
+                return self.drop(connection, "too_many")
+            self.drop(victim, "answer_unread" if self.writing(victim) else "too_many")
+        self.open[connection] = asyncio.get_running_loop().time()
+
+    def _victim(self) -> Connection | None:
+        """The least recently active connection not being answered, or whose answer has
+        not been taken for ``answer_timeout``."""
+        stale = asyncio.get_running_loop().time() - self.answer_timeout
+        candidates = (c for c, since in self.open.items() if not self.writing(c) or since < stale)
+        return next(candidates, None)
+
+    def active(self, connection: Connection) -> None:
+        """It was answered: the most recently active, and its next head counted anew."""
+        connection.received = 0
+        if self.open.pop(connection, None) is not None:
+            self.open[connection] = asyncio.get_running_loop().time()
+
+    @staticmethod
+    def writing(connection: Connection) -> bool:
+        """The transport still holds answer bytes (closing it would cut them off)."""
+        transport = connection.transport
+        return transport is not None and bool(transport.get_write_buffer_size())
+
+    def drop(self, connection: Connection, reason: str, answer: bytes = b"") -> None:
+        """Close it now: told why (``answer``) when no answer of its own is being written."""
+        self.open.pop(connection, None)
         metrics.HTTP_CONNECTIONS_DROPPED.labels(reason).inc()
-        self._untold[reason] = self._untold.get(reason, 0) + 1
-        now = self._clock()
-        if self._told_at is None or now - self._told_at >= self._interval():
-            log.warning(
-                "http_connections_dropped",
-                by_reason=dict(self._untold),
-                next_line_in=round(self._interval(), 3),
-            )
-            self._told_at, self._untold = now, {}
+        self._tally.add(reason)
+        if connection.transport is None:
+            return
+        if answer and not self.writing(connection):
+            connection.transport.write(answer)
+            connection.transport.close()
+        else:
+            connection.transport.abort()
 
 
-class RequestErrorLog:
+class RequestErrorLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """aiohttp's server logger for the health port. A malformed request (anyone may
-    send one: the port is unauthenticated, on 0.0.0.0 by default) is counted in
+    send one: the port is unauthenticated) is counted in
     ``canaryd_http_bad_requests_total`` and told in at most one line per interval,
-    without aiohttp's traceback. Anything else (a bug in a handler) is logged as
-    aiohttp logs it."""
+    without aiohttp's traceback; anything else (a bug in a handler) as aiohttp logs it."""
 
-    def __init__(self, interval: Callable[[], float], clock: Callable[[], float] = time.monotonic):
-        self._interval, self._clock = interval, clock
-        self._log = logging.getLogger("aiohttp.server")
-        self._told_at: float | None = None
-        self._untold = 0
+    def __init__(self, interval: Callable[[], float]) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"))
+        self._tally = Tally("bad_http_requests", interval)
 
-    def _bad_request(self, args: tuple[Any, ...], exc: object) -> bool:
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
         if not isinstance(exc, HttpProcessingError):
-            return False
+            return super().log(level, msg, *args, **kwargs)
         metrics.BAD_HTTP_REQUESTS.inc()
-        self._untold += 1
-        now = self._clock()
-        if self._told_at is None or now - self._told_at >= self._interval():
-            log.warning(
-                "bad_http_requests",
-                count=self._untold,
-                error=one_line(f"{type(exc).__name__}: {exc}")[:300],
-                remote=str(args[1]) if len(args) > 1 else None,
-                next_line_in=round(self._interval(), 3),
-            )
-            self._told_at, self._untold = now, 0
-        return True
-
-    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        if not self._bad_request((msg, *args), kwargs.get("exc_info")):
-            self._log.debug(msg, *args, **kwargs)
-
-    def exception(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        if not self._bad_request((msg, *args), kwargs.get("exc_info")):
-            self._log.exception(msg, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._log, name)  # warning, info, error, isEnabledFor, ...
+        error = one_line(f"{type(exc).__name__}: {exc}")[:300]
+        self._tally.add(type(exc).__name__, error=error, remote=str(args[0]) if args else None)
 
 
 class HealthServer:
     """Binds at ``start()`` (so a busy port fails before anything else runs), then
     serves until cancelled."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        registry: Registry,
-        not_ready: Callable[[], list[str] | None],
-        role: Callable[[], tuple[str, str | None]],
-        stuck: Callable[[], str | None],
-        blind: Callable[[], Mapping[str, str]],
-    ) -> None:
-        self.settings, self.registry = settings, registry
-        self.not_ready, self.role, self.stuck, self.blind = not_ready, role, stuck, blind
-        self.guard = ConnectionGuard(DroppedConnectionLog(lambda: self.settings.timeout))
-
-        @web.middleware
-        async def answered(request: web.Request, handler: Handler) -> web.StreamResponse:
-            try:
-                return await handler(request)
-            finally:
-                self.guard.answered(request.transport)
-
-        self.app = web.Application(client_max_size=1024, middlewares=[answered])
-        for path, handler in (
-            ("/healthz", self.health),
-            ("/", self.health),
-            ("/livez", self.live),
-            ("/readyz", self.ready),
-            ("/metrics", self.metrics_page),
-        ):
-            self.app.router.add_get(path, handler)
+    def __init__(self, settings: Settings, view: HealthView) -> None:
+        self.settings, self.view = settings, view
+        self.cap = ConnectionCap(lambda: settings.timeout)
+        self.app = web.Application(client_max_size=1024, middlewares=[self.cap.middleware])
+        self.app.add_routes(
+            web.get(path, handler)
+            for path, handler in (
+                ("/healthz", self.health),
+                ("/", self.health),
+                ("/livez", self.live),
+                ("/readyz", self.ready),
+                ("/metrics", self.metrics_page),
+            )
+        )
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
     async def health(self, request: web.Request) -> web.Response:
-        registry = self.registry
+        registry = self.view.registry
         healthy = registry.healthy
         status = 200 if healthy else 500
         if "application/json" in request.headers.get("Accept", ""):
-            role, leader = self.role()
+            role, leader = self.view.role()
             body = {
                 "healthy": healthy,
                 "role": role,
                 "leader": leader,
                 "canaries": [canary_json(c) for c in registry.canaries()],
-                "blind": self.blind(),
+                "blind": self.view.blind(),
             }
-            return web.Response(
-                status=status, text=json.dumps(body), content_type="application/json"
-            )
+            return web.json_response(body, status=status)
         text = "OK" if healthy else "ERROR"
         if "verbose" in request.query:
             lines = [text]
@@ -453,7 +270,7 @@ class HealthServer:
                     f"{canary.state.value} {kind_of(canary.key.kind).kind} "
                     f"{canary.key.namespace}/{canary.key.name}: {canary.reason}"
                 )
-            lines += [f"blind {reason}: {what}" for reason, what in self.blind().items()]
+            lines += [f"blind {reason}: {what}" for reason, what in self.view.blind().items()]
             text = "\n".join(lines) + "\n"
         return web.Response(status=status, text=text)
 
@@ -462,7 +279,7 @@ class HealthServer:
         and its tasks run and keep up with their deadlines (the systemd watchdog's test).
         What a liveness probe of canaryd's own container reads: restarting canaryd repairs
         canaryd, not what it monitors."""
-        why = self.stuck()
+        why = self.view.stuck()
         if why is None:
             return web.Response(text="OK")
         return web.Response(status=500, text=f"STUCK: {why}")
@@ -472,32 +289,25 @@ class HealthServer:
         403, a namespace or a kind that is missing, no canary, the operator's metrics)
         do not make it unready (nothing there is its to wait for), but the body names
         each, one ``blind REASON: what`` line (canaryd_blind)."""
-        waiting = self.not_ready()
-        tail = "".join(f"\nblind {reason}: {what}" for reason, what in self.blind().items())
+        waiting = self.view.not_ready()
+        tail = "".join(f"\nblind {reason}: {what}" for reason, what in self.view.blind().items())
         if not waiting:
             return web.Response(text=f"OK{tail}")
         return web.Response(status=503, text=f"NOT READY: {'; '.join(waiting)}{tail}")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(metrics.REGISTRY)
-        response = web.Response(body=body)
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(
-            self.app,
-            handle_signals=False,
-            access_log=None,
-            shutdown_timeout=1.0,
-            logger=RequestErrorLog(lambda: self.settings.timeout),
-            keepalive_timeout=IDLE_TIMEOUT,
-        )
+        self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        assert self._runner.server is not None
+        server, loop = self._runner.server, asyncio.get_running_loop()
+        assert server is not None
+        errors = RequestErrorLog(lambda: self.settings.timeout)
         try:
-            self._listener = await asyncio.get_running_loop().create_server(
-                self.guard.wrap(self._runner.server),
+            self._listener = await loop.create_server(
+                lambda: Connection(self.cap, server, loop, errors),
                 self.settings.host,
                 self.settings.port,
                 backlog=MAX_CONNECTIONS // 2,
@@ -520,4 +330,3 @@ class HealthServer:
             if self._listener is not None:
                 self._listener.close()
             await self._runner.cleanup()
-            self.guard.stop()

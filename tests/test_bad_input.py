@@ -204,7 +204,7 @@ async def test_odd_requests_get_clear_errors_and_the_daemon_keeps_answering(kube
         assert b"200 OK" in answer
         slow_writer.close()
         async with run.http.post(run.url + "/healthz", data=b"x" * 100_000) as response:
-            assert response.status in (405, 413)
+            assert response.status in (405, 413, 431)  # 431: more than MAX_HEAD_BYTES at once
         assert await run.get("/healthz") == (200, "OK")
         assert (await run.get("/readyz"))[0] == 200
 

@@ -82,7 +82,7 @@ async def test_an_api_server_that_refuses_connections_is_one_episode_named_in_re
             assert await run.get("/healthz") == (200, "OK")  # nothing tracked: healthy
             await kube.accept_connections()
             await run.until_tracked()
-            await run.until(lambda: run.daemon._not_ready() is None, "ready")
+            await run.until(lambda: run.daemon.not_ready() is None, "ready")
         records = json_lines(capsys.readouterr().err)
     one_episode(records, "refused")
 
