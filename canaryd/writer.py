@@ -84,10 +84,6 @@ class _Attempt:
     sent: float
 
 
-async def _always_permitted(limit: float) -> float | None:
-    return limit
-
-
 class Writer:
     def __init__(
         self,
@@ -95,23 +91,25 @@ class Writer:
         registry: Registry,
         kube: KubeClient,
         *,
+        permit: Callable[[float], Awaitable[float | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
         self._rng = rng or random.Random()
-        self.permit: Callable[[float], Awaitable[float | None]] = lambda within: _always_permitted(
-            settings.write_timeout
-        )
+        self.permit = permit or self._always_permitted
         """Awaited right before every write, for at most ``within`` seconds (else
         TimeoutError): its client timeout, or None when this replica may write no more
-        (the leader elector's ``write_permit``)."""
+        (the leader elector's ``write_permit``, given at construction)."""
         self.stopping = False
         self.in_flight = 0
         """Writes sent and not answered yet."""
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
+
+    async def _always_permitted(self, within: float) -> float | None:
+        return self.settings.write_timeout
 
     async def finished(self) -> None:
         """Stopping: no write is sent any more; returns once the ones in flight were
