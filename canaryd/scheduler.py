@@ -1,15 +1,13 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next.
 
 One task walks a deadline heap (not a task per canary). At a canary's deadline it
-judges the previous bump there and then, synchronously — judging never queues
-behind writes — and starts the next bump: a task of its own (canaryd.writer does the
-write), at most ``max_bumps_in_flight`` of them writing at once. A canary's first bump
-is placed at a stable offset within the cycle (a hash of its identity), so N canaries
-spread over the cycle instead of firing N writes at once. The watch judges by default;
-with --reconciled-by operator-metrics a canary past its deadline waits for the next
-read of the operator's metrics (canaryd.opjudge reads, the scheduler judges). Under
---leader-elect the scheduler follows the elector it was given (its role, its write
-permit); ``Role`` keeps the replica's role, the ageing of its verdicts and their Events.
+judges the previous bump there and then — judging never queues behind writes — and
+starts the next bump: a task of its own (canaryd.writer writes), at most
+``max_bumps_in_flight`` writing at once. A first bump is placed at a stable offset
+within the cycle (a hash of the canary's identity): N canaries spread over the cycle.
+The watch judges by default; with --reconciled-by operator-metrics a canary past its
+deadline waits for the next read of the operator's metrics (``judge.Wait``). Under
+--leader-elect it follows the elector it was given: its role, and its write fence.
 
 The invariant (``unscheduled``): while this replica bumps, every tracked canary is
 either due (one live heap entry) or in flight (a bump task, or a judge waiting for the
@@ -17,8 +15,7 @@ operator's metrics), exactly once. Nothing takes a canary out of the schedule bu
 watch (it drops the canary) and stepping down (``activate`` schedules them all again).
 
 Every write to the registry after an ``await`` first checks that the record is still
-the one tracked (``Registry.owns``): an answer that arrives after the canary was
-dropped or replaced changes nothing.
+the one tracked (``Registry.owns``): a late answer about a dropped canary changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import structlog
@@ -37,10 +35,10 @@ from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.events import Events
-from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
+from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy
 from canaryd.kube import KubeClient
 from canaryd.leader import LeaderElector
-from canaryd.opjudge import OperatorJudge, Read, phase
+from canaryd.opjudge import OperatorJudge, phase
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
 from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
@@ -55,31 +53,33 @@ EVENT_REASONS = {
 
 
 class Role:
-    """This replica's role, and what becomes of its verdicts.
-
-    A replica bumps (``active``: single, or the leader under --leader-elect) or stands by
-    (a follower: no bumps, no new verdicts). A leader that stepped down without seeing
-    another holder (a lease hiccup) keeps its verdicts: nobody else has checked since.
-    Whatever the role, an ``unhealthy`` verdict that no bump has re-tested for two cycles
-    turns ``unknown`` (Registry.no_verdict): a verdict nobody can re-test must not restart
-    the operator forever, whether the bumps fail, the leader's fence holds them back, or
-    this replica stands by. A verdict that changed is told once, as an Event.
-    """
+    """This replica's role, and what becomes of its verdicts: a replica bumps
+    (``active``: single, or the leader) or stands by (a follower: no bumps, no new
+    verdicts). A leader that stepped down without seeing another holder (a lease hiccup)
+    keeps its verdicts: nobody else has checked since. Whatever the role, an unhealthy
+    verdict no bump re-tested for two cycles turns ``unknown``: one nobody can re-test
+    must not restart the operator forever (failing bumps, the fence, a stand-by)."""
 
     def __init__(
         self,
         settings: Settings,
         registry: Registry,
-        failing: Callable[[CanaryKey], bool],
         events: Events,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings, self.registry, self.events = settings, registry, events
-        self._failing = failing
-        """Whether a canary's writes are failing now: it ages at its next failed write,
-        which names the cause (``no_bump``)."""
         self._clock = clock
+        self.failures = Episodes(
+            "bump_failures",
+            subject="canary",
+            subjects="canaries",
+            detail_event="bump_failed",
+            interval=lambda: settings.timeout,
+            logger_name="canaryd.scheduler",
+            clock=clock,
+        )
+        """Failed bumps, logged as episodes (an outage is not a line per canary)."""
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self._verdicts_kept = False
@@ -90,16 +90,15 @@ class Role:
         return self.standby_reason is None
 
     def stand_by(self, leader: str | None) -> None:
-        """No longer bumping. ``leader``: another holder of the lease, or None when none
-        is known (then this replica's verdicts stand, unless it had already dropped
-        them); once another holder is seen, its verdicts are the ones that count and
-        every canary here is ``pending`` with a standby reason."""
+        """No longer bumping. ``leader``: another holder of the lease, whose verdicts
+        count from now on (every canary here ``pending``, with a standby reason), or
+        None when none is known (this replica's verdicts stand, if it had kept them)."""
         keep = leader is None and (self._verdicts_kept or self.standby_reason is None)
         self._verdicts_kept = keep
-        self.standby_reason = (
-            f"standby: {leader} holds the lease" if leader else "standby: waiting for the lease"
-        )
+        held = f"{leader} holds the lease" if leader else "waiting for the lease"
+        self.standby_reason = f"standby: {held}"
         for canary in self.registry.canaries():
+            self.failures.recovered(canary.key)
             self.registry.standing_by(canary, None if keep else self.standby_reason)
         self.age_verdicts()
 
@@ -110,12 +109,8 @@ class Role:
         self.standby_reason = None
         for canary in self.registry.canaries():
             if not kept or canary.state is CanaryState.PENDING:
-                self.registry.set_state(
-                    canary,
-                    CanaryState.PENDING,
-                    "waiting for the first bump to be judged",
-                    "first_bump",
-                )
+                why = "waiting for the first bump to be judged"
+                self.registry.set_state(canary, CanaryState.PENDING, why, "first_bump")
 
     def verdict_ttl(self) -> float:
         """How long an unhealthy verdict stands without a bump to re-test it: two
@@ -125,10 +120,15 @@ class Role:
         the verdict would otherwise age a cycle late whenever the judge ran late."""
         return 2 * self.settings.timeout - self.settings.judge_slack
 
+    def bump_failed(self, canary: Canary, cause: str, reason: str) -> None:
+        """A cycle without a bump to judge: counted, told in the failure episode."""
+        metrics.BUMPS.labels(cause).inc()
+        self.failures.failed(canary.key, cause, reason)
+        self.no_bump(canary, reason, cause)
+
     def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
-        """Nothing to judge this cycle (``reason``, of class ``cause``): a failed write is
-        no verdict either way; an unhealthy verdict older than ``verdict_ttl`` turns
-        unknown."""
+        """Nothing to judge this cycle: a failed write is no verdict either way; an
+        unhealthy verdict older than ``verdict_ttl`` turns unknown."""
         self.verdict(canary, NoVerdict(reason, cause), self._clock(), counted=False)
 
     def verdict(
@@ -139,33 +139,26 @@ class Role:
         *,
         counted: bool = True,
     ) -> None:
-        """A verdict (or none either way) into the registry, ``counted`` in
-        canaryd_verdicts_total. One that changed is an Event on the canary
-        (canaryd.events): unhealthy, unknown, or recovered (healthy after a told
-        unhealthy or unknown, whatever came between: a pending re-check, a stand-by),
-        with its reason and its class."""
+        """A verdict (or none either way) into the registry. One that changed is an
+        Event: unhealthy, unknown, or recovered (healthy after a told unhealthy or
+        unknown, whatever came between: a re-check, a stand-by)."""
         before = canary.state
         match judgement:
             case Healthy():
                 label = "healthy"
                 self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, "in_time", now)
-            case Unhealthy():
+            case Unhealthy(reason=why, cause=cause):
                 label = "unhealthy"
                 # The verdict an operator is paged for: a warning naming the canary when
                 # it turns unhealthy; while it stays unhealthy, detail.
                 (log.warning if before is not CanaryState.UNHEALTHY else log.debug)(
-                    "canary_unhealthy", canary=str(canary.key), reason=judgement.reason
+                    "canary_unhealthy", canary=str(canary.key), reason=why
                 )
-                self.registry.judged(
-                    canary, CanaryState.UNHEALTHY, judgement.reason, judgement.cause, now
-                )
-            case NoVerdict(fresh=True):
-                label = judgement.counted
-                self.registry.fresh_check(canary, judgement.reason, label)
-            case NoVerdict():
-                label = judgement.counted
-                ttl = self.verdict_ttl()
-                self.registry.no_verdict(canary, judgement.reason, label, now, ttl)
+                self.registry.judged(canary, CanaryState.UNHEALTHY, why, cause, now)
+            case NoVerdict(reason=why, counted=label, fresh=True):
+                self.registry.fresh_check(canary, why, label)
+            case NoVerdict(reason=why, counted=label):
+                self.registry.no_verdict(canary, why, label, now, self.verdict_ttl())
         if counted:
             metrics.VERDICTS.labels(label).inc()
         reason = EVENT_REASONS.get(canary.state)
@@ -190,7 +183,7 @@ class Role:
                 continue
             if (
                 canary.bumped_generation is None
-                and not self._failing(canary.key)
+                and self.failures.cause(canary.key) is None  # aged at its next failure
                 and now - verdict.at >= ttl
             ):
                 self.verdict(canary, NoVerdict(why, "not_written"), now, counted=False)
@@ -219,9 +212,7 @@ class Scheduler:
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
-        self._lease = lease
-        """--leader-elect: the elector whose role this replica follows and whose fence
-        every write passes (``write_permit``)."""
+        self._lease = lease  # --leader-elect: whose role this follows
         self._heap: list[tuple[float, int, Canary]] = []
         self._order = itertools.count()
         self._due_seq: dict[CanaryKey, int] = {}
@@ -236,34 +227,18 @@ class Scheduler:
         self._deferred: set[Canary] = set()
         """Canaries whose verdict waits for their watch to resume."""
         self._group: asyncio.TaskGroup | None = None
-        self.failures = Episodes(
-            "bump_failures",
-            subject="canary",
-            subjects="canaries",
-            detail_event="bump_failed",
-            interval=lambda: settings.timeout,
-            logger_name="canaryd.scheduler",
-            clock=clock,
-        )
-        """Failed bumps, logged as episodes (an outage is not a line per canary)."""
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
-        self.role = Role(
-            settings,
-            registry,
-            lambda key: self.failures.cause(key) is not None,
-            self.events,
-            clock=clock,
+        self.role = Role(settings, registry, self.events, clock=clock)
+        self.failures = self.role.failures
+        self.operator = (
+            OperatorJudge(settings, registry, lambda: kube.answered_since, clock=clock)
+            if settings.reconciled_by == "operator-metrics"
+            else None
         )
-        self.operator: OperatorJudge | None = None
-        """--reconciled-by operator-metrics: bumps judged on the operator's metrics."""
         self._waiting: list[tuple[float, Canary]] = []
         """operator-metrics: canaries past their deadline waiting for the next read
-        (``judge.Wait``); one read judges every canary due before it started."""
-        if settings.reconciled_by == "operator-metrics":
-            self.operator = OperatorJudge(
-                settings, registry, lambda: kube.answered_since, clock=clock
-            )
+        (``judge.Wait``); a read judges every canary due before it started."""
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
 
@@ -272,15 +247,12 @@ class Scheduler:
         return self.role.active
 
     def standby(self, leader: str | None) -> None:
-        """Not the leader: no bumps and no new verdicts from here on (``Role``). The
-        registry stays warm (the watches run), so this replica judges from its first
-        cycle once it leads."""
+        """Not the leader: no bumps, no new verdicts. The registry stays warm (the
+        watches run), so this replica judges from its first cycle once it leads."""
         self._heap.clear()
         self._due_seq.clear()
         self._deferred.clear()
         self._waiting.clear()
-        for canary in self.registry.canaries():
-            self.failures.recovered(canary.key)
         self.role.stand_by(leader)
 
     def activate(self) -> None:
@@ -301,27 +273,22 @@ class Scheduler:
             seen = leading, leader
 
     async def finish_writes(self) -> None:
-        """Stopping: send no more writes and wait for the ones in flight to be answered
-        or abandoned. Each ends within its own time limit (the write timeout), so the
-        lease can be released after this without a write of this replica still on its
-        way."""
+        """Stopping: no more writes; returns once those in flight were answered or
+        abandoned (each within the write timeout): the lease may be released then."""
         if self.writer.in_flight:
             log.info("finishing_writes", in_flight=self.writer.in_flight)
         await self.writer.finished()
 
     def unscheduled(self) -> list[CanaryKey]:
-        """The canaries that break the invariant: while this replica bumps, each one
-        tracked is due exactly once or in flight exactly once. Empty when all is well
-        (and for a follower, which schedules nothing)."""
+        """The canaries that break the invariant (above): empty when all is well, and
+        for a follower, which schedules nothing."""
         if not self.active:
             return []
-        waiting: dict[CanaryKey, int] = {}
-        for _, canary in self._waiting:
-            waiting[canary.key] = waiting.get(canary.key, 0) + 1
+        waiting = Counter(canary.key for _, canary in self._waiting)
         return [
             canary.key
             for canary in self.registry.canaries()
-            if (canary.key in self._due_seq) + self.flying(canary) + waiting.get(canary.key, 0) != 1
+            if (canary.key in self._due_seq) + self.flying(canary) + waiting[canary.key] != 1
         ]
 
     def canary_added(self, canary: Canary) -> None:
@@ -427,11 +394,19 @@ class Scheduler:
                 waiting, self._waiting = self._waiting, []
                 now = self._clock()
                 for due, canary in waiting:
-                    if due > read.started or (read.unanswered and canary.bumped_generation is None):
-                        self._waiting.append((due, canary))
+                    judged = canary.bumped_generation is not None
+                    if due > read.started or (read.unanswered and not judged):
+                        self._waiting.append((due, canary))  # not yet this read's
+                        continue
+                    if not self.registry.owns(canary):
                         continue
                     try:
-                        self._judge_by_operator(operator, read, due, canary, now)
+                        if not self.apply(canary, operator.judge(canary, read, now), now):
+                            self._waiting.append((due, canary))  # Wait: at the next read
+                        elif (place := operator.bump_at(canary, judged, now)) is not None:
+                            self.push(place, canary)
+                        else:  # its retry window runs from now: the verdict may have waited
+                            self.start_bump(now, canary)
                     except Exception:
                         # A bug must not lose the canary: say so, count it, try next cycle.
                         metrics.ERRORS.labels("scheduler").inc()
@@ -439,24 +414,8 @@ class Scheduler:
                         if self.registry.owns(canary) and not self.flying(canary):
                             self.push(now + self.settings.timeout, canary)
 
-    def _judge_by_operator(
-        self, operator: OperatorJudge, read: Read, due: float, canary: Canary, now: float
-    ) -> None:
-        if not self.registry.owns(canary):
-            return
-        judged = canary.bumped_generation is not None
-        if not self.apply(canary, operator.judge(canary, read, now), now):
-            self._waiting.append((due, canary))  # Wait: judged again at the next read
-            return
-        at = operator.bump_at(canary, judged, now)
-        if at is not None:
-            self.push(at, canary)
-        else:  # its bump's retry window runs from now: the verdict may have waited
-            self.start_bump(now, canary)
-
     def start_bump(self, due: float, canary: Canary) -> None:
-        """The canary's next bump, in a task of its own: in flight until it has its
-        next deadline."""
+        """The canary's next bump, a task of its own: in flight until it is due again."""
         if self._group is None or self.flying(canary):
             return
         self._in_flight[canary.key] = canary
@@ -494,7 +453,7 @@ class Scheduler:
         if not self.registry.owns(canary) or not self.active:
             return None
         if isinstance(outcome, NotWritten):
-            self._write_failed(canary, outcome.cause, outcome.reason)
+            self.role.bump_failed(canary, outcome.cause, outcome.reason)
             return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
@@ -540,12 +499,12 @@ class Scheduler:
             case Healthy() | Unhealthy() | NoVerdict():
                 self._deferred.discard(canary)
                 self.role.verdict(canary, judgement, now)
+                return True
             case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
                 self.registry.rechecking(canary)
                 self.push(judgement.at, canary)
-                return False
             case Defer():
                 until = judgement.until
                 if judgement.first:
@@ -559,15 +518,11 @@ class Scheduler:
                     self.registry.deferred(canary, until)
                     self._deferred.add(canary)
                 self.push(until if judgement.at is None else min(judgement.at, until), canary)
-                return False
             case Suspect():
                 # The fresh stream's verdict comes from its own deadline: judged again
                 # then (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
-                return False
-            case Wait():
-                return False  # operator-metrics: judged again at the next read
-        return True
+        return False  # not yet: rescheduled, or (Wait) judged at the next read
 
     def scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
@@ -593,12 +548,3 @@ class Scheduler:
         """The next cycle after a cycle that wrote nothing: one timeout after it fell due
         (never in the past: a late cycle is not repeated at once)."""
         return max(due + self.settings.timeout, self._clock())
-
-    def _write_failed(self, canary: Canary, cause: str, reason: str) -> None:
-        """A cycle without a bump to judge: counted, and told in the failure episode
-        (per canary at debug)."""
-        if not self.registry.owns(canary):
-            return
-        metrics.BUMPS.labels(cause).inc()
-        self.failures.failed(canary.key, cause, reason)
-        self.role.no_bump(canary, reason, cause)

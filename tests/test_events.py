@@ -89,7 +89,7 @@ def test_recovered_follows_a_told_warning_whatever_came_between():
     registry.observe("flinkdeployments", {"metadata": {**meta, "labels": labels}})
     (canary,) = registry.canaries()
     events = Events(None, interval=lambda: 1.0)  # type: ignore[arg-type]  # never written
-    role = Role(Settings(timeout=10), registry, lambda key: False, events, clock=lambda: 0.0)
+    role = Role(Settings(timeout=10), registry, events, clock=lambda: 0.0)
 
     def judged(state: CanaryState) -> list[str]:
         if state is CanaryState.UNKNOWN:
