@@ -155,7 +155,7 @@ class Writer:
                 "skipped", "no bump this cycle: bumps are backed up behind slow writes"
             )
         path = object_path(*canary.key)
-        backoff: Backoff | None = None
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng)
         conflicts = 0
         reread = False
         unsure: _Attempt | None = None
@@ -163,12 +163,8 @@ class Writer:
         while True:
             try:
                 if reread:
-                    fresh = await self.kube.request("get", "GET", path)
-                    gone = self.registry.reread(canary, fresh)
-                    if gone is not None:
-                        metrics.BUMPS.labels(
-                            "replaced" if gone == "replaced" else "not_canary"
-                        ).inc()
+                    fresh = await self._reread(canary, path)
+                    if fresh is None:
                         return None
                     reread = False
                     if unsure is not None:
@@ -220,10 +216,6 @@ class Writer:
                     # It may have reached the server: the retry is this very request (a
                     # failed re-read keeps what it was to tell).
                     unsure = attempt
-                if backoff is None:
-                    backoff = Backoff(
-                        self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng
-                    )
                 delay = backoff.next()
                 if err.retry_after is not None:
                     # Honoured, but never a tight loop (Retry-After: 0).
@@ -245,7 +237,7 @@ class Writer:
         drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
         never confirmation enough, since no DELETED may ever follow a transient one."""
         try:
-            fresh = await self.kube.request("get", "GET", path)
+            fresh = await self._reread(canary, path)
         except KubeError as reread_err:
             if not self.registry.owns(canary):
                 return None
@@ -258,14 +250,21 @@ class Writer:
             return NotWritten(
                 "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
             )
-        gone = self.registry.reread(canary, fresh)
-        if gone is not None:
-            metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
+        if fresh is None:
             return None
         return NotWritten(
             "gone_but_present",
             f"bump answered {err}, but the object is still there; retried next cycle",
         )
+
+    async def _reread(self, canary: Canary, path: str) -> Mapping[str, Any] | None:
+        """The canary re-read (raises KubeError); None when it is not the one tracked."""
+        fresh = await self.kube.request("get", "GET", path)
+        gone = self.registry.reread(canary, fresh)
+        if gone is None:
+            return fresh
+        metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
+        return None
 
     def _written(self, canary: Canary, written: Mapping[str, Any], attempt: _Attempt) -> Outcome:
         metadata = written.get("metadata")
