@@ -123,7 +123,14 @@ class Daemon:
                     raised_from=open_files.raised_from,
                     problem=open_files.problem,
                 )
-                self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
+                if settings.leader_elect:
+                    identity = settings.identity or default_identity()
+                    self.elector = LeaderElector(settings, kube, identity)
+                else:
+                    metrics.LEADER.set(1)  # the only replica: it writes
+                self.scheduler = scheduler = Scheduler(
+                    settings, self.registry, kube, lease=self.elector
+                )
                 self.registry.attach(scheduler)
                 self.watcher = Watcher(
                     settings,
@@ -133,19 +140,6 @@ class Daemon:
                     on_scope_resumed=scheduler.scope_resumed,
                 )
                 metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
-                if settings.leader_elect:
-                    self.elector = LeaderElector(
-                        settings,
-                        kube,
-                        settings.identity or default_identity(),
-                        on_started_leading=scheduler.activate,
-                        on_stopped_leading=scheduler.standby,
-                        on_new_leader=self._new_leader,
-                    )
-                    scheduler.writer.permit = self.elector.write_permit
-                    scheduler.standby(None)  # until this replica holds the lease
-                else:
-                    metrics.LEADER.set(1)  # the only replica: it writes
                 operator_config = self._say_operator_config()
                 log.info(
                     "canaryd_started",
@@ -305,13 +299,6 @@ class Daemon:
         if self.elector is None:
             return "single", None
         return ("leader" if self.elector.leading else "follower"), self.elector.leader
-
-    def _new_leader(self, leader: str | None) -> None:
-        """A follower's canaries say who leads (this replica itself: it is about to)."""
-        if self.elector is not None and leader == self.elector.identity:
-            return
-        if self.scheduler is not None and not self.scheduler.active:
-            self.scheduler.standby(leader)
 
     def blind(self) -> dict[str, str]:
         """Why canaryd checks nothing or cannot judge, by ``canaryd_blind`` reason."""

@@ -74,7 +74,8 @@ class Suspect:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """The operator's answer has not come, for less than a cycle past the deadline."""
+    """The operator's answer has not come, for less than a cycle past the deadline: the
+    scheduler keeps the canary for the next read."""
 
 
 Judgement = Healthy | Unhealthy | NoVerdict | Defer | Recheck | Suspect | Wait | None

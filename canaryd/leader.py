@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -59,18 +59,12 @@ class LeaderElector:
         kube: KubeClient,
         identity: str,
         *,
-        on_started_leading: Callable[[], None],
-        on_stopped_leading: Callable[[str | None], None],
-        on_new_leader: Callable[[str | None], None] = lambda leader: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings, self.kube, self.identity = settings, kube, identity
         self.namespace, self.name = lease_namespace(settings), settings.lease_name
         base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
-        self.on_started_leading = on_started_leading
-        self.on_stopped_leading = on_stopped_leading
-        self.on_new_leader = on_new_leader
         self._clock = clock
         self.leading = False
         self.leader: str | None = None
@@ -84,8 +78,9 @@ class LeaderElector:
         """When the other holder's lease runs out, as this replica last saw it."""
         self._renewed_at = float("-inf")
         """When the last successful acquire or renew started (our clock)."""
-        self._renewed = asyncio.Event()
-        """Set (and replaced) at every successful renewal and when leading ends."""
+        self._changed = asyncio.Event()
+        """Set (and replaced) at every successful renewal, when leading starts or ends,
+        and when another holder is seen."""
         self._written: Mapping[str, Any] | None = None
         """The Lease as this replica last wrote it: the optimistic update's base."""
         self.problem: str | None = None
@@ -118,13 +113,22 @@ class LeaderElector:
                 return min(timeout, left)
             until = until or asyncio.get_running_loop().time() + within
             async with asyncio.timeout_at(until):
-                await self._renewed.wait()
+                await self._changed.wait()
         return None
 
-    def _renewal_changed(self) -> None:
-        """Wake the writes waiting for the fence (a renewal, or the end of leading)."""
-        self._renewed.set()
-        self._renewed = asyncio.Event()
+    async def roles(self) -> AsyncIterator[tuple[bool, str | None]]:
+        """This replica's role, now and after every change (and renewal): whether it
+        leads, and the other holder it saw (None: none, or itself). The scheduler,
+        given this elector, follows it; nothing here calls the scheduler."""
+        while True:
+            changed = self._changed
+            yield self.leading, self.leader if self.leader != self.identity else None
+            await changed.wait()
+
+    def _role_changed(self) -> None:
+        """Wake the writes waiting for the fence and whoever follows the role."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def run(self) -> None:
         log.info("leader_election_started", lease=str(self), identity=self.identity)
@@ -178,14 +182,13 @@ class LeaderElector:
         self.leading = True
         metrics.LEADER.set(1)
         log.info("leading", lease=str(self), identity=self.identity)
-        self.on_started_leading()
+        self._role_changed()
 
     def _stop_leading(self, why: str) -> None:
         self.leading = False
-        self._renewal_changed()
         metrics.LEADER.set(0)
         log.warning("stopped_leading", lease=str(self), identity=self.identity, why=why)
-        self.on_stopped_leading(self.leader if self.leader != self.identity else None)
+        self._role_changed()
 
     async def _attempt(self, time_limit: float) -> bool:
         """One round, and what it says about canaryd's access to the lease."""
@@ -249,7 +252,7 @@ class LeaderElector:
                 metrics.LEADER_TRANSITIONS.inc()
             log.info("leader_observed", lease=str(self), leader=holder, was=self.leader)
             self.leader = holder
-            self.on_new_leader(holder)
+            self._role_changed()
         return spec
 
     def _lease(self, current: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -294,7 +297,7 @@ class LeaderElector:
         self._observe(written)
         self._renewed_at = started  # the deadline runs from the write's start: early, safe
         self._written = written
-        self._renewal_changed()
+        self._role_changed()
 
     async def _release(self) -> None:
         """client-go's ReleaseOnCancel, once the daemon has finished or cancelled every

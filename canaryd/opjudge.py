@@ -1,13 +1,12 @@
-"""--reconciled-by operator-metrics: bumps judged on the operator's own reconcile counts.
+"""--reconciled-by operator-metrics: the operator's own reconcile counts, for the scheduler.
 
 The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
-never per canary. A canary whose deadline passed waits here for the next read, which
-judges every canary due before it started (canaryd.judge.by_operator) and notes the
-``reconciled`` stage of the bumps the operator reconciled since; a read unanswered for
-a whole interval judges those that waited a cycle (a frozen JVM holds a read that
-long). A new operator process (counters reset, a new start time) gets a fresh check of
-every canary. What to do with a judgement (the registry's transition, the next bump)
-is the scheduler's: ``Schedule``.
+never per canary. ``reads`` yields every read, and a ``Read`` of its silence each
+interval a read stays unanswered (a frozen JVM holds a read that long). The scheduler
+keeps the canaries whose deadline passed until the next read (``judge.Wait``) and asks
+here what that read says of each (``judge``: canaryd.judge.by_operator), when its next
+bump is due (``bump_at``) and, after a new operator process (counters reset, a new
+start time), how to check every canary afresh (``restart``). Nothing here schedules.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import asyncio
 import math
 import time
 import zlib
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -38,15 +37,16 @@ def phase(canary: Canary) -> float:
     return zlib.crc32(str(canary.key).encode()) / 2**32
 
 
-class Schedule(Protocol):
-    """What the operator's judge asks of the scheduler."""
-
-    @property
-    def active(self) -> bool: ...
-    def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool: ...
-    def start_bump(self, due: float, canary: Canary) -> None: ...
-    def push(self, due: float, canary: Canary) -> None: ...
-    def flying(self, canary: Canary) -> bool: ...
+@dataclass(frozen=True, slots=True)
+class Read:
+    started: float
+    scrape: Scrape | None
+    failed: ScrapeFailed | None
+    unanswered: bool = False
+    """Still unanswered after an interval: it judges only the canaries with a bump to
+    judge (the others wait for it: it is their baseline)."""
+    restarted: bool = False
+    """A new operator process answered it."""
 
 
 class OperatorJudge:
@@ -54,12 +54,11 @@ class OperatorJudge:
         self,
         settings: Settings,
         registry: Registry,
-        schedule: Schedule,
         api_last_answer: Callable[[], float],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry, self.schedule = settings, registry, schedule
+        self.settings, self.registry = settings, registry
         self._api_last_answer = api_last_answer
         self._clock = clock
         self.operator = OperatorMetrics(
@@ -69,9 +68,6 @@ class OperatorJudge:
             clock=clock,
         )
         metrics.operator_metrics_exported()
-        self.awaiting: list[tuple[float, Canary]] = []
-        """Canaries past their deadline, waiting for the next read: one read judges
-        every canary due before it."""
         self._instance_judged = 0
         """The operator instance (OperatorMetrics.instance) the verdicts are about."""
         self._missing_series: set[CanaryKey] = set()
@@ -97,10 +93,6 @@ class OperatorJudge:
             clock=clock,
         )
 
-    def due(self, due: float, canary: Canary) -> None:
-        """A deadline: judged at the next read of the operator's metrics."""
-        self.awaiting.append((due, canary))
-
     def forget(self, key: CanaryKey) -> None:
         self._missing_series.discard(key)
         self._realign.discard(key)
@@ -108,45 +100,45 @@ class OperatorJudge:
     async def close(self) -> None:
         await self.operator.close()
 
-    async def run(self) -> None:
-        try:
-            while True:
-                started = self._clock()
-                scrape: Scrape | None = None
-                failed: ScrapeFailed | None = None
-                read = asyncio.ensure_future(self.operator.scrape())
-                try:
-                    while not read.done():
-                        await asyncio.wait({read}, timeout=self.settings.scrape_interval)
-                        if not read.done() and self.schedule.active:
-                            # Those that waited a cycle need not wait for this read to
-                            # time out (a frozen JVM holds it a cycle); those with no
-                            # bump to judge wait for it: it is their baseline.
-                            silent = ScrapeFailed(
-                                "unanswered",
-                                f"{self.operator.url} has not answered a read sent "
-                                f"{self._clock() - started:.1f}s ago",
-                            )
-                            self._judge_due(started, None, silent, bumped_only=True)
-                    scrape = read.result()
-                except ScrapeFailed as err:
-                    failed = err
-                finally:
-                    read.cancel()  # the reader is stopping (once done, a no-op)
-                try:
-                    self._read(started, scrape, failed)
-                except Exception:
-                    # A bug must not stop the reads: say so, count it, go on.
-                    metrics.ERRORS.labels("scheduler").inc()
-                    log.exception("operator_judge_failed_unexpectedly")
-                pause = started + self.settings.scrape_interval - self._clock()
-                await asyncio.sleep(max(0.0, pause))
-        except asyncio.CancelledError:
-            log.info("operator_metrics_reader_stopped", why="cancelled")
-            raise
+    async def reads(self) -> AsyncGenerator[Read, None]:
+        """Read every scrape interval, forever (close it: contextlib.aclosing)."""
+        while True:
+            started = self._clock()
+            scrape: Scrape | None = None
+            failed: ScrapeFailed | None = None
+            read = asyncio.ensure_future(self.operator.scrape())
+            try:
+                while not read.done():
+                    await asyncio.wait({read}, timeout=self.settings.scrape_interval)
+                    if not read.done():
+                        # Those that waited a cycle need not wait for this read to time
+                        # out (a frozen JVM holds it a cycle).
+                        silent = ScrapeFailed(
+                            "unanswered",
+                            f"{self.operator.url} has not answered a read sent "
+                            f"{self._clock() - started:.1f}s ago",
+                        )
+                        yield Read(started, None, silent, unanswered=True)
+                scrape = read.result()
+            except ScrapeFailed as err:
+                failed = err
+            finally:
+                read.cancel()  # the reader is stopping (once done, a no-op)
+            try:
+                noted = self._note(started, scrape, failed)
+            except Exception:
+                # A bug must not stop the reads: say so, count it, go on.
+                metrics.ERRORS.labels("scheduler").inc()
+                log.exception("operator_judge_failed_unexpectedly")
+                noted = Read(started, scrape, failed)
+            yield noted
+            pause = started + self.settings.scrape_interval - self._clock()
+            await asyncio.sleep(max(0.0, pause))
 
-    def _read(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
-        url = self.operator.url
+    def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> Read:
+        """What a read tells before any canary is judged on it: the episode, the problem,
+        a new operator process, the ``reconciled`` stages."""
+        url, restarted = self.operator.url, False
         if failed is not None:
             metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
             self.problem = str(failed)  # blind() names it; the log tells an episode
@@ -163,18 +155,14 @@ class OperatorJudge:
                     f"{url} answered without the operator's metrics (is Flink's "
                     "Prometheus reporter configured on this port?)"
                 )
-            if self.operator.instance != self._instance_judged:
-                if self.schedule.active:
-                    self._operator_restarted(started)
-                else:  # a follower judges nothing; it starts fresh when it leads
-                    self._instance_judged = self.operator.instance
+            restarted = self.operator.instance != self._instance_judged
+            self._instance_judged = self.operator.instance
             self._note_reconciles(scrape)
         if self.problem is None:
             self._unusable_since = None
         elif self._unusable_since is None:
             self._unusable_since = started
-        if self.schedule.active:
-            self._judge_due(started, scrape, failed)
+        return Read(started, scrape, failed, restarted=restarted)
 
     def blind(self) -> dict[str, str]:
         """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind``
@@ -193,50 +181,14 @@ class OperatorJudge:
             blind.setdefault("operator_metrics_no_series", f"no series for {missing}")
         return blind
 
-    def _judge_due(
-        self,
-        started: float,
-        scrape: Scrape | None,
-        failed: ScrapeFailed | None,
-        *,
-        bumped_only: bool = False,
-    ) -> None:
-        """Judge every canary that fell due before ``started`` (``bumped_only``: those
-        with a bump to judge)."""
-        now = self._clock()
-        due_now: list[tuple[float, Canary]] = []
-        later: list[tuple[float, Canary]] = []
-        for due, canary in self.awaiting:
-            judged = due <= started and (not bumped_only or canary.bumped_generation is not None)
-            (due_now if judged else later).append((due, canary))
-        self.awaiting = later
-        for due, canary in due_now:
-            try:
-                self._judge_and_bump(due, canary, scrape, failed, now)
-            except Exception:
-                # A bug must not lose the canary: say so, count it, try it next cycle.
-                metrics.ERRORS.labels("scheduler").inc()
-                log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
-                if self.registry.owns(canary) and not self.schedule.flying(canary):
-                    self.schedule.push(now + self.settings.timeout, canary)
-
-    def _judge_and_bump(
-        self,
-        due: float,
-        canary: Canary,
-        scrape: Scrape | None,
-        failed: ScrapeFailed | None,
-        now: float,
-    ) -> None:
-        if not self.registry.owns(canary):
-            return
-        judged = canary.bumped_generation is not None
+    def judge(self, canary: Canary, read: Read, now: float) -> Judgement:
+        """What ``read`` says of the canary's pending bump (canaryd.judge.by_operator)."""
         last, resource = self.operator.last, self._resource(canary)
         judgement = judge.by_operator(
             canary,
             resource,
-            scrape,
-            failed,
+            read.scrape,
+            read.failed,
             now,
             self.settings,
             instance=self._instance_judged,
@@ -246,22 +198,39 @@ class OperatorJudge:
             ),
         )
         self._warn_missing_series(canary, judgement)
-        if not self.schedule.apply(canary, judgement, now):
-            self.awaiting.append((due, canary))
-            return
+        return judgement
+
+    def bump_at(self, canary: Canary, judged: bool, now: float) -> float | None:
+        """When a canary whose verdict is in is bumped next: its place in the cycle, once
+        the fresh check of an operator restart is ``judged`` (so that bumps stay spread:
+        DESIGN, never N writes at once), else None: now, from the baseline of the last
+        answer read (the canary's count before this bump)."""
         if judged and canary.key in self._realign:
-            # Its fresh check is judged: the next bump goes back to its place in the
-            # cycle, so that bumps stay spread (DESIGN: never N writes at once).
             self._realign.discard(canary.key)
             place = self._place(canary, now)
             if place - now > self.settings.scrape_interval:
-                self.schedule.push(place, canary)
-                return
-        # The baseline: the canary's count in the last answer read, before this bump.
-        baseline = None if last is None else (self.operator.instance, last.count(resource))
-        self.registry.baseline(canary, baseline)
-        # The bump's own retry window runs from now: the verdict may have waited.
-        self.schedule.start_bump(now, canary)
+                return place
+        last = self.operator.last
+        count = None if last is None else last.count(self._resource(canary))
+        self.registry.baseline(canary, None if last is None else (self.operator.instance, count))
+        return None
+
+    def restart(self, started: float) -> list[tuple[float, Canary]]:
+        """A new operator process answers (to the leader): verdicts were about the one
+        that is gone. Every canary is checked afresh: ``pending``, and a bump from
+        ``started`` on, the first at once and the rest over half a cycle in their order
+        in the cycle (twice the steady rate, not N writes at once); each goes back to
+        its place once that is judged (``bump_at``). Returns when each is due."""
+        at = wall_time(self.operator.instance_since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
+        reason = f"operator restarted at {at}: re-checking"
+        canaries = sorted(self.registry.tracked(), key=phase)
+        step = self.settings.timeout / 2 / max(1, len(canaries))
+        for canary in canaries:
+            self.registry.fresh_check(canary, reason, "operator_restarted")
+            self._realign.add(canary.key)
+        return [(started + index * step, canary) for index, canary in enumerate(canaries)]
 
     def _warn_missing_series(self, canary: Canary, judgement: Judgement) -> None:
         missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
@@ -283,25 +252,6 @@ class OperatorJudge:
         timeout = self.settings.timeout
         offset = self._epoch + phase(canary) * timeout
         return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
-
-    def _operator_restarted(self, started: float) -> None:
-        """A new operator process answers: verdicts were about the one that is gone. Every
-        canary is checked afresh: ``pending``, and a bump from now on, the first at once
-        and the rest over half a cycle in their order in the cycle (twice the steady
-        rate, not N writes at once); each goes back to its place once that is judged."""
-        self._instance_judged = self.operator.instance
-        at = wall_time(self.operator.instance_since)
-        metrics.OPERATOR_RESTARTS.inc()
-        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
-        reason = f"operator restarted at {at}: re-checking"
-        self.awaiting = []
-        canaries = sorted(self.registry.tracked(), key=phase)
-        step = self.settings.timeout / 2 / max(1, len(canaries))
-        for index, canary in enumerate(canaries):
-            self.registry.fresh_check(canary, reason, "operator_restarted")
-            self._realign.add(canary.key)
-            if not self.schedule.flying(canary):  # one in flight schedules itself
-                self.schedule.push(started + index * step, canary)
 
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)

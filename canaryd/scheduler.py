@@ -1,13 +1,13 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next.
 
 One task walks a deadline heap (not a task per canary). At a canary's deadline it
-judges the previous bump there and then, synchronously — judging never queues
-behind writes — and starts the next bump: a task of its own (canaryd.writer does the
-write), at most ``max_bumps_in_flight`` of them writing at once. A canary's first bump
-is placed at a stable offset within the cycle (a hash of its identity), so N canaries
-spread over the cycle instead of firing N writes at once. The watch judges by default;
---reconciled-by operator-metrics hands deadlines to canaryd.opjudge, and the replica's
-role (leading, standing by) and the ageing of its verdicts are canaryd.role's.
+judges the previous bump there and then — judging never queues behind writes — and
+starts the next bump: a task of its own (canaryd.writer writes), at most
+``max_bumps_in_flight`` writing at once. A first bump is placed at a stable offset
+within the cycle (a hash of the canary's identity): N canaries spread over the cycle.
+The watch judges by default; with --reconciled-by operator-metrics a canary past its
+deadline waits for the next read of the operator's metrics (``judge.Wait``). Under
+--leader-elect it follows the elector it was given: its role, and its write fence.
 
 The invariant (``unscheduled``): while this replica bumps, every tracked canary is
 either due (one live heap entry) or in flight (a bump task, or a judge waiting for the
@@ -15,17 +15,18 @@ operator's metrics), exactly once. Nothing takes a canary out of the schedule bu
 watch (it drops the canary) and stepping down (``activate`` schedules them all again).
 
 Every write to the registry after an ``await`` first checks that the record is still
-the one tracked (``Registry.owns``): an answer that arrives after the canary was
-dropped or replaced changes nothing.
+the one tracked (``Registry.owns``): a late answer about a dropped canary changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import structlog
@@ -34,41 +35,41 @@ from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.events import Events
-from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
+from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy
 from canaryd.kube import KubeClient
+from canaryd.leader import LeaderElector
 from canaryd.opjudge import OperatorJudge, phase
 from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
-from canaryd.role import Role
 from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
 
+EVENT_REASONS = {
+    CanaryState.UNHEALTHY: "Unhealthy",
+    CanaryState.UNKNOWN: "Unknown",
+    CanaryState.HEALTHY: "Recovered",
+}
 
-class Scheduler:
+
+class Role:
+    """This replica's role, and what becomes of its verdicts: a replica bumps
+    (``active``: single, or the leader) or stands by (a follower: no bumps, no new
+    verdicts). A leader that stepped down without seeing another holder (a lease hiccup)
+    keeps its verdicts: nobody else has checked since. Whatever the role, an unhealthy
+    verdict no bump re-tested for two cycles turns ``unknown``: one nobody can re-test
+    must not restart the operator forever (failing bumps, the fence, a stand-by)."""
+
     def __init__(
         self,
         settings: Settings,
         registry: Registry,
-        kube: KubeClient,
+        events: Events,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry, self.kube = settings, registry, kube
+        self.settings, self.registry, self.events = settings, registry, events
         self._clock = clock
-        self._heap: list[tuple[float, int, Canary]] = []
-        self._order = itertools.count()
-        self._due_seq: dict[CanaryKey, int] = {}
-        """Each canary's one live heap entry (an earlier one of it is void)."""
-        self._wake = asyncio.Event()
-        self._in_flight: dict[CanaryKey, Canary] = {}
-        """Canaries whose bump task runs (waiting for a slot, the fence, or an answer):
-        the record it writes for (a new object of the same name is another)."""
-        self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
-        self.writer = Writer(settings, registry, kube, clock=clock)
-        self._deferred: set[Canary] = set()
-        """Canaries whose verdict waits for their watch to resume."""
-        self._group: asyncio.TaskGroup | None = None
         self.failures = Episodes(
             "bump_failures",
             subject="canary",
@@ -79,37 +80,179 @@ class Scheduler:
             clock=clock,
         )
         """Failed bumps, logged as episodes (an outage is not a line per canary)."""
+        self.standby_reason: str | None = None
+        """Why this replica does not bump (a follower under --leader-elect); None: it does."""
+        self._verdicts_kept = False
+        self._aging: asyncio.TimerHandle | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.standby_reason is None
+
+    def stand_by(self, leader: str | None) -> None:
+        """No longer bumping. ``leader``: another holder of the lease, whose verdicts
+        count from now on (every canary here ``pending``, with a standby reason), or
+        None when none is known (this replica's verdicts stand, if it had kept them)."""
+        keep = leader is None and (self._verdicts_kept or self.standby_reason is None)
+        self._verdicts_kept = keep
+        held = f"{leader} holds the lease" if leader else "waiting for the lease"
+        self.standby_reason = f"standby: {held}"
+        for canary in self.registry.canaries():
+            self.failures.recovered(canary.key)
+            self.registry.standing_by(canary, None if keep else self.standby_reason)
+        self.age_verdicts()
+
+    def lead(self) -> None:
+        """Bumping again: every canary starts fresh (``pending``) unless this replica
+        kept its own verdicts."""
+        kept, self._verdicts_kept = self._verdicts_kept, False
+        self.standby_reason = None
+        for canary in self.registry.canaries():
+            if not kept or canary.state is CanaryState.PENDING:
+                why = "waiting for the first bump to be judged"
+                self.registry.set_state(canary, CanaryState.PENDING, why, "first_bump")
+
+    def verdict_ttl(self) -> float:
+        """How long an unhealthy verdict stands without a bump to re-test it: two
+        cycles, less the judge's slack. The second cycle's write falls due two cycles
+        after the deadline whose judge reached the verdict, and either may run up to
+        the slack late (the scheduler's tick, a busy loop): measured from the judge,
+        the verdict would otherwise age a cycle late whenever the judge ran late."""
+        return 2 * self.settings.timeout - self.settings.judge_slack
+
+    def bump_failed(self, canary: Canary, cause: str, reason: str) -> None:
+        """A cycle without a bump to judge: counted, told in the failure episode."""
+        metrics.BUMPS.labels(cause).inc()
+        self.failures.failed(canary.key, cause, reason)
+        self.no_bump(canary, reason, cause)
+
+    def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
+        """Nothing to judge this cycle: a failed write is no verdict either way; an
+        unhealthy verdict older than ``verdict_ttl`` turns unknown."""
+        self.verdict(canary, NoVerdict(reason, cause), self._clock(), counted=False)
+
+    def verdict(
+        self,
+        canary: Canary,
+        judgement: Healthy | Unhealthy | NoVerdict,
+        now: float,
+        *,
+        counted: bool = True,
+    ) -> None:
+        """A verdict (or none either way) into the registry. One that changed is an
+        Event: unhealthy, unknown, or recovered (healthy after a told unhealthy or
+        unknown, whatever came between: a re-check, a stand-by)."""
+        before = canary.state
+        match judgement:
+            case Healthy():
+                label = "healthy"
+                self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, "in_time", now)
+            case Unhealthy(reason=why, cause=cause):
+                label = "unhealthy"
+                # The verdict an operator is paged for: a warning naming the canary when
+                # it turns unhealthy; while it stays unhealthy, detail.
+                (log.warning if before is not CanaryState.UNHEALTHY else log.debug)(
+                    "canary_unhealthy", canary=str(canary.key), reason=why
+                )
+                self.registry.judged(canary, CanaryState.UNHEALTHY, why, cause, now)
+            case NoVerdict(reason=why, counted=label, fresh=True):
+                self.registry.fresh_check(canary, why, label)
+            case NoVerdict(reason=why, counted=label):
+                self.registry.no_verdict(canary, why, label, now, self.verdict_ttl())
+        if counted:
+            metrics.VERDICTS.labels(label).inc()
+        reason = EVENT_REASONS.get(canary.state)
+        recovered = reason == "Recovered"
+        if reason is not None and canary.state is not before and (canary.warned or not recovered):
+            canary.warned = not recovered
+            self.events.record(canary.key, canary.uid, reason, f"{canary.cause}: {canary.reason}")
+        if isinstance(judgement, Unhealthy) and self._aging is None:
+            self.age_verdicts()  # its verdict ages from now on
+
+    def age_verdicts(self) -> None:
+        """Every half cycle while any canary is unhealthy: verdicts no bump re-tested
+        (none is waiting to be judged, none failed to be written) for ``verdict_ttl``
+        turn unknown."""
+        self.stop()
+        now, ttl = self._clock(), self.verdict_ttl()
+        why = f"no bump written: {self.standby_reason or 'none could be sent'}"
+        unhealthy = False
+        for canary in self.registry.canaries():
+            verdict = canary.verdict
+            if canary.state is not CanaryState.UNHEALTHY or verdict is None:
+                continue
+            if (
+                canary.bumped_generation is None
+                and self.failures.cause(canary.key) is None  # aged at its next failure
+                and now - verdict.at >= ttl
+            ):
+                self.verdict(canary, NoVerdict(why, "not_written"), now, counted=False)
+            unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
+        if unhealthy:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to age
+                self._aging = asyncio.get_running_loop().call_later(
+                    self.settings.timeout / 2, self.age_verdicts
+                )
+
+    def stop(self) -> None:
+        if self._aging is not None:
+            self._aging.cancel()
+            self._aging = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        kube: KubeClient,
+        *,
+        lease: LeaderElector | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings, self.registry, self.kube = settings, registry, kube
+        self._clock = clock
+        self._lease = lease  # --leader-elect: whose role this follows
+        self._heap: list[tuple[float, int, Canary]] = []
+        self._order = itertools.count()
+        self._due_seq: dict[CanaryKey, int] = {}
+        """Each canary's one live heap entry (an earlier one of it is void)."""
+        self._wake = asyncio.Event()
+        self._in_flight: dict[CanaryKey, Canary] = {}
+        """Canaries whose bump task runs (waiting for a slot, the fence, or an answer):
+        the record it writes for (a new object of the same name is another)."""
+        self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
+        permit = lease.write_permit if lease is not None else None
+        self.writer = Writer(settings, registry, kube, permit=permit, clock=clock)
+        self._deferred: set[Canary] = set()
+        """Canaries whose verdict waits for their watch to resume."""
+        self._group: asyncio.TaskGroup | None = None
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
-        self.role = Role(
-            settings,
-            registry,
-            lambda key: self.failures.cause(key) is not None,
-            self.events,
-            clock=clock,
+        self.role = Role(settings, registry, self.events, clock=clock)
+        self.failures = self.role.failures
+        self.operator = (
+            OperatorJudge(settings, registry, lambda: kube.answered_since, clock=clock)
+            if settings.reconciled_by == "operator-metrics"
+            else None
         )
-        self.operator: OperatorJudge | None = None
-        """--reconciled-by operator-metrics: bumps judged on the operator's metrics."""
-        if settings.reconciled_by == "operator-metrics":
-            self.operator = OperatorJudge(
-                settings, registry, self, lambda: kube.answered_since, clock=clock
-            )
+        self._waiting: list[tuple[float, Canary]] = []
+        """operator-metrics: canaries past their deadline waiting for the next read
+        (``judge.Wait``); a read judges every canary due before it started."""
+        if lease is not None:
+            self.standby(None)  # until this replica holds the lease
 
     @property
     def active(self) -> bool:
         return self.role.active
 
     def standby(self, leader: str | None) -> None:
-        """Not the leader: no bumps and no new verdicts from here on (canaryd.role). The
-        registry stays warm (the watches run), so this replica judges from its first
-        cycle once it leads."""
+        """Not the leader: no bumps, no new verdicts. The registry stays warm (the
+        watches run), so this replica judges from its first cycle once it leads."""
         self._heap.clear()
         self._due_seq.clear()
         self._deferred.clear()
-        if self.operator is not None:
-            self.operator.awaiting.clear()
-        for canary in self.registry.canaries():
-            self.failures.recovered(canary.key)
+        self._waiting.clear()
         self.role.stand_by(leader)
 
     def activate(self) -> None:
@@ -119,29 +262,33 @@ class Scheduler:
             if not self.flying(canary):  # one in flight schedules itself
                 self.schedule_first(canary)
 
+    async def _follow(self, lease: LeaderElector) -> None:
+        """Bump while this replica leads; stand by, saying who leads, otherwise."""
+        seen: tuple[bool, str | None] | None = None
+        async for leading, leader in lease.roles():
+            if leading and not self.active:
+                self.activate()
+            elif not leading and (self.active or seen != (leading, leader)):
+                self.standby(leader)
+            seen = leading, leader
+
     async def finish_writes(self) -> None:
-        """Stopping: send no more writes and wait for the ones in flight to be answered
-        or abandoned. Each ends within its own time limit (the write timeout), so the
-        lease can be released after this without a write of this replica still on its
-        way."""
+        """Stopping: no more writes; returns once those in flight were answered or
+        abandoned (each within the write timeout): the lease may be released then."""
         if self.writer.in_flight:
             log.info("finishing_writes", in_flight=self.writer.in_flight)
         await self.writer.finished()
 
     def unscheduled(self) -> list[CanaryKey]:
-        """The canaries that break the invariant: while this replica bumps, each one
-        tracked is due exactly once or in flight exactly once. Empty when all is well
-        (and for a follower, which schedules nothing)."""
+        """The canaries that break the invariant (above): empty when all is well, and
+        for a follower, which schedules nothing."""
         if not self.active:
             return []
-        awaiting: dict[CanaryKey, int] = {}
-        for _, canary in self.operator.awaiting if self.operator is not None else ():
-            awaiting[canary.key] = awaiting.get(canary.key, 0) + 1
+        waiting = Counter(canary.key for _, canary in self._waiting)
         return [
             canary.key
             for canary in self.registry.canaries()
-            if (canary.key in self._due_seq) + self.flying(canary) + awaiting.get(canary.key, 0)
-            != 1
+            if (canary.key in self._due_seq) + self.flying(canary) + waiting[canary.key] != 1
         ]
 
     def canary_added(self, canary: Canary) -> None:
@@ -198,7 +345,9 @@ class Scheduler:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 if self.operator is not None:
-                    group.create_task(self.operator.run(), name="operator metrics")
+                    group.create_task(self._judge_reads(self.operator), name="operator metrics")
+                if self._lease is not None:
+                    group.create_task(self._follow(self._lease), name="leader role")
                 while True:
                     due, canary = await self._next_due()
                     try:
@@ -225,15 +374,48 @@ class Scheduler:
         lateness = max(0.0, self._clock() - due)
         metrics.VERDICT_LATENESS.observe(lateness)
         if self.operator is not None:
-            self.operator.due(due, canary)  # judged at the next read of its metrics
+            self._waiting.append((due, canary))  # judged at the next read of its metrics
             return
         if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
             return  # the verdict waits for the watch; it was rescheduled
         self.start_bump(due, canary)
 
+    async def _judge_reads(self, operator: OperatorJudge) -> None:
+        """operator-metrics: every read judges the canaries that fell due before it."""
+        async with contextlib.aclosing(operator.reads()) as reads:
+            async for read in reads:
+                if not self.active:
+                    continue  # a follower judges nothing; it starts fresh when it leads
+                if read.restarted:
+                    self._waiting.clear()
+                    for at, canary in operator.restart(read.started):
+                        if not self.flying(canary):  # one in flight schedules itself
+                            self.push(at, canary)
+                waiting, self._waiting = self._waiting, []
+                now = self._clock()
+                for due, canary in waiting:
+                    judged = canary.bumped_generation is not None
+                    if due > read.started or (read.unanswered and not judged):
+                        self._waiting.append((due, canary))  # not yet this read's
+                        continue
+                    if not self.registry.owns(canary):
+                        continue
+                    try:
+                        if not self.apply(canary, operator.judge(canary, read, now), now):
+                            self._waiting.append((due, canary))  # Wait: at the next read
+                        elif (place := operator.bump_at(canary, judged, now)) is not None:
+                            self.push(place, canary)
+                        else:  # its retry window runs from now: the verdict may have waited
+                            self.start_bump(now, canary)
+                    except Exception:
+                        # A bug must not lose the canary: say so, count it, try next cycle.
+                        metrics.ERRORS.labels("scheduler").inc()
+                        log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
+                        if self.registry.owns(canary) and not self.flying(canary):
+                            self.push(now + self.settings.timeout, canary)
+
     def start_bump(self, due: float, canary: Canary) -> None:
-        """The canary's next bump, in a task of its own: in flight until it has its
-        next deadline."""
+        """The canary's next bump, a task of its own: in flight until it is due again."""
         if self._group is None or self.flying(canary):
             return
         self._in_flight[canary.key] = canary
@@ -256,7 +438,7 @@ class Scheduler:
             # A bug must not lose the canary: say so, count it, try next cycle.
             metrics.ERRORS.labels("scheduler").inc()
             log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            self._no_bump(canary, "internal error; see logs", "internal_error")
+            self.role.no_bump(canary, "internal error; see logs", "internal_error")
             next_due = self._after_failure(due)
         finally:
             if self.flying(canary):
@@ -271,7 +453,7 @@ class Scheduler:
         if not self.registry.owns(canary) or not self.active:
             return None
         if isinstance(outcome, NotWritten):
-            self._write_failed(canary, outcome.cause, outcome.reason)
+            self.role.bump_failed(canary, outcome.cause, outcome.reason)
             return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
@@ -308,43 +490,21 @@ class Scheduler:
         return self.kube.answered_since if sync is not None and not sync.in_sync else math.inf
 
     def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
-        """Do what a judgement says: count it, log it, make the registry's transition,
-        reschedule what waits. Returns False when the verdict waits."""
+        """Do what a judgement says: a verdict to the role (counted, logged, the
+        registry's transition), or reschedule what waits. Returns False when the
+        verdict waits."""
         match judgement:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
-            case Healthy():
-                metrics.VERDICTS.labels("healthy").inc()
+            case Healthy() | Unhealthy() | NoVerdict():
                 self._deferred.discard(canary)
-                before = canary.state
-                self.registry.judged(canary, CanaryState.HEALTHY, judgement.reason, "in_time", now)
-                self.role.told(canary, before)
-            case Unhealthy():
-                reason = judgement.reason
-                metrics.VERDICTS.labels("unhealthy").inc()
-                self._deferred.discard(canary)
-                # The verdict an operator is paged for: a warning naming the canary when
-                # it turns unhealthy; while it stays unhealthy, detail.
-                (log.warning if canary.state is not CanaryState.UNHEALTHY else log.debug)(
-                    "canary_unhealthy", canary=str(canary.key), reason=reason
-                )
-                before = canary.state
-                self.registry.judged(canary, CanaryState.UNHEALTHY, reason, judgement.cause, now)
-                self.role.told(canary, before)
-                self.role.judged_unhealthy()
-            case NoVerdict():
-                metrics.VERDICTS.labels(judgement.counted).inc()
-                self._deferred.discard(canary)
-                if judgement.fresh:
-                    self.registry.fresh_check(canary, judgement.reason, judgement.counted)
-                else:
-                    self._no_bump(canary, judgement.reason, judgement.counted)
+                self.role.verdict(canary, judgement, now)
+                return True
             case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
                 self.registry.rechecking(canary)
                 self.push(judgement.at, canary)
-                return False
             case Defer():
                 until = judgement.until
                 if judgement.first:
@@ -358,15 +518,11 @@ class Scheduler:
                     self.registry.deferred(canary, until)
                     self._deferred.add(canary)
                 self.push(until if judgement.at is None else min(judgement.at, until), canary)
-                return False
             case Suspect():
                 # The fresh stream's verdict comes from its own deadline: judged again
                 # then (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
-                return False
-            case Wait():
-                return False  # operator-metrics: judged again at the next read
-        return True
+        return False  # not yet: rescheduled, or (Wait) judged at the next read
 
     def scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
@@ -392,15 +548,3 @@ class Scheduler:
         """The next cycle after a cycle that wrote nothing: one timeout after it fell due
         (never in the past: a late cycle is not repeated at once)."""
         return max(due + self.settings.timeout, self._clock())
-
-    def _write_failed(self, canary: Canary, cause: str, reason: str) -> None:
-        """A cycle without a bump to judge: counted, and told in the failure episode
-        (per canary at debug)."""
-        if not self.registry.owns(canary):
-            return
-        metrics.BUMPS.labels(cause).inc()
-        self.failures.failed(canary.key, cause, reason)
-        self._no_bump(canary, reason, cause)
-
-    def _no_bump(self, canary: Canary, reason: str, cause: str) -> None:
-        self.role.no_bump(canary, reason, cause)

@@ -84,10 +84,6 @@ class _Attempt:
     sent: float
 
 
-async def _always_permitted(limit: float) -> float | None:
-    return limit
-
-
 class Writer:
     def __init__(
         self,
@@ -95,23 +91,25 @@ class Writer:
         registry: Registry,
         kube: KubeClient,
         *,
+        permit: Callable[[float], Awaitable[float | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
         self._rng = rng or random.Random()
-        self.permit: Callable[[float], Awaitable[float | None]] = lambda within: _always_permitted(
-            settings.write_timeout
-        )
+        self.permit = permit or self._always_permitted
         """Awaited right before every write, for at most ``within`` seconds (else
         TimeoutError): its client timeout, or None when this replica may write no more
-        (the leader elector's ``write_permit``)."""
+        (the leader elector's ``write_permit``, given at construction)."""
         self.stopping = False
         self.in_flight = 0
         """Writes sent and not answered yet."""
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
+
+    async def _always_permitted(self, within: float) -> float | None:
+        return self.settings.write_timeout
 
     async def finished(self) -> None:
         """Stopping: no write is sent any more; returns once the ones in flight were
@@ -157,7 +155,7 @@ class Writer:
                 "skipped", "no bump this cycle: bumps are backed up behind slow writes"
             )
         path = object_path(*canary.key)
-        backoff: Backoff | None = None
+        backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng)
         conflicts = 0
         reread = False
         unsure: _Attempt | None = None
@@ -165,12 +163,8 @@ class Writer:
         while True:
             try:
                 if reread:
-                    fresh = await self.kube.request("get", "GET", path)
-                    gone = self.registry.reread(canary, fresh)
-                    if gone is not None:
-                        metrics.BUMPS.labels(
-                            "replaced" if gone == "replaced" else "not_canary"
-                        ).inc()
+                    fresh = await self._reread(canary, path)
+                    if fresh is None:
                         return None
                     reread = False
                     if unsure is not None:
@@ -222,10 +216,6 @@ class Writer:
                     # It may have reached the server: the retry is this very request (a
                     # failed re-read keeps what it was to tell).
                     unsure = attempt
-                if backoff is None:
-                    backoff = Backoff(
-                        self.settings.backoff_initial, self.settings.backoff_max, rng=self._rng
-                    )
                 delay = backoff.next()
                 if err.retry_after is not None:
                     # Honoured, but never a tight loop (Retry-After: 0).
@@ -247,7 +237,7 @@ class Writer:
         drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
         never confirmation enough, since no DELETED may ever follow a transient one."""
         try:
-            fresh = await self.kube.request("get", "GET", path)
+            fresh = await self._reread(canary, path)
         except KubeError as reread_err:
             if not self.registry.owns(canary):
                 return None
@@ -260,14 +250,21 @@ class Writer:
             return NotWritten(
                 "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
             )
-        gone = self.registry.reread(canary, fresh)
-        if gone is not None:
-            metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
+        if fresh is None:
             return None
         return NotWritten(
             "gone_but_present",
             f"bump answered {err}, but the object is still there; retried next cycle",
         )
+
+    async def _reread(self, canary: Canary, path: str) -> Mapping[str, Any] | None:
+        """The canary re-read (raises KubeError); None when it is not the one tracked."""
+        fresh = await self.kube.request("get", "GET", path)
+        gone = self.registry.reread(canary, fresh)
+        if gone is None:
+            return fresh
+        metrics.BUMPS.labels("replaced" if gone == "replaced" else "not_canary").inc()
+        return None
 
     def _written(self, canary: Canary, written: Mapping[str, Any], attempt: _Attempt) -> Outcome:
         metadata = written.get("metadata")

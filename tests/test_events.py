@@ -9,8 +9,9 @@ from typing import Any
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.events import BURST, Events
+from canaryd.judge import Healthy, Unhealthy
 from canaryd.registry import CanaryState, Registry
-from canaryd.role import Role
+from canaryd.scheduler import Role
 from canaryd.testing.apiserver import Fault
 from tests.harness import counter, create_canary, running_daemon
 
@@ -88,15 +89,14 @@ def test_recovered_follows_a_told_warning_whatever_came_between():
     registry.observe("flinkdeployments", {"metadata": {**meta, "labels": labels}})
     (canary,) = registry.canaries()
     events = Events(None, interval=lambda: 1.0)  # type: ignore[arg-type]  # never written
-    role = Role(Settings(timeout=10), registry, lambda key: False, events)
+    role = Role(Settings(timeout=10), registry, events, clock=lambda: 0.0)
 
     def judged(state: CanaryState) -> list[str]:
         if state is CanaryState.UNKNOWN:
             role.no_bump(canary, "bump failed", "failed")
         else:
-            before = canary.state
-            registry.judged(canary, state, "why", "cause", 0.0)
-            role.told(canary, before)
+            healthy = state is CanaryState.HEALTHY
+            role.verdict(canary, Healthy("why") if healthy else Unhealthy("why", "cause"), 0.0)
         told = [event["reason"] for event in events.queued.values()]
         events.queued.clear()
         return told

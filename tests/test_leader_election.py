@@ -771,8 +771,6 @@ async def test_a_fenced_write_waits_for_the_next_renewal_and_ends_with_the_leade
         settings,
         kube=None,  # type: ignore[arg-type]
         identity="solo",
-        on_started_leading=lambda: None,
-        on_stopped_leading=lambda leader: None,
         clock=lambda: now[0],
     )
     elector.leading, elector._renewed_at = True, now[0]
@@ -784,7 +782,7 @@ async def test_a_fenced_write_waits_for_the_next_renewal_and_ends_with_the_leade
     await asyncio.sleep(0)
     assert not waiting.done(), "a fenced write was sent (or dropped) instead of waiting"
     elector._renewed_at = now[0]
-    elector._renewal_changed()
+    elector._role_changed()
     assert await asyncio.wait_for(waiting, 1) == settings.write_timeout
     now[0] += settings.renew_deadline  # past the fence again
     with pytest.raises(TimeoutError):

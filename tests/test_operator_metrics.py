@@ -342,26 +342,21 @@ def test_the_operator_metrics_are_blind_after_a_cycle_of_unusable_reads():
     from canaryd.opjudge import OperatorJudge
     from canaryd.registry import Registry
 
-    class Follower:
-        active = False
-
     now = [100.0]
     settings = load_settings(["--reconciled-by", "operator-metrics", "--timeout", "10s"], {})
-    judge = OperatorJudge(
-        settings, Registry(settings.label), Follower(), lambda: 0.0, clock=lambda: now[0]
-    )  # type: ignore[arg-type]
+    judge = OperatorJudge(settings, Registry(settings.label), lambda: 0.0, clock=lambda: now[0])
     refused = ScrapeFailed("refused", "nothing listens")
-    judge._read(now[0], None, refused)
+    judge._note(now[0], None, refused)
     now[0] += 9.9
-    judge._read(now[0], None, refused)
+    judge._note(now[0], None, refused)
     assert judge.blind() == {}
     now[0] += 0.1
     assert judge.blind() == {"operator_metrics_unreachable": "nothing listens"}
-    judge._read(now[0], parse("some_other_exporter_total 1\n"), None)
+    judge._note(now[0], parse("some_other_exporter_total 1\n"), None)
     assert set(judge.blind()) == {"operator_metrics_no_series"}  # the same episode
-    judge._read(now[0], parse(FIXTURE.read_text()), None)
+    judge._note(now[0], parse(FIXTURE.read_text()), None)
     assert judge.blind() == {}
-    judge._read(now[0], None, refused)
+    judge._note(now[0], None, refused)
     assert judge.blind() == {}  # a new grace
 
 
@@ -668,7 +663,7 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
-            assert not run.daemon.scheduler.operator.awaiting
+            assert not run.daemon.scheduler._waiting
             assert not run.bumps()
 
 

@@ -422,10 +422,10 @@ def test_an_unhealthy_verdict_ages_at_the_second_cycles_failed_write_whoever_ran
     now[0] = 100.0 + late  # the judge of the deadline at 100.0 ran a tick late
     registry.judged(canary, CanaryState.UNHEALTHY, "not seen in time", "not_observed", now[0])
     now[0] = 100.0 + CYCLE  # the first cycle's write, on time, fails
-    scheduler._no_bump(canary, "forbidden", "forbidden")
+    scheduler.role.no_bump(canary, "forbidden", "forbidden")
     assert canary.state is CanaryState.UNHEALTHY, "one cycle: the verdict stands"
     now[0] = 100.0 + 2 * CYCLE  # the second cycle's write, on time, fails
-    scheduler._no_bump(canary, "forbidden", "forbidden")
+    scheduler.role.no_bump(canary, "forbidden", "forbidden")
     assert canary.state is CanaryState.UNKNOWN, canary.reason
     assert "no bump written since: forbidden" in canary.reason
 
