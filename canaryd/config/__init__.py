@@ -228,8 +228,7 @@ def _account(value: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Option:
-    """How ``canaryd --help``, the environment and the operator config file give the
-    ``Settings`` field it belongs to."""
+    """How ``--help``, the environment and the operator config file give its field."""
 
     flag: str  # "--flag METAVAR", or "--flag" for a switch (its variable: true or false)
     env: str
@@ -349,17 +348,10 @@ class Settings:
         key="kubernetes.operator.health.canary.resource.timeout",
     )
     host: str = option(
-        "0.0.0.0",
-        "--host ADDR",
-        _matching("host", ".+", ": empty"),
-        "health server address",
+        "0.0.0.0", "--host ADDR", _matching("host", ".+", ": empty"), "health server address"
     )
     port: int = option(
-        8085,
-        "--port N",
-        _port,
-        "health server port",
-        key="kubernetes.operator.health.probe.port",
+        8085, "--port N", _port, "health server port", key="kubernetes.operator.health.probe.port"
     )
     config_check_interval: float = option(
         300.0,
@@ -389,12 +381,7 @@ class Settings:
         "others keep their registry warm",
         "off",
     )
-    lease_name: str = option(
-        "canaryd",
-        "--lease-name NAME",
-        _dns_name("lease name"),
-        "the Lease",
-    )
+    lease_name: str = option("canaryd", "--lease-name NAME", _dns_name("lease name"), "the Lease")
     lease_namespace: str | None = option(
         None,
         "--lease-namespace NS",
