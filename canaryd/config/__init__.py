@@ -1,10 +1,8 @@
 """Configuration: flags > environment > the operator's config file > defaults.
 
 Each option is one row, a field of ``Settings``: its flag, environment variable,
-operator config key, parser, default and help. ``canaryd --help``, the precedence and
-the operator config file's re-reads are made from the rows; nothing else in canaryd
-sees strings. A bad value is a ``ConfigError`` naming where it came from. The lease
-timings are checked together beside the leader (``canaryd.leader``).
+operator config key, parser, default and help. ``--help``, the precedence and the
+operator config file's re-reads are made from the rows; nothing else sees strings.
 """
 
 from __future__ import annotations
@@ -45,17 +43,13 @@ T = TypeVar("T")
 # ------------------------------------------------------------------ values from text
 
 _UNITS = {
-    unit: factor
-    for factor, units in (
-        (1e-9, "ns nano nanos nanosecond nanoseconds"),
-        (1e-6, "µs us micro micros microsecond microseconds"),
-        (1e-3, "ms milli millis millisecond milliseconds"),
-        (1.0, "s sec secs second seconds"),
-        (60.0, "m min mins minute minutes"),
-        (3600.0, "h hour hours"),
-        (86400.0, "d day days"),
-    )
-    for unit in units.split()
+    **dict.fromkeys(["ns", "nano", "nanos", "nanosecond", "nanoseconds"], 1e-9),
+    **dict.fromkeys(["µs", "us", "micro", "micros", "microsecond", "microseconds"], 1e-6),
+    **dict.fromkeys(["ms", "milli", "millis", "millisecond", "milliseconds"], 1e-3),
+    **dict.fromkeys(["s", "sec", "secs", "second", "seconds"], 1.0),
+    **dict.fromkeys(["m", "min", "mins", "minute", "minutes"], 60.0),
+    **dict.fromkeys(["h", "hour", "hours"], 3600.0),
+    **dict.fromkeys(["d", "day", "days"], 86400.0),
 }
 _FLINK_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zµ]*)\s*$", re.IGNORECASE)
 _ISO_RE = re.compile(
@@ -201,18 +195,15 @@ def _metrics_url(value: str) -> str:
 
 
 def _port(value: Any) -> int:
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        if str(value).startswith("tcp://"):  # the kubelet's, for a Service named canaryd
-            raise ConfigError(
-                "looks like a Kubernetes service link (a Service named canaryd in this "
-                "namespace): set enableServiceLinks: false on the pod, or --port"
-            ) from None
-        raise ConfigError(f"invalid port {value!r}: expected a port number") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"invalid port {port}: expected 0-65535")
-    return port
+    text = str(value).strip()
+    if text.startswith("tcp://"):  # the kubelet's, for a Service named canaryd
+        raise ConfigError(
+            "looks like a Kubernetes service link (a Service named canaryd in this "
+            "namespace): set enableServiceLinks: false on the pod, or --port"
+        )
+    if not text.isdecimal() or int(text) > 65535:
+        raise ConfigError(f"invalid port {text}: expected 0-65535")
+    return int(text)
 
 
 def _account(value: str) -> tuple[str, str]:
@@ -429,8 +420,8 @@ class Settings:
     list_timeout: float = 60.0  # grows with the number of canaries
     max_conflict_retries: int = 3  # a bump's retries on a fresh copy after 409 Conflict
     max_bumps_in_flight: int = 256
-    """Bumps writing at once, each holding a connection: 10,000 canaries on a 60 s cycle
-    with 1 s writes (an admission webhook in the path) need about 170."""
+    """Bumps writing at once (each holds a connection): 10,000 canaries on a 60 s cycle
+    with 1 s writes need about 170."""
 
     # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
     # of the cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get
@@ -611,9 +602,8 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 
 
 def default_identity() -> str:
-    """The host name and a random suffix, as client-go's users make theirs: hosts often
-    share a name, and two replicas of one identity would both take themselves for the
-    holder."""
+    """As client-go's users make theirs: two replicas on hosts of one name would both
+    take themselves for the holder."""
     return f"{socket.gethostname()}_{secrets.token_hex(4)}"
 
 
