@@ -589,11 +589,9 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
         elif found is not None:
             said[name] = _parsed(parse, found, f"{file}: {key}")
         else:
-            said[name] = getattr(DEFAULTS, name)
+            said[name] = getattr(Settings(), name)
     return said
 
-
-DEFAULTS = Settings()
 
 # ---------------------------------------------------- the Lease, for canaryd.leader
 
