@@ -1,10 +1,8 @@
 """Configuration: flags > environment > the operator's config file > defaults.
 
 Each option is one row, a field of ``Settings``: its flag, environment variable,
-operator config key, parser, default and help. ``canaryd --help``, the precedence and
-the operator config file's re-reads are made from the rows; nothing else in canaryd
-sees strings. A bad value is a ``ConfigError`` naming where it came from. The lease
-timings are checked together beside the leader (``canaryd.leader``).
+operator config key, parser, default and help. ``--help``, the precedence and the
+operator config file's re-reads are made from the rows; nothing else sees strings.
 """
 
 from __future__ import annotations
@@ -31,23 +29,12 @@ from canaryd.config.operator_config import (
     reporter_url,
 )
 
-__all__ = [  # and the operator config file's readers the daemon and check use
-    "KEY_DYNAMIC",
-    "MIN_WRITE_TIMEOUT",
-    "OPTIONS",
+__all__ = [  # besides its own names: the file's readers, for the daemon and canaryd check
     "ConfigError",
-    "Settings",
-    "build_parser",
-    "default_identity",
     "has_prometheus_reporter",
-    "lease_namespace",
-    "lease_seconds",
-    "load_settings",
     "nested_keys_why",
     "nested_operator_keys",
     "operator_config_files",
-    "operator_config_values",
-    "parse_duration",
     "read_operator_config",
 ]
 
@@ -56,17 +43,13 @@ T = TypeVar("T")
 # ------------------------------------------------------------------ values from text
 
 _UNITS = {
-    unit: factor
-    for factor, units in (
-        (1e-9, "ns nano nanos nanosecond nanoseconds"),
-        (1e-6, "µs us micro micros microsecond microseconds"),
-        (1e-3, "ms milli millis millisecond milliseconds"),
-        (1.0, "s sec secs second seconds"),
-        (60.0, "m min mins minute minutes"),
-        (3600.0, "h hour hours"),
-        (86400.0, "d day days"),
-    )
-    for unit in units.split()
+    **dict.fromkeys(["ns", "nano", "nanos", "nanosecond", "nanoseconds"], 1e-9),
+    **dict.fromkeys(["µs", "us", "micro", "micros", "microsecond", "microseconds"], 1e-6),
+    **dict.fromkeys(["ms", "milli", "millis", "millisecond", "milliseconds"], 1e-3),
+    **dict.fromkeys(["s", "sec", "secs", "second", "seconds"], 1.0),
+    **dict.fromkeys(["m", "min", "mins", "minute", "minutes"], 60.0),
+    **dict.fromkeys(["h", "hour", "hours"], 3600.0),
+    **dict.fromkeys(["d", "day", "days"], 86400.0),
 }
 _FLINK_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zµ]*)\s*$", re.IGNORECASE)
 _ISO_RE = re.compile(
@@ -76,10 +59,8 @@ _ISO_RE = re.compile(
 
 
 def parse_duration(text: str) -> float:
-    """Flink's duration syntax (TimeUtils.parseDuration) or ISO-8601, in seconds.
-
-    ``500ms``, ``2 s``, ``1 min``, ``5m``, ``PT1M``; a bare number is milliseconds.
-    """
+    """Flink's duration syntax (TimeUtils.parseDuration: a bare number is milliseconds)
+    or ISO-8601 (``PT1M``), in seconds."""
     value = str(text).strip()
     iso = _ISO_RE.match(value)
     if iso and any(iso.groups()):
@@ -100,11 +81,8 @@ def parse_duration(text: str) -> float:
 
 
 def duration(floor: float, bare_floor: float = 0.0) -> Callable[[Any], float]:
-    """The parser of a duration of at least ``floor`` seconds, the shortest that makes
-    sense. A bare number is milliseconds, as in Flink: without a floor
-    ``CANARYD_LEASE_DURATION=15`` is a 15 ms lease (hundreds of Lease requests a
-    second). The cycle also refuses a bare number under ``bare_floor``:
-    ``CANARYD_TIMEOUT=300``, a 300 ms cycle against a real cluster, is rarely meant."""
+    """The parser of a duration of at least ``floor`` seconds, and of a bare number
+    (milliseconds: ``CANARYD_LEASE_DURATION=15`` is 15 ms) of at least ``bare_floor``."""
 
     def parse(value: Any) -> float:
         text = str(value).strip()
@@ -128,8 +106,7 @@ def duration(floor: float, bare_floor: float = 0.0) -> Callable[[Any], float]:
 
 
 def parse_bool(value: Any) -> bool:
-    """``true`` or ``false`` in any case, as Flink reads the operator's own booleans
-    (ConfigurationUtils.convertToBoolean); ``yes``, ``1`` or ``on`` are refused."""
+    """As Flink reads the operator's own booleans (ConfigurationUtils.convertToBoolean)."""
     text = str(value).strip().lower()
     if text not in ("true", "false"):
         raise ConfigError(f"expected true or false, got {str(value).strip()!r}")
@@ -137,8 +114,6 @@ def parse_bool(value: Any) -> bool:
 
 
 def _matching(what: str, pattern: str, why: str = "") -> Callable[[Any], str]:
-    """The parser of text (stripped) that matches ``pattern``."""
-
     def parse(value: Any) -> str:
         text = str(value).strip()
         if not re.fullmatch(pattern, text):
@@ -149,8 +124,6 @@ def _matching(what: str, pattern: str, why: str = "") -> Callable[[Any], str]:
 
 
 def _choice(what: str, *choices: str, **aliases: str) -> Callable[[Any], str]:
-    """The parser of one of ``choices`` (or an alias of one), in any case."""
-
     def parse(value: Any) -> str:
         chosen = str(value).strip().lower()
         chosen = aliases.get(chosen, chosen)
@@ -167,17 +140,14 @@ def _dns_name(what: str) -> Callable[[Any], str]:
 
 _namespace = _matching("namespace name", r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 FLINK_KINDS = ("flinkdeployments", "flinksessionjobs")
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # PLURAL.GROUP/VERSION: a DNS label, a DNS subdomain with a dot, a version.
-CUSTOM_KIND = re.compile(
-    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\.[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
-    r"/v[0-9]+((alpha|beta)[0-9]+)?"
-)
+CUSTOM_KIND = re.compile(rf"{_LABEL}(\.{_LABEL}){{2,}}/v[0-9]+((alpha|beta)[0-9]+)?")
 
 
 def _namespaces(value: Any) -> frozenset[str] | None:
-    """Comma-separated (or the file's list); empty, null (a YAML key with no value) or
-    JOSDK_ALL_NAMESPACES (JOSDK's Constants.WATCH_ALL_NAMESPACES) mean all (None), as
-    in the operator."""
+    """Comma-separated (or the file's list); empty, null or JOSDK_ALL_NAMESPACES (JOSDK's
+    Constants.WATCH_ALL_NAMESPACES) mean all (None), as in the operator."""
     items = value if isinstance(value, list | tuple) else str(value or "").split(",")
     names = {str(item).strip() for item in items} - {""}
     if not names or "JOSDK_ALL_NAMESPACES" in names:
@@ -186,9 +156,10 @@ def _namespaces(value: Any) -> frozenset[str] | None:
 
 
 def _kinds(value: str) -> tuple[str, ...]:
-    flink = {f"{k}.flink.apache.org/v1beta1": k for k in FLINK_KINDS}
+    full = {k: f"{k}.flink.apache.org/v1beta1" for k in FLINK_KINDS}
+    short = {name: k for k, name in full.items()}
     given = (item.strip().lower() for item in value.split(","))
-    kinds = tuple(dict.fromkeys(flink.get(k, k) for k in given if k))
+    kinds = tuple(dict.fromkeys(short.get(k, k) for k in given if k))
     unknown = sorted(k for k in kinds if k not in FLINK_KINDS and not CUSTOM_KIND.fullmatch(k))
     if unknown or not kinds:
         raise ConfigError(
@@ -198,9 +169,7 @@ def _kinds(value: str) -> tuple[str, ...]:
         )
     versions: dict[str, list[str]] = {}
     for kind in kinds:
-        resource, _, version = kind.partition("/")
-        if kind in FLINK_KINDS:
-            resource, version = f"{kind}.flink.apache.org", "v1beta1"
+        resource, _, version = full.get(kind, kind).partition("/")
         versions.setdefault(resource, []).append(version)
     for resource, found in sorted(versions.items()):
         if len(found) > 1:
@@ -226,18 +195,15 @@ def _metrics_url(value: str) -> str:
 
 
 def _port(value: Any) -> int:
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        if str(value).startswith("tcp://"):  # the kubelet's, for a Service named canaryd
-            raise ConfigError(
-                "looks like a Kubernetes service link (a Service named canaryd in this "
-                "namespace): set enableServiceLinks: false on the pod, or --port"
-            ) from None
-        raise ConfigError(f"invalid port {value!r}: expected a port number") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"invalid port {port}: expected 0-65535")
-    return port
+    text = str(value).strip()
+    if text.startswith("tcp://"):  # the kubelet's, for a Service named canaryd
+        raise ConfigError(
+            "looks like a Kubernetes service link (a Service named canaryd in this "
+            "namespace): set enableServiceLinks: false on the pod, or --port"
+        )
+    if not text.isdecimal() or int(text) > 65535:
+        raise ConfigError(f"invalid port {text}: expected 0-65535")
+    return int(text)
 
 
 def _account(value: str) -> tuple[str, str]:
@@ -253,36 +219,30 @@ def _account(value: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: how ``canaryd --help``, the environment and the operator config
-    file give the ``Settings`` field it belongs to."""
+    """How ``--help``, the environment and the operator config file give its field."""
 
-    flag: str
-    """``--flag METAVAR``, or ``--flag`` for a switch (its variable: true or false)."""
+    flag: str  # "--flag METAVAR", or "--flag" for a switch (its variable: true or false)
     env: str
-    parse: Callable[[Any], Any]
-    """Text (or the file's value) to the field's value; ConfigError when bad."""
+    parse: Callable[[Any], Any]  # text (or the file's value) to the value, or ConfigError
     help: str
-    shown: str
-    """The default as ``--help`` tells it."""
-    key: str | None
-    """The operator config file's key, read when neither flag nor environment is set."""
-    many: bool
-    """Repeatable: its values are joined with commas, as the environment gives them."""
+    shown: str  # the default as --help tells it
+    key: str | None  # the operator config file's, read when no flag or variable is set
+    many: bool  # repeatable: its values joined with commas, as the environment gives them
 
 
 def option(
     default: T,
     flag: str,
-    env: str,
     parse: Callable[[Any], T],
     help: str,
     shown: str | None = None,
     key: str | None = None,
     many: bool = False,
+    env: str | None = None,
 ) -> T:
-    """A ``Settings`` field (its ``default``) and its row: ``--flag METAVAR``, the
-    environment variable, the parser and the help; ``shown`` when the default is told
-    otherwise than as itself, the operator config ``key``, and whether ``many``."""
+    """A ``Settings`` field (its ``default``) and its row. Its environment variable is
+    CANARYD_ and the flag's name (as click's auto_envvar_prefix), unless ``env``."""
+    env = env or "CANARYD_" + flag.split()[0].removeprefix("--").upper().replace("-", "_")
     row = Option(flag, env, parse, help, str(default) if shown is None else shown, key, many)
     return field(default=default, metadata={"option": row})
 
@@ -298,28 +258,27 @@ class Settings:
     kubeconfig: str | None = option(
         None,
         "--kubeconfig PATH",
-        "KUBECONFIG",
         str,
         "kubeconfig file",
         "in-cluster when KUBERNETES_SERVICE_HOST is set, else ~/.kube/config",
+        env="KUBECONFIG",
     )
     context: str | None = option(
-        None, "--context NAME", "CANARYD_CONTEXT", str, "kubeconfig context", "its current context"
+        None, "--context NAME", str, "kubeconfig context", "its current context"
     )
     namespaces: frozenset[str] | None = option(
         None,
         "--namespace NS",
-        "WATCH_NAMESPACES",
         _namespaces,
         "watched namespace, repeatable or comma-separated",
         "all namespaces",
         key="kubernetes.operator.watched.namespaces",
         many=True,
+        env="WATCH_NAMESPACES",
     )
     operator_config: Path | None = option(  # noqa: RUF009 -- option() is a field()
         None,
         "--operator-config PATH",
-        "CANARYD_OPERATOR_CONFIG",
         lambda path: Path(path) if path else None,  # empty: none
         "the operator's flink-conf.yaml or config.yaml, or its conf directory",
         "none",
@@ -327,7 +286,6 @@ class Settings:
     label: str = option(
         "flink.apache.org/canary",
         "--label KEY",
-        "CANARYD_LABEL",
         _matching(
             "label key",
             r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
@@ -337,17 +295,16 @@ class Settings:
     kinds: tuple[str, ...] = option(
         FLINK_KINDS,
         "--kind PLURAL",
-        "CANARYD_KINDS",
         _kinds,
         "canary kinds, repeatable or comma-separated: Flink's plurals, or any namespaced "
         "custom resource as PLURAL.GROUP/VERSION",
         ",".join(FLINK_KINDS),
         many=True,
+        env="CANARYD_KINDS",
     )
     reconciled_by: str = option(
         "watch",
         "--reconciled-by watch|observed-generation|operator-metrics",
-        "CANARYD_RECONCILED_BY",
         _choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
         "a bump is reconciled when its generation is seen through the watch, when the "
         "canary's status.observedGeneration reaches it, or when the operator's own count "
@@ -356,7 +313,6 @@ class Settings:
     operator_metrics_url: str = option(
         "http://127.0.0.1:9249/metrics",
         "--operator-metrics-url URL",
-        "CANARYD_OPERATOR_METRICS_URL",
         _metrics_url,
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
         "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets for its "
@@ -366,7 +322,6 @@ class Settings:
     operator_account: tuple[str, str] | None = option(
         None,
         "--operator-account NS/NAME",
-        "CANARYD_OPERATOR_ACCOUNT",
         _account,
         "the operator's service account, whose stale writes of canaries the admission "
         "policy refuses (config/admission): canaryd check and the start-up log say when "
@@ -376,7 +331,6 @@ class Settings:
     timeout: float = option(
         60.0,
         "--timeout DURATION",
-        "CANARYD_TIMEOUT",
         duration(0.1, bare_floor=1.0),
         "canary cycle: bump every DURATION, judge each bump one DURATION later; e.g. "
         "'30 s', '1 min', 'PT1M', a bare number is milliseconds (below a second refused: "
@@ -385,24 +339,14 @@ class Settings:
         key="kubernetes.operator.health.canary.resource.timeout",
     )
     host: str = option(
-        "0.0.0.0",
-        "--host ADDR",
-        "CANARYD_HOST",
-        _matching("host", ".+", ": empty"),
-        "health server address",
+        "0.0.0.0", "--host ADDR", _matching("host", ".+", ": empty"), "health server address"
     )
     port: int = option(
-        8085,
-        "--port N",
-        "CANARYD_PORT",
-        _port,
-        "health server port",
-        key="kubernetes.operator.health.probe.port",
+        8085, "--port N", _port, "health server port", key="kubernetes.operator.health.probe.port"
     )
     config_check_interval: float = option(
         300.0,
         "--config-check-interval DURATION",
-        "CANARYD_CONFIG_CHECK_INTERVAL",
         duration(1.0),
         "operator config re-read interval",
         "5 min",
@@ -411,37 +355,27 @@ class Settings:
     log_format: str = option(
         "json",
         "--log-format json|console",
-        "CANARYD_LOG_FORMAT",
         _choice("log format", "json", "console"),
         "log format on stderr: one JSON object a line, or aligned text for people",
     )
     log_level: str = option(
         "info",
         "--log-level LEVEL",
-        "CANARYD_LOG_LEVEL",
         _choice("log level", *LOG_LEVELS, warn="warning"),
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
         False,
         "--leader-elect",
-        "CANARYD_LEADER_ELECT",
         parse_bool,
         "run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, the "
         "others keep their registry warm",
         "off",
     )
-    lease_name: str = option(
-        "canaryd",
-        "--lease-name NAME",
-        "CANARYD_LEASE_NAME",
-        _dns_name("lease name"),
-        "the Lease",
-    )
+    lease_name: str = option("canaryd", "--lease-name NAME", _dns_name("lease name"), "the Lease")
     lease_namespace: str | None = option(
         None,
         "--lease-namespace NS",
-        "CANARYD_LEASE_NAMESPACE",
         _dns_name("lease namespace"),
         "the Lease's namespace",
         "the service account's namespace in a pod, else default",
@@ -449,7 +383,6 @@ class Settings:
     identity: str | None = option(
         None,
         "--identity ID",
-        "CANARYD_IDENTITY",
         _matching("identity", ".+", ": empty"),
         "this replica's holder identity",
         "the host name and a random suffix",
@@ -457,7 +390,6 @@ class Settings:
     lease_duration: float = option(
         15.0,
         "--lease-duration DURATION",
-        "CANARYD_LEASE_DURATION",
         duration(1.0),
         "followers wait this long after the lease last changed before they take it",
         "15 s",
@@ -465,7 +397,6 @@ class Settings:
     renew_deadline: float = option(
         10.0,
         "--renew-deadline DURATION",
-        "CANARYD_RENEW_DEADLINE",
         duration(0.5),
         "a leader that cannot renew for this long stops bumping",
         "10 s",
@@ -473,7 +404,6 @@ class Settings:
     retry_period: float = option(
         2.0,
         "--retry-period DURATION",
-        "CANARYD_RETRY_PERIOD",
         duration(0.1),
         "how often the lease is renewed or looked at",
         "2 s",
@@ -481,125 +411,91 @@ class Settings:
 
     # Set by no flag: the operator config file's, and the tests'.
     from_file: frozenset[str] = frozenset()
-    """The settings the operator config file decides (neither a flag nor the
-    environment gives them): a re-read may change them."""
-    dynamic_namespaces: bool = False
-    """``kubernetes.operator.dynamic.namespaces.enabled``, read with the namespaces."""
-    watch_timeout: float = 300.0
-    """Base server-side watch timeout; each watch asks for 1 to 2 times this
-    (client-go: 5 to 10 min)."""
-    watch_idle_timeout: float = 180.0
-    """A watch that delivers nothing (not even a bookmark) for this long is replaced.
-    Not derived from the cycle: it must outlast the API server's bookmark interval
-    (kube-apiserver's watch cache sends one about every minute)."""
-    list_timeout: float = 60.0
-    """One list: its cost grows with the number of canaries, not the cycle
-    (kube-apiserver's own default request timeout is 60 s)."""
-    max_conflict_retries: int = 3
-    """How many times a bump is retried on a fresh copy after 409 Conflict."""
+    """The settings the operator config file decides (no flag or variable gives them): a
+    re-read may change them."""
+    dynamic_namespaces: bool = False  # KEY_DYNAMIC, read with the namespaces
+    watch_timeout: float = 300.0  # each watch asks for 1 to 2 times this (client-go's)
+    # Not derived from the cycle (docs/CONFIGURATION.md, "Timings derived from the cycle"):
+    watch_idle_timeout: float = 180.0  # outlasts the API server's bookmark interval
+    list_timeout: float = 60.0  # grows with the number of canaries
+    max_conflict_retries: int = 3  # a bump's retries on a fresh copy after 409 Conflict
     max_bumps_in_flight: int = 256
-    """Bumps writing at once, at most (each holds a connection). 10,000 canaries on a
-    60 s cycle with 1 s writes (an admission webhook in the path) need about 170."""
+    """Bumps writing at once (each holds a connection): 10,000 canaries on a 60 s cycle
+    with 1 s writes need about 170."""
 
     # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
-    # of the cycle, so that no delay of canaryd's own outlasts the window it works in
-    # (DESIGN: no watch or list backoff exceeds a quarter of the cycle). Tests shorten
-    # the cycle and get these exactly as a user would.
+    # of the cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get
+    # these exactly as a user would.
 
     @property
     def request_timeout(self) -> float:
-        """One bump or re-read: 10 s, at most half the cycle (the bump's retry window)."""
         return min(10.0, self.timeout / 2)
 
     @property
     def write_timeout(self) -> float:
-        """One bump's PATCH: the request timeout; under --leader-elect at most the renew
-        deadline less two retry periods (6 s at the defaults), so that every write is
-        answered or abandoned before any follower may take the lease (canaryd.leader)."""
+        """Under --leader-elect every write is answered or abandoned before any follower
+        may take the lease (canaryd.leader)."""
         if not self.leader_elect:
             return self.request_timeout
         return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
     @property
     def keepalive_timeout(self) -> float:
-        """How long an idle pooled connection is reused: aiohttp's 15 s, at most a
-        quarter of the cycle, so a bump seldom goes over a connection that went silent
-        between bumps (half-open: a crashed replica behind a load balancer)."""
+        """A bump seldom goes over a pooled connection gone half-open between bumps."""
         return min(15.0, self.timeout / 4)
 
     @property
     def connect_timeout(self) -> float:
-        """Establishing a connection, a watch's too (a black-holed address fails here,
-        not after the OS's two minutes): 5 s, at most the request timeout."""
         return min(5.0, self.request_timeout)
 
     @property
     def backoff_initial(self) -> float:
-        """First delay after a failure: client-go's 800 ms, at most 1/20 of the cycle."""
         return min(0.8, self.timeout / 20)
 
     @property
     def backoff_max(self) -> float:
-        """Cap of every watch, list and write backoff: client-go's 30 s, at most a
-        quarter of the cycle."""
         return min(30.0, self.timeout / 4)
 
     @property
     def namespaces_from_file(self) -> bool:
-        """The namespaces come from the operator config file (and may follow it)."""
         return "namespaces" in self.from_file
 
     @property
     def forbidden_retry(self) -> float:
-        """Retry delay of a watch answered 403 (not ours, perhaps for now): once a cycle,
-        at most a minute."""
         return min(60.0, self.timeout)
 
     @property
     def short_watch(self) -> float:
-        """A watch that ends sooner than this with no event failed (client-go: 1 s):
-        it backs off instead of reopening at once."""
         return min(1.0, self.timeout / 4)
 
     @property
     def judge_slack(self) -> float:
-        """A judge later than this after its deadline ran late because canaryd stalled
-        (GC, CPU starvation), with watch events perhaps unread in its sockets: an
-        unhealthy verdict is re-checked once this much later. A tenth of the cycle, at
-        most a second."""
+        """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
+        events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
         return min(1.0, self.timeout / 10)
 
     @property
     def scheduler_tick(self) -> float:
-        """The scheduler wakes at most once per tick and takes every deadline due within
-        it together (a wake per canary was a third of canaryd's CPU): an eighth of the
-        judge's slack, at most 25 ms (a longer tick's bursts held /healthz back:
-        docs/PERFORMANCE.md)."""
+        """Deadlines due within a tick are taken in one wake (a wake per canary was a
+        third of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
         return min(0.025, self.judge_slack / 8)
 
     @property
     def resume_grace(self) -> float:
-        """After a watch resumes, how long a deferred verdict waits for the replayed
-        events before it is judged: a quarter of the cycle."""
         return self.timeout / 4
 
     @property
     def scrape_interval(self) -> float:
-        """How often the operator's metrics are read (operator-metrics): 2 s, at most a
-        tenth of the cycle. A verdict waits for the first read after its deadline."""
         return min(2.0, self.timeout / 10)
 
     @property
     def scrape_connect_timeout(self) -> float:
-        """Connecting to the operator's metrics: 2.5 s, at most an eighth of the cycle. A
-        port held but accepting nothing (a frozen JVM's full listen backlog) fails here;
-        an answer, once connected, may take the whole cycle (a slow operator is not a
-        frozen one)."""
+        """A port held but accepting nothing (a frozen JVM's full listen backlog) fails
+        here; an answer may take the whole cycle (a slow operator is not a frozen one)."""
         return min(2.5, self.timeout / 8)
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings) if f.metadata}
-"""Each ``Settings`` field an option sets, and its row."""
 
 # ------------------------------------------------------------------- resolving them
 
@@ -639,7 +535,6 @@ def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
 
 
 def _parsed(parse: Callable[[Any], T], value: Any, source: str) -> T:
-    """The value parsed, or a ConfigError that names where it came from."""
     try:
         return parse(value)
     except ConfigError as err:
@@ -649,8 +544,8 @@ def _parsed(parse: Callable[[Any], T], value: Any, source: str) -> T:
 def load_settings(
     argv: Sequence[str], environ: Mapping[str, str], prog: str = "canaryd"
 ) -> Settings:
-    """Resolve every setting by precedence; raises ConfigError on any bad value, naming
-    its source: ``--timeout: ...``, ``CANARYD_TIMEOUT=30x: ...`` or ``FILE: KEY: ...``."""
+    """Every setting by precedence; a bad value is a ConfigError naming its source:
+    ``--timeout: ...``, ``CANARYD_TIMEOUT=30x: ...`` or ``FILE: KEY: ...``."""
     durations = {row.flag.split()[0] for row in OPTIONS.values() if row.flag.endswith("DURATION")}
     joined: list[str] = []  # ``--timeout -5s`` as ``--timeout=-5s``: refused as a duration
     for item in argv:
@@ -674,57 +569,49 @@ def load_settings(
 
 
 def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
-    """The settings the operator config file decides (``names``: those neither a flag
-    nor the environment gives), as it says now: its value or the default; with the
-    namespaces, whether they are dynamic. A bad value names ``FILE: KEY``."""
+    """The settings ``names`` (those no flag or variable gives) as the operator config
+    file says now, its value or the default; with the namespaces, whether dynamic."""
     file = operator_config_files(path)[0]
     flat = read_operator_config(file)
-
-    def value(key: str, parse: Callable[[Any], T], default: T) -> T:
-        if any(name.startswith(f"{key}.") for name in flat):
+    wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
+    if "namespaces" in names:
+        wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse_bool))
+    said: dict[str, Any] = {}
+    for name, key, parse in wanted:  # in the rows' order: the first bad value is told
+        found = flat.get(key)
+        if name == "operator_metrics_url":  # the port of its Prometheus reporter
+            said[name] = reporter_url(flat)
+        elif any(other.startswith(f"{key}.") for other in flat):
             raise ConfigError(
                 f"{file}: {key}: must be a value (namespaces: a comma-separated string or a "
                 "list), not a mapping"
             )
-        found = flat.get(key)
-        return default if found is None else _parsed(parse, found, f"{file}: {key}")
-
-    said: dict[str, Any] = {}
-    for name, row in OPTIONS.items():  # in the rows' order: the first bad value is told
-        if name not in names or row.key is None:
-            continue
-        if name == "operator_metrics_url":  # the port of its Prometheus reporter
-            said[name] = reporter_url(flat)
+        elif found is not None:
+            said[name] = _parsed(parse, found, f"{file}: {key}")
         else:
-            said[name] = value(row.key, row.parse, getattr(Settings(), name))
-    if "namespaces" in names:
-        said["dynamic_namespaces"] = value(KEY_DYNAMIC, parse_bool, False)
+            said[name] = getattr(Settings(), name)
     return said
 
 
 # ---------------------------------------------------- the Lease, for canaryd.leader
 
-MIN_WRITE_TIMEOUT = 1.0
-"""The shortest write timeout the lease timings may leave a leader (seconds): a bump
-that must be answered sooner than this fails on any ordinary delay."""
+MIN_WRITE_TIMEOUT = 1.0  # seconds: a bump to be answered sooner fails on any delay
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 def default_identity() -> str:
-    """The host name and a random suffix, as client-go's users make theirs: systemd and
-    VM deployments often share a host name, and two replicas of one identity would
-    both take themselves for the holder."""
+    """As client-go's users make theirs: two replicas on hosts of one name would both
+    take themselves for the holder."""
     return f"{socket.gethostname()}_{secrets.token_hex(4)}"
 
 
 def lease_seconds(lease_duration: float) -> int:
-    """leaseDurationSeconds as the Lease stores it: whole seconds, truncated as client-go
-    does (int32(LeaseDuration / time.Second)), at least 1."""
+    """leaseDurationSeconds: whole seconds, truncated as client-go does, at least 1."""
     return max(1, int(lease_duration))
 
 
 def lease_namespace(settings: Settings) -> str:
-    """The Lease's namespace: as set, else the pod's service account's, else default."""
+    """As set, else the pod's service account's, else default."""
     if settings.lease_namespace:
         return settings.lease_namespace
     try:

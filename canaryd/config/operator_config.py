@@ -1,9 +1,6 @@
-"""The operator's own config file: which file the operator reads, its keys as flat
-names, and its Prometheus reporter. What canaryd takes from it is in the option rows.
-
-``ConfigError`` is defined here, at the bottom of configuration, because reading this
-file raises it as a bad flag does.
-"""
+"""The operator's own config file as the operator reads it: which file of a conf
+directory, its keys as flat names, its Prometheus reporter. ``ConfigError`` is here, at
+the bottom of configuration: reading the file raises it as a bad flag does."""
 
 from __future__ import annotations
 
@@ -19,16 +16,15 @@ class ConfigError(Exception):
     """Bad configuration: canaryd exits with status 2 and this message on one line."""
 
 
-# What the operator's Flink (1.19 and 1.20: GlobalConfiguration.loadConfiguration) reads
-# in a conf directory, in order: the legacy flink-conf.yaml when it exists, else
-# config.yaml. Flink 2 reads config.yaml only; the operator's 1.x releases run on 1.20.
+# The operator's Flink 1.20 (GlobalConfiguration.loadConfiguration) reads the legacy
+# flink-conf.yaml when it exists, else config.yaml.
 CONFIG_FILE_NAMES = ("flink-conf.yaml", "config.yaml")
 REPORTERS = "kubernetes.operator.metrics.reporter."
 PROM_FACTORY = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``: config.yaml's nested keys as flat ones."""
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, Mapping):
@@ -39,8 +35,8 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def operator_config_files(path: Path) -> tuple[Path, list[Path]]:
-    """The file the operator reads, and the ones it ignores: the file itself, or in a
-    directory (the operator's /opt/flink/conf) its flink-conf.yaml, else config.yaml."""
+    """The file the operator reads (``path``, or in a directory its first of
+    CONFIG_FILE_NAMES), and the ones it ignores."""
     try:
         if not path.is_dir():
             return path, []
@@ -55,10 +51,8 @@ def operator_config_files(path: Path) -> tuple[Path, list[Path]]:
 
 
 class _FlinkYamlLoader(yaml.SafeLoader):
-    """YAML with only ``true`` and ``false`` as booleans (YAML 1.2, as Flink's parser
-    reads config.yaml; its legacy flink-conf.yaml parser keeps every value a string).
-    PyYAML's YAML 1.1 would read ``yes``, ``no``, ``on`` and ``off`` as booleans that
-    the operator itself refuses."""
+    """Only ``true`` and ``false`` are booleans (YAML 1.2, as Flink reads config.yaml):
+    PyYAML's YAML 1.1 ``yes``, ``on`` and ``off`` are refused by the operator itself."""
 
 
 _FlinkYamlLoader.yaml_implicit_resolvers = {
@@ -71,7 +65,6 @@ _FlinkYamlLoader.add_implicit_resolver(
 
 
 def _load(path: Path) -> tuple[Path, Mapping[str, Any]]:
-    """The file the operator reads and its YAML mapping (empty when the file is)."""
     path = operator_config_files(path)[0]
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_FlinkYamlLoader)
@@ -92,16 +85,14 @@ def _load(path: Path) -> tuple[Path, Mapping[str, Any]]:
 
 
 def read_operator_config(path: Path) -> dict[str, Any]:
-    """The keys of the file the operator reads, flat (flink-conf.yaml) or nested
-    (config.yaml), as flat names."""
+    """The keys of the file the operator reads, flat or nested, as flat names."""
     return flatten(_load(path)[1])
 
 
 def nested_operator_keys(path: Path) -> tuple[Path, list[str]]:
-    """The file the operator reads, and the operator's keys (``kubernetes.operator.*``)
-    it writes nested, as Flink 2's config.yaml does, each as its flat name. canaryd
-    reads both spellings; the operator's flink-conf.yaml parser reads flat ``key:
-    value`` lines only, so there the two would disagree (on the watched namespaces)."""
+    """The file the operator reads, and the operator's keys it writes nested, as flat
+    names: canaryd reads both spellings, the operator's flink-conf.yaml parser flat
+    ones only (nested_keys_why)."""
     path, data = _load(path)
     nested = [
         name
@@ -114,7 +105,6 @@ def nested_operator_keys(path: Path) -> tuple[Path, list[str]]:
 
 
 def nested_keys_why(read: Path) -> str:
-    """Why nested keys in the file the operator reads are worth a warning."""
     if read.name == "flink-conf.yaml":
         return (
             "the operator reads flink-conf.yaml with Flink's flat parser, one 'key: value' "
@@ -127,8 +117,7 @@ def nested_keys_why(read: Path) -> str:
 
 
 def prometheus_reporter(flat: Mapping[str, Any]) -> str | None:
-    """The name of the operator's Prometheus reporter (its
-    ``kubernetes.operator.metrics.reporter.<name>.factory.class``), None: none."""
+    """The ``<name>`` whose ``REPORTERS<name>.factory.class`` is Prometheus's, or None."""
     for key, value in sorted(flat.items()):
         name = key.removeprefix(REPORTERS).removesuffix(".factory.class")
         if key == f"{REPORTERS}{name}.factory.class" and str(value).strip() == PROM_FACTORY:
@@ -137,14 +126,12 @@ def prometheus_reporter(flat: Mapping[str, Any]) -> str | None:
 
 
 def has_prometheus_reporter(flat: Mapping[str, Any]) -> bool:
-    """Does the operator config set up Flink's Prometheus reporter?"""
     return prometheus_reporter(flat) is not None
 
 
 def reporter_url(flat: Mapping[str, Any]) -> str:
-    """The operator's Prometheus reporter on this host: its ``...<name>.port``, a port
-    or a range whose first port a single operator process takes, else Flink's default
-    9249 (PrometheusReporterOptions.PORT)."""
+    """The reporter on this host: its port, or a range's first (a single operator
+    process takes it), else Flink's 9249 (PrometheusReporterOptions.PORT)."""
     name, port = prometheus_reporter(flat), "9249"
     first = str(flat.get(f"{REPORTERS}{name}.port", "")).split(",")[0].split("-")[0].strip()
     if name is not None and first.isdigit() and 0 < int(first) < 65536:
