@@ -59,7 +59,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from canaryd.config import parse_duration
+from canaryd.config.parse import parse_duration
 from canaryd.testing.process import free_port
 from tests.harness import until_poked
 

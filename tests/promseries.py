@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from canaryd.config import parse_duration
+from canaryd.config.parse import parse_duration
 from tests.kubelet import Recording, Scrape, Target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from canaryd import metrics
-from canaryd.config import ConfigError, load_settings, parse_duration
+from canaryd.config import ConfigError, load_settings
+from canaryd.config.parse import parse_duration
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import Fault
 from tests.harness import counter, create_canary, running_daemon

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.config import ConfigError, Settings, load_settings, parse_duration
+from canaryd.config import ConfigError, Settings, load_settings
+from canaryd.config.parse import parse_duration
 
 
 @pytest.mark.parametrize(

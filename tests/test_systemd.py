@@ -206,7 +206,8 @@ def test_the_unit_does_not_restart_a_bad_config_and_outlasts_the_slowest_stop():
     """Exit 2 is a bad configuration: a restart cannot fix it. A stop finishes the bumps
     in flight (each within its write timeout) and then releases the lease (within one
     more), so systemd must wait longer than twice the write timeout before it kills."""
-    from canaryd.config import load_settings, parse_duration
+    from canaryd.config import load_settings
+    from canaryd.config.parse import parse_duration
 
     directives: dict[str, list[str]] = {}
     for line in UNIT.read_text().splitlines():

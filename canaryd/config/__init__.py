@@ -8,15 +8,12 @@ operator config file's re-reads are made from the rows; nothing else sees string
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from canaryd import __version__
 from canaryd.config.operator_config import (
@@ -27,6 +24,19 @@ from canaryd.config.operator_config import (
     operator_config_files,
     read_operator_config,
     reporter_url,
+)
+from canaryd.config.parse import (
+    FLINK_KINDS,
+    account,
+    choice,
+    dns_name,
+    duration,
+    kinds,
+    matching,
+    metrics_url,
+    namespaces,
+    parse_bool,
+    port,
 )
 
 __all__ = [  # besides its own names: the file's readers, for the daemon and canaryd check
@@ -39,180 +49,6 @@ __all__ = [  # besides its own names: the file's readers, for the daemon and can
 ]
 
 T = TypeVar("T")
-
-# ------------------------------------------------------------------ values from text
-
-_UNITS = {
-    **dict.fromkeys(["ns", "nano", "nanos", "nanosecond", "nanoseconds"], 1e-9),
-    **dict.fromkeys(["µs", "us", "micro", "micros", "microsecond", "microseconds"], 1e-6),
-    **dict.fromkeys(["ms", "milli", "millis", "millisecond", "milliseconds"], 1e-3),
-    **dict.fromkeys(["s", "sec", "secs", "second", "seconds"], 1.0),
-    **dict.fromkeys(["m", "min", "mins", "minute", "minutes"], 60.0),
-    **dict.fromkeys(["h", "hour", "hours"], 3600.0),
-    **dict.fromkeys(["d", "day", "days"], 86400.0),
-}
-_FLINK_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zµ]*)\s*$", re.IGNORECASE)
-_ISO_RE = re.compile(
-    r"^P(?:(\d+(?:\.\d+)?)D)?(?:T(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?)?$",
-    re.IGNORECASE,
-)
-
-
-def parse_duration(text: str) -> float:
-    """Flink's duration syntax (TimeUtils.parseDuration: a bare number is milliseconds)
-    or ISO-8601 (``PT1M``), in seconds."""
-    value = str(text).strip()
-    iso = _ISO_RE.match(value)
-    if iso and any(iso.groups()):
-        days, hours, minutes, seconds = (float(g) if g else 0.0 for g in iso.groups())
-        return days * 86400 + hours * 3600 + minutes * 60 + seconds
-    flink = _FLINK_RE.match(value)
-    if not flink:
-        raise ConfigError(f"invalid duration {text!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
-    number, unit = float(flink.group(1)), flink.group(2).lower()
-    if unit and unit not in _UNITS:
-        raise ConfigError(
-            f"invalid duration {text!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
-        )
-    seconds = number * _UNITS[unit] if unit else number / 1000.0
-    if not math.isfinite(seconds):
-        raise ConfigError(f"invalid duration {text!r}: too large")
-    return seconds
-
-
-def duration(floor: float, bare_floor: float = 0.0) -> Callable[[Any], float]:
-    """The parser of a duration of at least ``floor`` seconds, and of a bare number
-    (milliseconds: ``CANARYD_LEASE_DURATION=15`` is 15 ms) of at least ``bare_floor``."""
-
-    def parse(value: Any) -> float:
-        text = str(value).strip()
-        seconds = parse_duration(text)
-        bare = text.replace(".", "", 1).isdigit()
-        if seconds <= 0:
-            raise ConfigError(f"duration must be greater than zero, got {text!r}")
-        if seconds < floor:
-            hint = f" (a bare number is milliseconds: write '{text}s')" if bare else ""
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{hint}"
-            )
-        if bare and seconds < bare_floor:
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; give a "
-                f"unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
-            )
-        return seconds
-
-    return parse
-
-
-def parse_bool(value: Any) -> bool:
-    """As Flink reads the operator's own booleans (ConfigurationUtils.convertToBoolean)."""
-    text = str(value).strip().lower()
-    if text not in ("true", "false"):
-        raise ConfigError(f"expected true or false, got {str(value).strip()!r}")
-    return text == "true"
-
-
-def _matching(what: str, pattern: str, why: str = "") -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        text = str(value).strip()
-        if not re.fullmatch(pattern, text):
-            raise ConfigError(f"invalid {what} {text!r}{why}")
-        return text
-
-    return parse
-
-
-def _choice(what: str, *choices: str, **aliases: str) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        chosen = str(value).strip().lower()
-        chosen = aliases.get(chosen, chosen)
-        if chosen not in choices:
-            raise ConfigError(f"invalid {what} {value!r}: expected {' or '.join(choices)}")
-        return chosen
-
-    return parse
-
-
-def _dns_name(what: str) -> Callable[[Any], str]:
-    return _matching(what, r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", ": not a DNS name")
-
-
-_namespace = _matching("namespace name", r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-FLINK_KINDS = ("flinkdeployments", "flinksessionjobs")
-_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-# PLURAL.GROUP/VERSION: a DNS label, a DNS subdomain with a dot, a version.
-CUSTOM_KIND = re.compile(rf"{_LABEL}(\.{_LABEL}){{2,}}/v[0-9]+((alpha|beta)[0-9]+)?")
-
-
-def _namespaces(value: Any) -> frozenset[str] | None:
-    """Comma-separated (or the file's list); empty, null or JOSDK_ALL_NAMESPACES (JOSDK's
-    Constants.WATCH_ALL_NAMESPACES) mean all (None), as in the operator."""
-    items = value if isinstance(value, list | tuple) else str(value or "").split(",")
-    names = {str(item).strip() for item in items} - {""}
-    if not names or "JOSDK_ALL_NAMESPACES" in names:
-        return None
-    return frozenset(_namespace(name) for name in names)
-
-
-def _kinds(value: str) -> tuple[str, ...]:
-    full = {k: f"{k}.flink.apache.org/v1beta1" for k in FLINK_KINDS}
-    short = {name: k for k, name in full.items()}
-    given = (item.strip().lower() for item in value.split(","))
-    kinds = tuple(dict.fromkeys(short.get(k, k) for k in given if k))
-    unknown = sorted(k for k in kinds if k not in FLINK_KINDS and not CUSTOM_KIND.fullmatch(k))
-    if unknown or not kinds:
-        raise ConfigError(
-            f"invalid kind {', '.join(unknown) or '(empty)'}: expected "
-            f"{' and/or '.join(FLINK_KINDS)}, or any namespaced custom resource as "
-            "PLURAL.GROUP/VERSION (e.g. widgets.example.com/v1)"
-        )
-    versions: dict[str, list[str]] = {}
-    for kind in kinds:
-        resource, _, version = full.get(kind, kind).partition("/")
-        versions.setdefault(resource, []).append(version)
-    for resource, found in sorted(versions.items()):
-        if len(found) > 1:
-            raise ConfigError(
-                f"kind {resource} given twice, as {' and '.join(found)}: give one version "
-                "(every version serves the same objects, which would be bumped twice a cycle)"
-            )
-    return kinds
-
-
-def _metrics_url(value: str) -> str:
-    url = value.strip()
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- raises on a bad port
-    except ValueError as err:
-        raise ConfigError(f"invalid operator metrics URL {url!r}: {err}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            f"invalid operator metrics URL {url!r}: expected http(s)://HOST:PORT/PATH"
-        )
-    return url
-
-
-def _port(value: Any) -> int:
-    text = str(value).strip()
-    if text.startswith("tcp://"):  # the kubelet's, for a Service named canaryd
-        raise ConfigError(
-            "looks like a Kubernetes service link (a Service named canaryd in this "
-            "namespace): set enableServiceLinks: false on the pod, or --port"
-        )
-    if not text.isdecimal() or int(text) > 65535:
-        raise ConfigError(f"invalid port {text}: expected 0-65535")
-    return int(text)
-
-
-def _account(value: str) -> tuple[str, str]:
-    namespace, slash, name = value.strip().partition("/")
-    if not slash:
-        raise ConfigError(f"invalid operator account {value!r}: expected NAMESPACE/NAME")
-    namespace = _dns_name("operator account namespace")(namespace)
-    return namespace, _dns_name("operator account name")(name)
-
 
 # ------------------------------------------------------------------------- the rows
 
@@ -269,7 +105,7 @@ class Settings:
     namespaces: frozenset[str] | None = option(
         None,
         "--namespace NS",
-        _namespaces,
+        namespaces,
         "watched namespace, repeatable or comma-separated",
         "all namespaces",
         key="kubernetes.operator.watched.namespaces",
@@ -286,7 +122,7 @@ class Settings:
     label: str = option(
         "flink.apache.org/canary",
         "--label KEY",
-        _matching(
+        matching(
             "label key",
             r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
         ),
@@ -295,7 +131,7 @@ class Settings:
     kinds: tuple[str, ...] = option(
         FLINK_KINDS,
         "--kind PLURAL",
-        _kinds,
+        kinds,
         "canary kinds, repeatable or comma-separated: Flink's plurals, or any namespaced "
         "custom resource as PLURAL.GROUP/VERSION",
         ",".join(FLINK_KINDS),
@@ -305,7 +141,7 @@ class Settings:
     reconciled_by: str = option(
         "watch",
         "--reconciled-by watch|observed-generation|operator-metrics",
-        _choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
+        choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
         "a bump is reconciled when its generation is seen through the watch, when the "
         "canary's status.observedGeneration reaches it, or when the operator's own count "
         "of finished reconciles of the canary rose after it",
@@ -313,7 +149,7 @@ class Settings:
     operator_metrics_url: str = option(
         "http://127.0.0.1:9249/metrics",
         "--operator-metrics-url URL",
-        _metrics_url,
+        metrics_url,
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
         "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets for its "
         "Prometheus reporter, else 9249",
@@ -322,7 +158,7 @@ class Settings:
     operator_account: tuple[str, str] | None = option(
         None,
         "--operator-account NS/NAME",
-        _account,
+        account,
         "the operator's service account, whose stale writes of canaries the admission "
         "policy refuses (config/admission): canaryd check and the start-up log say when "
         "it does not exist",
@@ -339,10 +175,10 @@ class Settings:
         key="kubernetes.operator.health.canary.resource.timeout",
     )
     host: str = option(
-        "0.0.0.0", "--host ADDR", _matching("host", ".+", ": empty"), "health server address"
+        "0.0.0.0", "--host ADDR", matching("host", ".+", ": empty"), "health server address"
     )
     port: int = option(
-        8085, "--port N", _port, "health server port", key="kubernetes.operator.health.probe.port"
+        8085, "--port N", port, "health server port", key="kubernetes.operator.health.probe.port"
     )
     config_check_interval: float = option(
         300.0,
@@ -355,13 +191,13 @@ class Settings:
     log_format: str = option(
         "json",
         "--log-format json|console",
-        _choice("log format", "json", "console"),
+        choice("log format", "json", "console"),
         "log format on stderr: one JSON object a line, or aligned text for people",
     )
     log_level: str = option(
         "info",
         "--log-level LEVEL",
-        _choice("log level", *LOG_LEVELS, warn="warning"),
+        choice("log level", *LOG_LEVELS, warn="warning"),
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
@@ -372,18 +208,18 @@ class Settings:
         "others keep their registry warm",
         "off",
     )
-    lease_name: str = option("canaryd", "--lease-name NAME", _dns_name("lease name"), "the Lease")
+    lease_name: str = option("canaryd", "--lease-name NAME", dns_name("lease name"), "the Lease")
     lease_namespace: str | None = option(
         None,
         "--lease-namespace NS",
-        _dns_name("lease namespace"),
+        dns_name("lease namespace"),
         "the Lease's namespace",
         "the service account's namespace in a pod, else default",
     )
     identity: str | None = option(
         None,
         "--identity ID",
-        _matching("identity", ".+", ": empty"),
+        matching("identity", ".+", ": empty"),
         "this replica's holder identity",
         "the host name and a random suffix",
     )

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from canaryd.config import parse_duration
+from canaryd.config.parse import parse_duration
 from canaryd.testing.apiserver import FakeKube, Fault
 from canaryd.testing.process import canaryd_argv, free_port
 

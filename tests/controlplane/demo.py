@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from canaryd.config import parse_duration
+from canaryd.config.parse import parse_duration
 from canaryd.testing.demo import SAMPLES, Demo
 from tests.controlplane.launcher import ControlPlane, namespace_object
 
