@@ -1,23 +1,7 @@
-"""Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, so that
-``kubectl describe`` says which canary and why (canaryd.role tells what changed).
-
-Written as client-go's recorders write theirs (k8s.io/client-go tools/events and
-tools/record), and never in a bump's way:
-
-- ``record`` does not wait: the Event is queued for one task, ``run``, to write; a
-  canary has at most one queued (a newer verdict's replaces it, counted as dropped),
-  so the queue is bounded by the canaries and the newest verdict is never the one lost;
-- a token bucket per canary drops what a flapping canary writes beyond a burst of 25,
-  then one every 5 minutes (tools/record's EventSourceObjectSpamFilter);
-- the same Event again (same canary, type, reason) within 6 minutes of the last
-  (tools/events' finishTime) is a series: the first is created, each repeat PATCHes
-  its ``series`` (count, lastObservedTime; the note stays the first one's: it is
-  immutable); a series whose Event is gone (a 404: Events expire) starts anew. The
-  last 4,096 canaries are remembered (tools/record's LRU);
-- a write that fails is a KubeError, counted (``canaryd_verdict_events_total{result=
-  "failed"}``), logged as an episode (an outage is not a line per canary; the next
-  Event written ends it), and not retried.
-"""
+"""Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, written as
+client-go's recorders write theirs (tools/events, tools/record: spam filter, series) and
+never in a bump's way: one task writes them, a failed write is counted, told as an
+episode and not retried (docs/OPERATIONS.md#monitoring, "Events")."""
 
 from __future__ import annotations
 
@@ -41,12 +25,11 @@ REMEMBERED = 4096
 
 @dataclass(slots=True)
 class _Seen:
-    """What was written about one canary: its token bucket and its series by reason."""
+    """One canary's token bucket, and by reason its series: name, count, last written."""
 
     tokens: float
     at: float
     series: dict[str, tuple[str, int, float]] = field(default_factory=dict)
-    """By reason: the Event's name, its count, and when it was last written."""
 
 
 class Events:
@@ -66,11 +49,10 @@ class Events:
         self.instance = f"canaryd-{socket.gethostname()}"[:128]
         self.failures = Episodes(
             "events_not_written",
-            subject="canary",
+            "canary",
+            interval,
             subjects="canaries",
             detail_event="event_not_written",
-            interval=interval,
-            logger_name="canaryd.events",
             clock=clock,
         )
 

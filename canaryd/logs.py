@@ -1,10 +1,7 @@
-"""Structured logs (structlog; JSON by default) that never carry credentials.
-
-Redaction runs last before rendering, on every field and on formatted tracebacks:
-fields named like a credential are replaced, bearer tokens, JWTs and PEM private
-keys are masked inside any string, and so is every secret registered at start.
-Records of other libraries (aiohttp, asyncio) go through the same processors.
-"""
+"""Structured logs (structlog; JSON by default) that never carry credentials: redaction
+runs last before rendering, on every field and formatted traceback, for other libraries'
+records (aiohttp, asyncio) too. Masked inside any string: bearer tokens, JWTs, PEM
+private keys, and each secret registered at start."""
 
 from __future__ import annotations
 
@@ -30,13 +27,12 @@ _MASKS = (
         REDACTED,
     ),
 )
-_secrets: dict[str, None] = {}  # an ordered set: the newest MAX_SECRETS are kept
+_secrets: dict[str, None] = {}  # an ordered set: the newest 2 * MAX_SECRETS are kept
 MAX_SECRETS = 8
 
 
 def register_secret(value: str | None) -> None:
-    """Mask this exact value wherever it appears in a log line (e.g. the bearer token,
-    with or without its ``Bearer`` prefix)."""
+    """Mask this exact value in every log line (a bearer token: with or without ``Bearer``)."""
     if not value:
         return
     for candidate in (value, value.removeprefix("Bearer ").strip()):
@@ -49,8 +45,7 @@ def register_secret(value: str | None) -> None:
 
 def scrub(text: str) -> str:
     for secret in _secrets:
-        if secret in text:
-            text = text.replace(secret, REDACTED)
+        text = text.replace(secret, REDACTED)
     for pattern, mask in _MASKS:
         text = pattern.sub(mask, text)
     return text
@@ -65,8 +60,6 @@ def redact(_logger: Any, _method: str, fields: Mapping[str, Any]) -> dict[str, A
 
 
 def _clean(value: Any) -> Any:
-    if isinstance(value, str):
-        return scrub(value)
     if value is None or isinstance(value, int | float | bool):
         return value
     if isinstance(value, Mapping):
@@ -79,7 +72,6 @@ def _clean(value: Any) -> Any:
 def configure(log_format: str = "json", level: str = "info") -> None:
     numeric = logging.getLevelNamesMapping()[level.upper()]
     shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

@@ -1,11 +1,7 @@
-"""systemd's notification protocol (sd_notify(3)), for ``Type=notify`` units.
-
-``READY=1`` once the initial lists are done, ``WATCHDOG=1`` every half
-``WATCHDOG_USEC`` while the daemon's tasks make progress (and not when one is
-stuck, so systemd restarts it), ``STOPPING=1`` on shutdown. ``NOTIFY_SOCKET``
-may name a filesystem socket or an abstract one (``@name``). Without it,
-everything here does nothing.
-"""
+"""systemd's notification protocol (sd_notify(3)) for ``Type=notify`` units: READY=1,
+WATCHDOG=1 while the daemon's tasks make progress, STOPPING=1 (docs/OPERATIONS.md#systemd).
+``NOTIFY_SOCKET`` names a filesystem or an abstract (``@name``) socket; without it, nothing
+is sent."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ log = structlog.get_logger("canaryd.systemd")
 
 
 class Notifier:
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
+    def __init__(self, env: Mapping[str, str] = os.environ) -> None:
         path = env.get("NOTIFY_SOCKET", "")
         self.address = path if path.startswith("/") else None
         if path.startswith("@"):
