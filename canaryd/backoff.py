@@ -1,7 +1,5 @@
 """Jittered, bounded exponential backoff (client-go's shape: 800 ms doubling to 30 s)."""
 
-from __future__ import annotations
-
 import random
 
 

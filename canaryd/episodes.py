@@ -3,8 +3,6 @@ per cycle: ``<name>_started`` once per cause, ``_ongoing`` at most once an inter
 ``_ended``, or ``_still_failing`` when canaryd stops telling one (docs/CONFIGURATION.md#logs);
 each subject's own failure at debug (``detail_event``)."""
 
-from __future__ import annotations
-
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -12,8 +10,7 @@ from typing import Any
 
 import structlog
 
-SHOWN = 10
-"""How many failing subjects a summary names."""
+SHOWN = 10  # failing subjects a summary names
 
 log = structlog.get_logger("canaryd.episodes")
 
@@ -24,9 +21,9 @@ class Episodes:
         name: str,
         subject: str,
         interval: Callable[[], float],
-        *,
         subjects: str | None = None,
         detail_event: str | None = None,
+        *,
         logger_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -52,12 +49,12 @@ class Episodes:
         return len(self._failing)
 
     def cause(self, subject: Hashable) -> str | None:
-        """Why ``subject`` fails now (None: it does not)."""
         return self._failing.get(subject)
 
     def failed(self, subject: Hashable, cause: str, error: str) -> None:
         now = self._clock()
-        log.debug(self.detail_event, **{self.subject: str(subject)}, cause=cause, error=error)
+        named = {self.subject: str(subject)}
+        log.debug(self.detail_event, **named, cause=cause, error=error)
         if not self._failing:
             self._started_at = self._summarised_at = now
         if subject not in self._failing:
@@ -66,9 +63,7 @@ class Episodes:
         self._example = error
         if cause not in self._announced:
             self._announced.add(cause)
-            log.warning(
-                f"{self.name}_started", cause=cause, **{self.subject: str(subject)}, error=error
-            )
+            log.warning(f"{self.name}_started", cause=cause, **named, error=error)
         else:
             self._summarise(now)
 
@@ -87,14 +82,12 @@ class Episodes:
         log.info(f"{self.name}_ended", **self._end(), causes=causes)
 
     def stopped(self, why: str) -> None:
-        """Nothing is tried any more (canaryd stops, or the task that tried restarts):
-        an episode still going is told as still failing, never as ended."""
+        """Nothing is tried any more: an episode still going is told as still failing, not ended."""
         if self._failing:
             told = self._told()
             log.info(f"{self.name}_still_failing", why=why, **told, **self._end())
 
     def _end(self) -> dict[str, Any]:
-        """How long the episode lasted and how many it touched; it is over."""
         ended = {"lasted": round(self._clock() - self._started_at, 3), "affected": self._affected}
         self._failing.clear()
         self._announced.clear()
@@ -109,7 +102,6 @@ class Episodes:
         log.warning(f"{self.name}_ongoing", **self._told(), example=self._example, lasting=lasting)
 
     def _told(self) -> dict[str, Any]:
-        """How many subjects fail, by cause, and which (the first few)."""
         names = sorted(str(subject) for subject in self._failing)
         return {
             "failing": len(names),

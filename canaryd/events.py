@@ -3,8 +3,6 @@ client-go's recorders write theirs (tools/events, tools/record: spam filter, ser
 never in a bump's way: one task writes them, a failed write is counted, told as an
 episode and not retried (docs/OPERATIONS.md#monitoring, "Events")."""
 
-from __future__ import annotations
-
 import asyncio
 import socket
 import time
@@ -18,6 +16,7 @@ from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, kind_of, segment
 from canaryd.logs import wall_time
 
+Clock = Callable[[], float]
 BURST, REFILL = 25, 1 / 300
 SERIES_FOR = 360.0
 REMEMBERED = 4096
@@ -33,13 +32,7 @@ class _Seen:
 
 
 class Events:
-    def __init__(
-        self,
-        kube: KubeClient,
-        *,
-        interval: Callable[[], float],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, kube: KubeClient, *, interval: Clock, clock: Clock = time.monotonic) -> None:
         self.kube = kube
         self._clock = clock
         self.queued: OrderedDict[str, dict[str, str]] = OrderedDict()
@@ -48,16 +41,10 @@ class Events:
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self.instance = f"canaryd-{socket.gethostname()}"[:128]
         self.failures = Episodes(
-            "events_not_written",
-            "canary",
-            interval,
-            subjects="canaries",
-            detail_event="event_not_written",
-            clock=clock,
+            "events_not_written", "canary", interval, "canaries", "event_not_written", clock=clock
         )
 
     def record(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> None:
-        """An Event about the canary ``key`` (of ``uid``), queued; never waits."""
         kind, namespace, name = key
         note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
         if uid in self.queued:  # replaced where it waits
@@ -86,24 +73,17 @@ class Events:
         finally:
             self.failures.stopped("the Events task stopped")
 
-    def _spam(self, uid: str, now: float) -> _Seen | None:
-        """The canary's record if its token bucket has a token (one is taken)."""
-        seen = self._seen.pop(uid, None) or _Seen(BURST, now)
-        self._seen[uid] = seen  # the most recently used last
+    async def _write(self, event: dict[str, str]) -> str:
+        now = self._clock()
+        seen = self._seen.pop(event["uid"], None) or _Seen(BURST, now)
+        self._seen[event["uid"]] = seen  # the most recently used last
         if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
         seen.tokens = min(BURST, seen.tokens + (now - seen.at) * REFILL)
         seen.at = now
         if seen.tokens < 1:
-            return None
-        seen.tokens -= 1
-        return seen
-
-    async def _write(self, event: dict[str, str]) -> str:
-        now = self._clock()
-        seen = self._spam(event["uid"], now)
-        if seen is None:
             return "spam_filtered"
+        seen.tokens -= 1
         namespace, reason = event["namespace"], event["reason"]
         stamp = wall_time(time.time(), fraction=True)  # a MicroTime
         path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"

@@ -2,8 +2,6 @@
 and checked against the watch sockets wanted: a service's soft limit of 1024 runs out near
 500 watched namespaces (docs/OPERATIONS.md#systemd)."""
 
-from __future__ import annotations
-
 import resource  # Unix: canaryd runs on Linux (and macOS for development)
 from dataclasses import dataclass
 
@@ -14,8 +12,8 @@ health-port clients, the event loop, logs and the interpreter's own files."""
 
 @dataclass(frozen=True)
 class OpenFiles:
-    """The soft and hard limits in force (None: none, or none that can be read), the
-    soft one before canaryd raised it, and why it could not be raised."""
+    """The limits in force (None: none, or unreadable), the soft one before it was raised, or
+    why it could not be."""
 
     soft: int | None
     hard: int | None
@@ -23,7 +21,6 @@ class OpenFiles:
     problem: str | None = None
 
     def shortfall(self, watches: int) -> str | None:
-        """Why the limit is too low for this many watch sockets, or None."""
         needed = watches + RESERVED
         if self.soft is None or needed <= self.soft:
             return None
@@ -36,8 +33,7 @@ class OpenFiles:
 def raise_open_files_limit() -> OpenFiles:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns what is in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # An unlimited hard limit is not a soft limit the kernel accepts for NOFILE
-    # (fs.nr_open caps it): ask for a large finite one instead.
+    # An infinite soft NOFILE limit is refused (fs.nr_open caps it): ask for a large one.
     target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft in (hard, target):
         return OpenFiles(_limit(soft), _limit(hard))

@@ -1,9 +1,6 @@
-"""Structured logs (structlog; JSON by default) that never carry credentials: redaction
-runs last before rendering, on every field and formatted traceback, for other libraries'
-records (aiohttp, asyncio) too. Masked inside any string: bearer tokens, JWTs, PEM
-private keys, and each secret registered at start."""
-
-from __future__ import annotations
+"""Structured logs (structlog; JSON by default) that never carry credentials: redaction runs
+last, on every field and traceback, other libraries' records too; masked in any string are
+bearer tokens, JWTs, PEM private keys and each secret registered at start."""
 
 import logging
 import re
@@ -52,8 +49,7 @@ def scrub(text: str) -> str:
 
 
 def redact(_logger: Any, _method: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The structlog processor: a field named like a credential is replaced, and every
-    string inside the others is scrubbed."""
+    """The structlog processor: a field named like a credential goes, the others are scrubbed."""
     return {
         k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v) for k, v in fields.items()
     }
@@ -75,30 +71,24 @@ def configure(log_format: str = "json", level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: Any = structlog.dev.ConsoleRenderer(colors=False)
+    if log_format == "json":
+        renderer = structlog.processors.JSONRenderer()
     tail: list[Any] = [structlog.processors.format_exc_info, redact, renderer]
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         # Whatever sys.stderr is at the time of writing (test capture swaps it).
         logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
-        cache_logger_on_first_use=False,  # configure() again takes effect everywhere
     )
-    # Other libraries' records, rendered the same way.
+    # Other libraries' records, rendered the same way: warnings and worse.
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+    )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(max(numeric, logging.WARNING))  # other libraries: warnings and worse
+    handler.setFormatter(formatter)
+    logging.basicConfig(handlers=[handler], level=max(numeric, logging.WARNING), force=True)
 
 
 def wall_time(timestamp: float, fraction: bool = False) -> str:

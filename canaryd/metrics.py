@@ -4,8 +4,6 @@ alert reads is exported at 0 with every label value it takes (increase() cannot 
 series' first step from absent to 1); every swallowed exception counts in ``ERRORS`` by
 place. docs/CONFIGURATION.md describes every series and label value."""
 
-from __future__ import annotations
-
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass

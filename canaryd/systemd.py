@@ -1,9 +1,6 @@
-"""systemd's notification protocol (sd_notify(3)) for ``Type=notify`` units: READY=1,
-WATCHDOG=1 while the daemon's tasks make progress, STOPPING=1 (docs/OPERATIONS.md#systemd).
-``NOTIFY_SOCKET`` names a filesystem or an abstract (``@name``) socket; without it, nothing
-is sent."""
-
-from __future__ import annotations
+"""systemd's sd_notify(3) for ``Type=notify`` units (docs/OPERATIONS.md#systemd): READY=1,
+WATCHDOG=1 while the daemon's tasks make progress, STOPPING=1, sent to ``NOTIFY_SOCKET`` (a
+path or an abstract ``@name``); without it nothing is sent."""
 
 import asyncio
 import os
@@ -23,10 +20,9 @@ class Notifier:
         self.address = path if path.startswith("/") else None
         if path.startswith("@"):
             self.address = "\0" + path[1:]  # abstract namespace
-        self.watchdog_interval: float | None = None
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
-        if usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid())):
-            self.watchdog_interval = int(usec) / 1e6 / 2
+        mine = usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid()))
+        self.watchdog_interval = int(usec) / 1e6 / 2 if mine else None
 
     def notify(self, message: str) -> bool:
         if self.address is None:
