@@ -1,7 +1,7 @@
 """Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, written as
-client-go's recorders write theirs (tools/events, tools/record: spam filter, series) and
-never in a bump's way: one task writes them, a failed write is counted, told as an
-episode and not retried (docs/OPERATIONS.md#monitoring, "Events")."""
+client-go's recorders write theirs (tools/events, tools/record: a spam filter; a series,
+whose note, immutable, stays the first one's) and never in a bump's way: one task writes
+them; a failed write is counted, told as an episode, not retried (docs/OPERATIONS.md)."""
 
 import asyncio
 import socket
