@@ -1,14 +1,10 @@
 """Jittered, bounded exponential backoff (client-go's shape: 800 ms doubling to 30 s)."""
 
-from __future__ import annotations
-
 import random
 
 
 class Backoff:
     def __init__(self, initial: float, maximum: float, *, rng: random.Random | None = None) -> None:
-        if initial <= 0 or maximum < initial:
-            raise ValueError("backoff needs 0 < initial <= maximum")
         self.initial = initial
         self.maximum = maximum
         self._next = initial

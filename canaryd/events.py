@@ -1,25 +1,7 @@
-"""Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, so that
-``kubectl describe`` says which canary and why (canaryd.role tells what changed).
-
-Written as client-go's recorders write theirs (k8s.io/client-go tools/events and
-tools/record), and never in a bump's way:
-
-- ``record`` does not wait: the Event is queued for one task, ``run``, to write; a
-  canary has at most one queued (a newer verdict's replaces it, counted as dropped),
-  so the queue is bounded by the canaries and the newest verdict is never the one lost;
-- a token bucket per canary drops what a flapping canary writes beyond a burst of 25,
-  then one every 5 minutes (tools/record's EventSourceObjectSpamFilter);
-- the same Event again (same canary, type, reason) within 6 minutes of the last
-  (tools/events' finishTime) is a series: the first is created, each repeat PATCHes
-  its ``series`` (count, lastObservedTime; the note stays the first one's: it is
-  immutable); a series whose Event is gone (a 404: Events expire) starts anew. The
-  last 4,096 canaries are remembered (tools/record's LRU);
-- a write that fails is a KubeError, counted (``canaryd_verdict_events_total{result=
-  "failed"}``), logged as an episode (an outage is not a line per canary; the next
-  Event written ends it), and not retried.
-"""
-
-from __future__ import annotations
+"""Kubernetes Events (events.k8s.io/v1) on a canary whose verdict changed, written as
+client-go's recorders write theirs (tools/events, tools/record: a spam filter; a series,
+whose note, immutable, stays the first one's) and never in a bump's way: one task writes
+them; a failed write is counted, told as an episode, not retried (docs/OPERATIONS.md)."""
 
 import asyncio
 import socket
@@ -34,6 +16,7 @@ from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, kind_of, segment
 from canaryd.logs import wall_time
 
+Clock = Callable[[], float]
 BURST, REFILL = 25, 1 / 300
 SERIES_FOR = 360.0
 REMEMBERED = 4096
@@ -41,22 +24,15 @@ REMEMBERED = 4096
 
 @dataclass(slots=True)
 class _Seen:
-    """What was written about one canary: its token bucket and its series by reason."""
+    """One canary's token bucket, and by reason its series: name, count, last written."""
 
     tokens: float
     at: float
     series: dict[str, tuple[str, int, float]] = field(default_factory=dict)
-    """By reason: the Event's name, its count, and when it was last written."""
 
 
 class Events:
-    def __init__(
-        self,
-        kube: KubeClient,
-        *,
-        interval: Callable[[], float],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, kube: KubeClient, *, interval: Clock, clock: Clock = time.monotonic) -> None:
         self.kube = kube
         self._clock = clock
         self.queued: OrderedDict[str, dict[str, str]] = OrderedDict()
@@ -65,17 +41,10 @@ class Events:
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self.instance = f"canaryd-{socket.gethostname()}"[:128]
         self.failures = Episodes(
-            "events_not_written",
-            subject="canary",
-            subjects="canaries",
-            detail_event="event_not_written",
-            interval=interval,
-            logger_name="canaryd.events",
-            clock=clock,
+            "events_not_written", "canary", interval, "canaries", "event_not_written", clock=clock
         )
 
     def record(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> None:
-        """An Event about the canary ``key`` (of ``uid``), queued; never waits."""
         kind, namespace, name = key
         note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
         if uid in self.queued:  # replaced where it waits
@@ -104,24 +73,17 @@ class Events:
         finally:
             self.failures.stopped("the Events task stopped")
 
-    def _spam(self, uid: str, now: float) -> _Seen | None:
-        """The canary's record if its token bucket has a token (one is taken)."""
-        seen = self._seen.pop(uid, None) or _Seen(BURST, now)
-        self._seen[uid] = seen  # the most recently used last
+    async def _write(self, event: dict[str, str]) -> str:
+        now = self._clock()
+        seen = self._seen.pop(event["uid"], None) or _Seen(BURST, now)
+        self._seen[event["uid"]] = seen  # the most recently used last
         if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
         seen.tokens = min(BURST, seen.tokens + (now - seen.at) * REFILL)
         seen.at = now
         if seen.tokens < 1:
-            return None
-        seen.tokens -= 1
-        return seen
-
-    async def _write(self, event: dict[str, str]) -> str:
-        now = self._clock()
-        seen = self._spam(event["uid"], now)
-        if seen is None:
             return "spam_filtered"
+        seen.tokens -= 1
         namespace, reason = event["namespace"], event["reason"]
         stamp = wall_time(time.time(), fraction=True)  # a MicroTime
         path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"

@@ -1,37 +1,26 @@
-"""The process's open-files limit: raised at start, and checked against what is wanted.
-
-Every watch scope holds a socket for as long as it runs. The soft ``RLIMIT_NOFILE``
-is 1024 for a systemd service and in many container runtimes: at about 500 watched
-namespaces (two kinds each) new sockets fail with EMFILE and scopes go blind. Go
-programs raise the soft limit to the hard one at start (os: ``rlimit.go``, since Go
-1.19); canaryd does the same, logs the limit, and says in ``/readyz`` when the limit is
-still too low for the scopes it wants.
-"""
-
-from __future__ import annotations
+"""The open-files limit: raised at start as Go programs do (os: rlimit.go, since Go 1.19),
+and checked against the watch sockets wanted: a service's soft limit of 1024 runs out near
+500 watched namespaces (docs/OPERATIONS.md#systemd)."""
 
 import resource  # Unix: canaryd runs on Linux (and macOS for development)
 from dataclasses import dataclass
 
 RESERVED = 512
-"""Descriptors canaryd needs besides its watches: the request pool (at most 320
-connections: 256 bumps in flight when writes are slow, 64 for lists, access reviews
-and the lease), health-port clients, the event loop, logs and the interpreter's own
-files."""
+"""Descriptors besides the watches: the request pool (at most 320 connections),
+health-port clients, the event loop, logs and the interpreter's own files."""
 
 
 @dataclass(frozen=True)
 class OpenFiles:
+    """The limits in force (None: none, or unreadable), the soft one before it was raised, or
+    why it could not be."""
+
     soft: int | None
-    """The soft limit now in force; None: no limit (or none that can be read)."""
     hard: int | None
     raised_from: int | None = None
-    """The soft limit before canaryd raised it; None: it was not raised."""
     problem: str | None = None
-    """Why it could not be raised, when it could not."""
 
     def shortfall(self, watches: int) -> str | None:
-        """Why the limit is too low for this many watch sockets, or None."""
         needed = watches + RESERVED
         if self.soft is None or needed <= self.soft:
             return None
@@ -44,10 +33,8 @@ class OpenFiles:
 def raise_open_files_limit() -> OpenFiles:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns what is in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    infinity = resource.RLIM_INFINITY
-    # An unlimited hard limit is not a soft limit the kernel accepts for NOFILE
-    # (fs.nr_open caps it): ask for a large finite one instead.
-    target = hard if hard != infinity else max(soft, 1 << 20)
+    # An infinite soft NOFILE limit is refused (fs.nr_open caps it): ask for a large one.
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft in (hard, target):
         return OpenFiles(_limit(soft), _limit(hard))
     try:

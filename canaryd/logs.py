@@ -1,12 +1,6 @@
-"""Structured logs (structlog; JSON by default) that never carry credentials.
-
-Redaction runs last before rendering, on every field and on formatted tracebacks:
-fields named like a credential are replaced, bearer tokens, JWTs and PEM private
-keys are masked inside any string, and so is every secret registered at start.
-Records of other libraries (aiohttp, asyncio) go through the same processors.
-"""
-
-from __future__ import annotations
+"""Structured logs (structlog; JSON by default) that never carry credentials: redaction runs
+last, on every field and traceback, other libraries' records too; masked in any string are
+bearer tokens, JWTs, PEM private keys and each secret registered at start."""
 
 import logging
 import re
@@ -30,13 +24,12 @@ _MASKS = (
         REDACTED,
     ),
 )
-_secrets: dict[str, None] = {}  # an ordered set: the newest MAX_SECRETS are kept
+_secrets: dict[str, None] = {}  # an ordered set: the newest 2 * MAX_SECRETS are kept
 MAX_SECRETS = 8
 
 
 def register_secret(value: str | None) -> None:
-    """Mask this exact value wherever it appears in a log line (e.g. the bearer token,
-    with or without its ``Bearer`` prefix)."""
+    """Mask this exact value in every log line (a bearer token: with or without ``Bearer``)."""
     if not value:
         return
     for candidate in (value, value.removeprefix("Bearer ").strip()):
@@ -49,24 +42,20 @@ def register_secret(value: str | None) -> None:
 
 def scrub(text: str) -> str:
     for secret in _secrets:
-        if secret in text:
-            text = text.replace(secret, REDACTED)
+        text = text.replace(secret, REDACTED)
     for pattern, mask in _MASKS:
         text = pattern.sub(mask, text)
     return text
 
 
 def redact(_logger: Any, _method: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The structlog processor: a field named like a credential is replaced, and every
-    string inside the others is scrubbed."""
+    """The structlog processor: a field named like a credential goes, the others are scrubbed."""
     return {
         k: REDACTED if str(k).lower() in SENSITIVE_FIELDS else _clean(v) for k, v in fields.items()
     }
 
 
 def _clean(value: Any) -> Any:
-    if isinstance(value, str):
-        return scrub(value)
     if value is None or isinstance(value, int | float | bool):
         return value
     if isinstance(value, Mapping):
@@ -79,34 +68,27 @@ def _clean(value: Any) -> Any:
 def configure(log_format: str = "json", level: str = "info") -> None:
     numeric = logging.getLevelNamesMapping()[level.upper()]
     shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: Any = structlog.dev.ConsoleRenderer(colors=False)
+    if log_format == "json":
+        renderer = structlog.processors.JSONRenderer()
     tail: list[Any] = [structlog.processors.format_exc_info, redact, renderer]
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         # Whatever sys.stderr is at the time of writing (test capture swaps it).
         logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
-        cache_logger_on_first_use=False,  # configure() again takes effect everywhere
     )
-    # Other libraries' records, rendered the same way.
+    # Other libraries' records, rendered the same way: warnings and worse.
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+    )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(max(numeric, logging.WARNING))  # other libraries: warnings and worse
+    handler.setFormatter(formatter)
+    logging.basicConfig(handlers=[handler], level=max(numeric, logging.WARNING), force=True)
 
 
 def wall_time(timestamp: float, fraction: bool = False) -> str:

@@ -1,16 +1,12 @@
-"""Prometheus metrics, in canaryd's own registry (no process-global default collectors):
-the series canaryd writes, each labelled counter an alert reads exported at 0 with every
-label value it takes (an alert on increase() cannot see a series' first step from absent
-to 1), the state read at scrape time (StateCollector), and what runs (build and process).
-docs/CONFIGURATION.md describes every series and label value.
-
-Every swallowed exception counts in ``ERRORS`` with the place it happened.
-"""
-
-from __future__ import annotations
+"""Prometheus metrics in canaryd's own registry: the series canaryd writes, the state read
+at scrape time (StateCollector) and what runs (build, process). Each labelled counter an
+alert reads is exported at 0 with every label value it takes (increase() cannot see a
+series' first step from absent to 1); every swallowed exception counts in ``ERRORS`` by
+place. docs/CONFIGURATION.md describes every series and label value."""
 
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,7 +22,6 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 def _counter(
     name: str, documentation: str, labels: Sequence[str] = (), exported: Iterable[str] = ()
 ) -> Counter:
-    """A counter in REGISTRY, exported at 0 with each of the label values ``exported``."""
     counter = Counter(name, documentation, labels, registry=REGISTRY)
     for value in exported:
         counter.labels(value)
@@ -54,8 +49,8 @@ BUMPS = _counter(
 )
 UNSCHEDULED = _gauge(
     "canaryd_canaries_unscheduled",
-    "Tracked canaries that are neither due nor in flight exactly once while this replica "
-    "bumps: 0, always (a canary out of the schedule would never be checked again).",
+    "Tracked canaries neither due nor in flight exactly once while this replica bumps: 0, "
+    "always (a canary out of the schedule would never be checked again).",
 )
 BUMPS_IN_FLIGHT = _gauge(
     "canaryd_bumps_in_flight",
@@ -63,10 +58,8 @@ BUMPS_IN_FLIGHT = _gauge(
 )
 BUMP_DURATION = _histogram(
     "canaryd_bump_duration_seconds",
-    "How long a bump takes to travel, on the monotonic clock from the moment its PATCH "
-    "is sent, by stage: answered (the write's answer), observed (the watch event with "
-    "its generation: on a real server it can come before the answer), reconciled "
-    "(status.observedGeneration reached it).",
+    "How long a bump takes to travel from the moment its PATCH is sent, by stage "
+    "(docs/CONFIGURATION.md says each).",
     ["kind", "stage"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
@@ -78,8 +71,7 @@ VERDICT_KINDS = (
 ).split()
 VERDICTS = _counter(
     "canaryd_verdicts",
-    "Bumps judged at their deadline: healthy or unhealthy; or why not yet (deferred, "
-    "suspected, rechecked) or why no verdict (unreachable, operator_unavailable).",
+    "Bumps judged at their deadline, by verdict (docs/CONFIGURATION.md says each).",
     ["verdict"],
     VERDICT_KINDS,
 )
@@ -108,13 +100,11 @@ RELISTS = _counter(
     "Full lists, by resource (the first one and every one after 410 Expired).",
     ["resource"],
 )
-ERROR_PLACES = [
-    *(
-        "access_review credentials discovery malformed_object operator_account request "
-        "scheduler sd_notify stale_copy watch watch_decode watch_request watchdog_withheld"
-    ).split(),
-    *(f"task_{t}" for t in ("watcher", "scheduler", "config", "credentials", "leader", "events")),
-]
+ERROR_PLACES = (
+    "access_review credentials discovery malformed_object operator_account request scheduler "
+    "sd_notify stale_copy watch watch_decode watch_request watchdog_withheld task_watcher "
+    "task_scheduler task_config task_credentials task_leader task_events"
+).split()
 ERRORS = _counter(
     "canaryd_errors_total",
     "Exceptions handled without stopping, by where they happened.",
@@ -154,9 +144,8 @@ LEADER_TRANSITIONS = _counter(
 )
 OPERATOR_SCRAPES = _counter(
     "canaryd_operator_scrapes_total",
-    "Reads of the operator's metrics (--reconciled-by operator-metrics) by result: ok, "
-    "refused (nothing listens: starting or gone), unanswered (accepted, no answer: "
-    "frozen?), bad_answer.",
+    "Reads of the operator's metrics (--reconciled-by operator-metrics), by result "
+    "(docs/CONFIGURATION.md says each).",
     ["result"],
 )
 OPERATOR_RESTARTS = _counter(
@@ -166,9 +155,8 @@ OPERATOR_RESTARTS = _counter(
 )
 VERDICT_EVENTS = _counter(
     "canaryd_verdict_events_total",
-    "Kubernetes Events on canaries whose verdict changed, by result: created, updated "
-    "(a series), spam_filtered, dropped (replaced by a newer one before it was written), "
-    "failed.",
+    "Kubernetes Events on canaries whose verdict changed, by result (docs/CONFIGURATION.md "
+    "says each).",
     ["result"],
     ("created", "updated", "spam_filtered", "dropped", "failed"),
 )
@@ -179,7 +167,6 @@ BLIND_REASONS = (
 
 
 def bump_stage(kind: str, stage: str, seconds: float) -> None:
-    """One bump's time to ``stage``."""
     BUMP_DURATION.labels(kind, stage).observe(seconds)
 
 
@@ -196,57 +183,42 @@ def watching(resource: str) -> None:
 
 
 def operator_metrics_exported() -> None:
-    """--reconciled-by operator-metrics: its read counters are exported at 0."""
     for result in ("ok", "refused", "unanswered", "bad_answer"):
         OPERATOR_SCRAPES.labels(result)
 
 
-def _family(
-    name: str, documentation: str, label: str, values: Mapping[str, int]
-) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=[label])
+def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label])
     for value, count in values.items():
         family.add_metric([value], count)
     return family
 
 
+@dataclass(eq=False)  # a collector is registered by identity
 class StateCollector(Collector):
-    """What is read at scrape time: ``canaryd_canaries{state}`` (``counts``),
-    ``canaryd_ready`` (1 when /readyz answers 200: ``not_ready`` says nothing),
-    ``canaryd_watch_scopes{state}`` (``scopes``), ``canaryd_blind{reason}`` (1 for each
-    reason why canaryd checks nothing or cannot judge now, ``blind``: reason -> what; 0
-    for the others, every reason exported from the start) and ``canaryd_canary_state``:
-    1 for each of the ``canaries`` (``canaryd.registry.Canary``), labelled with its
-    state and its reason's class (a dropped canary has no series: nothing is kept to
-    remove; ``canary_namespace``, since Prometheus' scrape sets ``namespace``)."""
+    """What is read at scrape time; ``blind``: reason -> what, ``canaries``: registry.Canary
+    objects (a dropped canary has no series: nothing is kept to remove)."""
 
-    def __init__(
-        self,
-        *,
-        counts: Callable[[], Mapping[str, int]],
-        canaries: Callable[[], Iterable[Any]],
-        not_ready: Callable[[], Sequence[str] | None],
-        scopes: Callable[[], Mapping[str, int]],
-        blind: Callable[[], Mapping[str, str]],
-    ) -> None:
-        self._counts, self._canaries, self._not_ready = counts, canaries, not_ready
-        self._scopes, self._blind = scopes, blind
+    counts: Callable[[], Mapping[str, int]]
+    canaries: Callable[[], Iterable[Any]]
+    not_ready: Callable[[], Sequence[str] | None]
+    scopes: Callable[[], Mapping[str, int]]
+    blind: Callable[[], Mapping[str, str]]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield _family("canaryd_canaries", "Tracked canaries by state.", "state", self._counts())
+        yield _family("canaryd_canaries", "Tracked canaries by state.", "state", self.counts())
         yield GaugeMetricFamily(
             "canaryd_ready",
             "1 when every watch scope is listed and connected (/readyz 200), else 0.",
-            value=0 if self._not_ready() else 1,
+            value=0 if self.not_ready() else 1,
         )
         yield _family(
             "canaryd_watch_scopes",
-            "Wanted watch scopes by state: listed, waiting, or why nothing there can be "
-            "checked (docs/CONFIGURATION.md says each).",
+            "Wanted watch scopes by state (docs/CONFIGURATION.md says each).",
             "state",
-            self._scopes(),
+            self.scopes(),
         )
-        blind = self._blind()
+        blind = self.blind()
         yield _family(
             "canaryd_blind",
             "1 while canaryd checks nothing or cannot judge, by reason, else 0 (/readyz and "
@@ -254,19 +226,19 @@ class StateCollector(Collector):
             "reason",
             {reason: int(reason in blind) for reason in BLIND_REASONS},
         )
+        # canary_namespace: Prometheus' scrape sets ``namespace``.
         each = GaugeMetricFamily(
             "canaryd_canary_state",
             "1 for each tracked canary, labelled with its state and the class of its reason "
             "(docs/OPERATIONS.md).",
             labels=["kind", "canary_namespace", "name", "state", "reason"],
         )
-        for c in self._canaries():
+        for c in self.canaries():
             each.add_metric([c.key.kind, c.key.namespace, c.key.name, c.state.value, c.cause], 1)
         yield each
 
 
-# What runs (issue 33): the build, and the process collector's process_* series (CPU,
-# resident memory, open files, start time), in canaryd's own registry.
+# What runs (issue 33): the build, and the process_* series (CPU, memory, open files).
 BUILD_INFO = _gauge(
     "canaryd_build_info",
     "1, labelled with canaryd's version and the Python it runs on.",

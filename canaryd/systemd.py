@@ -1,13 +1,6 @@
-"""systemd's notification protocol (sd_notify(3)), for ``Type=notify`` units.
-
-``READY=1`` once the initial lists are done, ``WATCHDOG=1`` every half
-``WATCHDOG_USEC`` while the daemon's tasks make progress (and not when one is
-stuck, so systemd restarts it), ``STOPPING=1`` on shutdown. ``NOTIFY_SOCKET``
-may name a filesystem socket or an abstract one (``@name``). Without it,
-everything here does nothing.
-"""
-
-from __future__ import annotations
+"""systemd's sd_notify(3) for ``Type=notify`` units (docs/OPERATIONS.md#systemd): READY=1,
+WATCHDOG=1 while the daemon's tasks make progress, STOPPING=1, sent to ``NOTIFY_SOCKET`` (a
+path or an abstract ``@name``); without it nothing is sent."""
 
 import asyncio
 import os
@@ -22,16 +15,14 @@ log = structlog.get_logger("canaryd.systemd")
 
 
 class Notifier:
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
+    def __init__(self, env: Mapping[str, str] = os.environ) -> None:
         path = env.get("NOTIFY_SOCKET", "")
         self.address = path if path.startswith("/") else None
         if path.startswith("@"):
             self.address = "\0" + path[1:]  # abstract namespace
-        self.watchdog_interval: float | None = None
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
-        if usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid())):
-            self.watchdog_interval = int(usec) / 1e6 / 2
+        mine = usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid()))
+        self.watchdog_interval = int(usec) / 1e6 / 2 if mine else None
 
     def notify(self, message: str) -> bool:
         if self.address is None:
