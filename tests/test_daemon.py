@@ -801,22 +801,25 @@ async def thirty_canaries_on_an_exec_plugin(
 
 @pytest.mark.slow
 async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
-    """A revoked token refuses every bump in flight at once: one run of the plugin
-    answers them all (before: one reload per refused request)."""
+    """Every bump in flight refused at once (a revoked token): one run of the plugin
+    answers them all (before: one reload per refused request). The fake holds the next
+    four PATCHes together and answers each 401, so that they are refused at once however
+    the scheduler spreads its bumps."""
     async with thirty_canaries_on_an_exec_plugin(kube, tmp_path) as (run, names, runs):
-        kube.token = "rotated-token-5566778899"
-        (tmp_path / "token").write_text(kube.token)
         written = len([r for r in kube.requests_for("patch") if r.status == 200])
+        refusal = kube.inject(
+            Fault(verb="patch", code=401, latency=EXEC_CYCLE / 4, times=4, message="Unauthorized")
+        )
         await run.until(
             lambda: (
                 len([r for r in kube.requests_for("patch") if r.status == 200])
                 >= written + len(names)
             ),
-            "a cycle of bumps with the new token",
+            "a cycle of bumps after the refusals",
             3 * EXEC_CYCLE,
         )
         refused = len([r for r in kube.requests if r.status == 401])
-        assert refused >= 2, refused
+        assert refusal.hits == 4 and refused == 4, (refusal.hits, refused)
         assert plugin_runs(tmp_path) - runs <= 2, (plugin_runs(tmp_path) - runs, refused)
 
 
