@@ -289,9 +289,8 @@ class StateCollector(Collector):
         yield _by_state(
             "canaryd_watch_scopes",
             "Wanted watch scopes by state: listed, waiting, forbidden (403), gone (404), "
-            "namespace_missing, kind_not_served, patch_forbidden (an access review refused "
-            "patch there, or its bumps are answered 403; a scope that cannot exist is "
-            "counted too).",
+            "namespace_missing, kind_not_served, patch_forbidden (its bumps are answered "
+            "403; a scope that cannot exist is counted too).",
             self._scopes(),
         )
         each = GaugeMetricFamily(

@@ -5,8 +5,7 @@ namespaces are watched, and one on Namespaces) runs the loop kubernetes-asyncio'
 ``Watch`` does not: list, watch from the list's resourceVersion with bookmarks,
 resume from the last event's resourceVersion when a stream ends, relist on 410
 Expired (and drop what the new list lacks), back off on errors. ``Watcher`` keeps
-one per wanted scope, and has canaryd.access's ``PatchReviews`` ask whether canaryd
-may patch in each.
+one per wanted scope.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.access import PatchReviews, Permission
 from canaryd.backoff import Backoff
 from canaryd.config import Settings
 from canaryd.discovery import KindDiscovery, discover_kinds
@@ -434,10 +432,9 @@ class Watcher:
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
         self._namespaces_known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
-        self._uncovered: list[str] = []
+        self.uncovered: list[str] = []
+        """What the last not_checked warning said (empty: everything is checked)."""
         self._group: asyncio.TaskGroup | None = None
-        self.patch_reviews: PatchReviews[Scope] = PatchReviews(settings, kube, self.check_coverage)
-        """Watched scopes an access review says canaryd may not patch in."""
         self.failures = watch_failures(settings)
         self.discovery = KindDiscovery(settings, kube, self._follow_kinds)
 
@@ -459,9 +456,8 @@ class Watcher:
         (in sync or resuming), ``waiting`` (not listed or not connected), ``forbidden``
         (403), ``gone`` (404), ``namespace_missing`` (a watched namespace the
         Namespaces watch does not know), ``kind_not_served`` (a wanted --kind whose
-        CRD is not served), ``patch_forbidden`` (watched, but an access review says
-        canaryd may not patch there, or its bumps are answered 403: its canaries cannot
-        be bumped). A canaryd that
+        CRD is not served), ``patch_forbidden`` (watched, but its bumps are answered
+        403: its canaries cannot be bumped). A canaryd that
         checks nothing must be able to say so. Each wanted scope counts once: one in a
         missing namespace (whose list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
@@ -511,9 +507,8 @@ class Watcher:
 
     def _scope_states(self) -> dict[Scope, str]:
         """Each canary scope's state: forbidden or gone (its list or watch was denied),
-        patch_forbidden (an access review refused patch there, or a canary's last bump
-        there was answered 403 and none written since: a permission revoked after its
-        review allowed it, which is not asked again), listed or waiting."""
+        patch_forbidden (a canary's last bump there was answered 403 and none written
+        since), listed or waiting."""
         refused = {
             (c.key.kind, c.key.namespace if self.namespaces is not None else None)
             for c in self.registry.tracked()
@@ -525,7 +520,7 @@ class Watcher:
                 continue
             if lw.sync.denied is not None:
                 states[scope] = lw.sync.denied  # ErrorKind.FORBIDDEN or GONE's value
-            elif scope in self.patch_reviews.denied or (scope.kind.key, scope.namespace) in refused:
+            elif (scope.kind.key, scope.namespace) in refused:
                 states[scope] = "patch_forbidden"
             else:
                 states[scope] = "listed" if lw.sync.ready else "waiting"
@@ -560,6 +555,7 @@ class Watcher:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
+                group.create_task(self._recheck_coverage(), name="coverage")
                 await self.discovery.follow()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
@@ -618,14 +614,6 @@ class Watcher:
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
-        self.patch_reviews.ask(
-            self._group,
-            {
-                scope: Permission("patch", scope.kind.plural, scope.kind.group, scope.namespace)
-                for scope in self._watches
-                if scope.kind is not None
-            },
-        )
         self._count_namespaces()
         self._check_open_files()
         self.check_coverage()
@@ -638,12 +626,19 @@ class Watcher:
             for reason, what in self.blind().items()
             if reason not in ("no_canaries", "unauthorized")  # told by the episodes
         ]
-        if phrases != self._uncovered:
+        if phrases != self.uncovered:
             if phrases:
                 log.warning("not_checked", what=phrases)
-            elif self._uncovered:
-                log.info("all_checked", was=self._uncovered)
-            self._uncovered = phrases
+            elif self.uncovered:
+                log.info("all_checked", was=self.uncovered)
+            self.uncovered = phrases
+
+    async def _recheck_coverage(self) -> None:
+        """Once a cycle: a scope whose bumps are answered 403 is learned from the
+        registry (the scheduler's writes), not from a watch event."""
+        while True:
+            await asyncio.sleep(self.settings.timeout)
+            self.check_coverage()
 
     def _check_open_files(self) -> None:
         """Say once (per change) when the open-files limit is too low for the watches."""
