@@ -241,14 +241,7 @@ class Daemon:
                     problem=open_files.problem,
                 )
                 self.scheduler = scheduler = Scheduler(settings, self.registry, kube)
-                self.registry.attach(scheduler)
-                self.watcher = Watcher(
-                    settings,
-                    self.registry,
-                    kube,
-                    open_files,
-                    on_scope_resumed=scheduler.scope_resumed,
-                )
+                self.watcher = Watcher(settings, self.registry, kube, open_files)
                 metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
                 if settings.leader_elect:
                     self.elector = LeaderElector(

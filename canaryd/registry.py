@@ -1,24 +1,27 @@
 """The registry: what canaryd knows of each canary, and the aggregate health.
 
 Only the watcher (what the API server says) and the scheduler (the results of its
-own writes) change it; the health server reads it. The counts by state are kept
+own writes) change it; the health server reads it. The scheduler learns what it must
+act on (canaries added and forgotten, scopes in sync again) from its news
+(``take_news``), woken by ``news``: nothing here calls the scheduler. The counts by state are kept
 as states change, so ``healthy`` is O(1) however many canaries there are.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import structlog
 
 from canaryd import metrics
 from canaryd.logs import wall_time
-from canaryd.sync import Scopes
+from canaryd.sync import ScopeKey, Scopes
 
 log = structlog.get_logger("canaryd.registry")
 
@@ -152,25 +155,28 @@ def _generation(metadata: Mapping[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-class RegistryObserver(Protocol):
-    """What the scheduler hears of the registry (the watcher's news, made canaries)."""
+@dataclass(frozen=True, slots=True)
+class Added:
+    """A canary started being tracked: its first bump is to be scheduled."""
 
-    def canary_added(self, canary: Canary) -> None:
-        """A canary started being tracked: its first bump is scheduled."""
-
-    def canary_forgotten(self, key: CanaryKey) -> None:
-        """A canary is no longer tracked: nothing of it is kept."""
+    canary: Canary
 
 
-class _Nobody:
-    def canary_added(self, canary: Canary) -> None:
-        pass
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """A canary is no longer tracked: nothing of it is to be kept."""
 
-    def canary_forgotten(self, key: CanaryKey) -> None:
-        pass
+    key: CanaryKey
 
 
-_NOBODY = _Nobody()
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A canary watch scope is in sync again: what waited for it can be judged."""
+
+    scope: ScopeKey
+
+
+News = Added | Forgotten | Resumed
 
 
 class Registry:
@@ -187,7 +193,9 @@ class Registry:
         self.scopes = Scopes()
         """Where each canary watch scope stands (canaryd.sync): the watcher adds and
         removes them, the judge reads the one covering a canary."""
-        self._observer: RegistryObserver = _NOBODY
+        self._news: list[News] = []
+        self.news = asyncio.Event()
+        """Set when news waits in ``take_news`` (the scheduler's loop waits for it)."""
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
 
@@ -227,10 +235,20 @@ class Registry:
 
     # ----------------------------------------------------------------- writes
 
-    def attach(self, observer: RegistryObserver) -> None:
-        """Who acts on what is tracked (the scheduler, wired by the daemon): told of
-        every canary added and forgotten."""
-        self._observer = observer
+    def take_news(self) -> list[News]:
+        """What changed in what is tracked since the last call, in order: the one way
+        the scheduler learns of it (data flows watch -> registry -> scheduler)."""
+        news, self._news = self._news, []
+        self.news.clear()
+        return news
+
+    def _tell(self, news: News) -> None:
+        self._news.append(news)
+        self.news.set()
+
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        """The watcher: this scope's stream delivers again after a time out of sync."""
+        self._tell(Resumed(scope))
 
     def close_namespace(self, name: str, why: str) -> None:
         """A namespace is being deleted: its canaries are dropped, new copies ignored."""
@@ -421,7 +439,7 @@ class Registry:
             self._canaries[key] = canary
             self._counts[canary.state] += 1
             log.info("canary_tracked", canary=str(key), generation=canary.generation)
-            self._observer.canary_added(canary)
+            self._tell(Added(canary))
             self._changed()
             return
         existing.resource_version = str(metadata.get("resourceVersion") or "")
@@ -531,7 +549,7 @@ class Registry:
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
-        self._observer.canary_forgotten(key)
+        self._tell(Forgotten(key))
         self._changed()
         return canary
 

@@ -37,7 +37,7 @@ from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.opjudge import OperatorJudge, phase
-from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
+from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 from canaryd.role import Role
 from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
@@ -60,7 +60,9 @@ class Scheduler:
         self._order = itertools.count()
         self._due_seq: dict[CanaryKey, int] = {}
         """Each canary's one live heap entry (an earlier one of it is void)."""
-        self._wake = asyncio.Event()
+        self._wake = registry.news
+        """The loop's one wake-up: the registry sets it when news waits (``take_news``),
+        ``push`` when a deadline comes earlier than the one waited for."""
         self._in_flight: dict[CanaryKey, Canary] = {}
         """Canaries whose bump task runs (waiting for a slot, the fence, or an answer):
         the record it writes for (a new object of the same name is another)."""
@@ -131,7 +133,9 @@ class Scheduler:
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant: while this replica bumps, each one
         tracked is due exactly once or in flight exactly once. Empty when all is well
-        (and for a follower, which schedules nothing)."""
+        (and for a follower, which schedules nothing). Read once the registry's news is
+        taken: a canary tracked a moment ago is scheduled at the loop's next turn."""
+        self.take_news()
         if not self.active:
             return []
         awaiting: dict[CanaryKey, int] = {}
@@ -144,8 +148,19 @@ class Scheduler:
             != 1
         ]
 
-    def canary_added(self, canary: Canary) -> None:
-        self.schedule_first(canary)
+    def take_news(self) -> None:
+        """Act on what the registry tells, in order: a canary added is scheduled, one
+        forgotten leaves nothing here, a resumed scope's deferred verdicts are judged.
+        The loop reads it; nothing calls the scheduler back."""
+        for news in self.registry.take_news():
+            match news:
+                case Added(canary=canary):
+                    if self.registry.owns(canary):  # not forgotten since
+                        self.schedule_first(canary)
+                case Forgotten(key=key):
+                    self._forget(key)
+                case Resumed(scope=scope):
+                    self._scope_resumed(scope)
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
@@ -171,8 +186,8 @@ class Scheduler:
 
     async def _next_due(self) -> tuple[float, Canary]:
         while True:
+            self.take_news()  # clears the wake-up: the heap is read after it
             if not self._heap:
-                self._wake.clear()
                 await self._wake.wait()
                 continue
             due, seq, canary = self._heap[0]
@@ -184,7 +199,6 @@ class Scheduler:
                 heapq.heappop(self._heap)
                 del self._due_seq[canary.key]
                 return due, canary
-            self._wake.clear()
             timer = asyncio.get_running_loop().call_later(
                 max(delay, self.settings.scheduler_tick), self._wake.set
             )
@@ -368,7 +382,7 @@ class Scheduler:
                 return False  # operator-metrics: judged again at the next read
         return True
 
-    def scope_resumed(self, scope: ScopeKey) -> None:
+    def _scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
         kind, namespace = scope
         at = self._clock() + self.settings.resume_grace
@@ -381,7 +395,7 @@ class Scheduler:
             if canary.deferred_until is not None and at < canary.deferred_until:
                 self.push(at, canary)
 
-    def canary_forgotten(self, key: CanaryKey) -> None:
+    def _forget(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
         self._due_seq.pop(key, None)
         self.failures.recovered(key)

@@ -8,14 +8,15 @@ the moment canaryd suspects its own connection (half-open: a bump answered 2xx w
 the stream delivered nothing at all) until the replacement delivers. While a scope is
 not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
 
-Only its ``ListWatch`` changes a scope's model (and the judge, through ``suspect``);
-the watcher, the registry and the server read it.
+Only the watcher changes a scope's model, as its ``ListWatch`` tells it (and the judge,
+through ``suspect``: a request the watcher acts on, see ``Scopes.suspects``); the
+registry and the server read it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,9 +43,10 @@ class ScopeSync:
     """Monotonic time it last came back in sync (its first list, or the first delivery
     of a resumed stream). A resumed stream replays what was missed over several reads:
     a bump answered before that may still be on its way."""
-    replace: Callable[[str], None] = field(default=lambda why: None)
-    """Set by the scope's ListWatch: drop the current stream and resume from the last
-    resourceVersion."""
+    suspected: str | None = None
+    """Why canaryd suspects the open stream (``suspect``), until the watcher replaces it."""
+    suspects: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by ``suspect``: the watcher's (``Scopes.suspects``, shared by every scope)."""
 
     @property
     def ready(self) -> bool:
@@ -98,7 +100,8 @@ class ScopeSync:
     def suspect(self, now: float, why: str) -> None:
         """canaryd suspects its own connection: out of sync until a new stream delivers."""
         self.dropped(now, f"canaryd replaced it ({why})")
-        self.replace(why)
+        self.suspected = why
+        self.suspects.set()
 
     def _resync(self) -> bool:
         was_behind = self.unsynced_since is not None
@@ -120,14 +123,16 @@ class Scopes:
 
     def __init__(self) -> None:
         self._scopes: dict[ScopeKey, ScopeSync] = {}
+        self.suspects = asyncio.Event()
+        """Set when a scope is suspected: the watcher replaces its stream."""
 
     def get(self, scope: ScopeKey, now: float) -> ScopeSync:
         """One scope's model, made (out of sync since ``now``) when first asked for."""
-        return self._scopes.setdefault(scope, ScopeSync(now))
+        return self._scopes.setdefault(scope, ScopeSync(now, suspects=self.suspects))
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""
-        sync = self._scopes[scope] = ScopeSync(now)
+        sync = self._scopes[scope] = ScopeSync(now, suspects=self.suspects)
         return sync
 
     def remove(self, scope: ScopeKey) -> None:

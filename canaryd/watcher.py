@@ -11,6 +11,7 @@ one per wanted scope.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import random
 import time
@@ -35,7 +36,7 @@ from canaryd.kube import (
 )
 from canaryd.limits import OpenFiles
 from canaryd.registry import CanaryKey, Registry, is_canary
-from canaryd.sync import ScopeKey, ScopeSync
+from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.watcher")
 
@@ -191,7 +192,6 @@ class ListWatch:
         """Called when the scope is in sync again (a list, or a resumed stream delivers)."""
         self.sync = sync if sync is not None else ScopeSync(time.monotonic())
         """Where this scope stands; this loop is its only writer (canaryd.sync)."""
-        self.sync.replace = self._replace
         metrics.watching(scope.resource)
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()
@@ -231,7 +231,7 @@ class ListWatch:
     def _down(self) -> None:
         self.sync.dropped(time.monotonic())  # the scheduler's clock
 
-    def _replace(self, why: str) -> None:
+    def replace(self, why: str) -> None:
         """The judge suspects this stream (half-open): end it now and resume at once."""
         if self._stream is not None and not self._stream.expired():
             log.info("watch_replaced", scope=str(self.scope), why=why)
@@ -310,7 +310,7 @@ class ListWatch:
         except TimeoutError:
             if self._stream is None or not self._stream.expired():
                 raise
-            # Replaced (_replace): the scope is out of sync until the new stream delivers.
+            # Replaced (replace): the scope is out of sync until the new stream delivers.
             self._down()
             return Next(State.WATCHING, rv)
         except KubeError as err:
@@ -416,11 +416,8 @@ class Watcher:
         registry: Registry,
         kube: KubeClient,
         open_files: OpenFiles | None = None,
-        on_scope_resumed: Callable[[ScopeKey], None] = lambda scope: None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
-        self._on_scope_resumed = on_scope_resumed
-        """A canary scope delivers again (the scheduler judges what waited for it)."""
         self.open_files = open_files or OpenFiles(None, None)
         """The open-files limit in force: every watch holds a socket."""
         self._files_problem: str | None = None
@@ -555,7 +552,7 @@ class Watcher:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
-                group.create_task(self._recheck_coverage(), name="coverage")
+                group.create_task(self._follow_requests(), name="watch requests")
                 await self.discovery.follow()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
@@ -633,11 +630,21 @@ class Watcher:
                 log.info("all_checked", was=self.uncovered)
             self.uncovered = phrases
 
-    async def _recheck_coverage(self) -> None:
-        """Once a cycle: a scope whose bumps are answered 403 is learned from the
-        registry (the scheduler's writes), not from a watch event."""
+    async def _follow_requests(self) -> None:
+        """Replace the streams the judge suspects (``ScopeSync.suspect`` marks the scope:
+        a request to the watcher, which owns the ListWatches), and say the coverage
+        again at least once a cycle (a scope whose bumps are answered 403 is learned
+        from the registry, not from a watch event)."""
+        suspects = self.registry.scopes.suspects
         while True:
-            await asyncio.sleep(self.settings.timeout)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.timeout):
+                    await suspects.wait()
+            suspects.clear()
+            for lw, _ in self._watches.values():
+                if lw.sync.suspected is not None:
+                    lw.replace(lw.sync.suspected)
+                    lw.sync.suspected = None
             self.check_coverage()
 
     def _check_open_files(self) -> None:
@@ -682,7 +689,7 @@ class Watcher:
                 on_event=lambda event, obj: self._canary_event(kind, event, obj),
                 on_denied=lambda err: self._scope_denied(scope, err),
                 sync=sync,
-                on_resumed=lambda: self._on_scope_resumed(key),
+                on_resumed=lambda: self.registry.scope_resumed(key),
                 failures=self.failures,
                 list_slots=self._list_slots,
             )

@@ -231,7 +231,6 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     canary = registry.get(canary.key)
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: 100.0)  # type: ignore[arg-type]
-    registry.attach(scheduler)
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
     attempt = scheduler.writer._next_attempt(canary)
     outcome = scheduler.writer._written(canary, answer, attempt)
@@ -280,8 +279,8 @@ def _one_canary(
     clock and no API server: the judge and the transitions, driven by hand."""
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=clock)  # type: ignore[arg-type]
-    registry.attach(scheduler)
     registry.observe("flinkdeployments", copy)
+    scheduler.take_news()  # as its loop does: the canary is scheduled
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
     return registry, scheduler, canary
@@ -377,7 +376,6 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
     now = [100.0]
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: now[0])  # type: ignore[arg-type]
-    registry.attach(scheduler)
     canaries = []
     for i in range(3):
         registry.observe(
@@ -387,6 +385,7 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
                 "metadata": {**canary_copy()["metadata"], "name": f"c{i}", "uid": f"u{i}"},
             },
         )
+        scheduler.take_news()  # scheduled at its phase, then pushed by hand
         canary = registry.get(CanaryKey("flinkdeployments", "ns", f"c{i}"))
         assert canary is not None
         canaries.append(canary)
