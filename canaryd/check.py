@@ -36,11 +36,18 @@ from canaryd.config import (
     nested_operator_keys,
 )
 from canaryd.daemon import connect
-from canaryd.discovery import discover_kinds
-from canaryd.kube import NAMESPACES_PATH, ErrorKind, Kind, KubeClient, KubeError, failure_cause
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    failure_cause,
+    kind_of,
+)
+from canaryd.listwatch import list_all, not_served
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
-from canaryd.watcher import list_all
 
 
 async def check(settings: Settings, out: TextIO) -> int:
@@ -106,19 +113,16 @@ async def would_see(settings: Settings, kube: KubeClient, out: TextIO) -> list[s
         if reason is not None:
             blind.append(f"{reason}: {line}")
 
-    found = await discover_kinds(kube, settings.kinds, quiet=True)
-    if found.unanswered is not None:
-        raise found.unanswered
+    served: list[Kind] = []
     for key in settings.kinds:
-        if key in found.failed:
-            print(f"warn kind {key}: discovery failed: {found.failed[key]}", file=out)
-        elif key in {kind.key for kind in found.kinds}:
+        if await not_served(kube, kind_of(key)) is None:
             say(None, f"kind {key} is served")
+            served.append(kind_of(key))
         else:
             say("kind_not_served", f"kind {key} is not served (its CRD is not installed)")
     scopes: Sequence[str | None] = [None]
     if settings.namespaces is not None:
-        listed, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
+        listed, _, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
         there = {str((item.get("metadata") or {}).get("name")) for item in listed}
         for watched in sorted(settings.namespaces):
             exists = watched in there
@@ -126,10 +130,10 @@ async def would_see(settings: Settings, kube: KubeClient, out: TextIO) -> list[s
             say(None if exists else "namespace_missing", line)
         scopes = sorted(settings.namespaces & there)
     canaries: list[tuple[Kind, str, str]] = []
-    for kind in found.kinds:
+    for kind in served:
         for namespace in scopes:
             try:
-                items, _ = await list_all(
+                items, _, _ = await list_all(
                     kube,
                     kind.collection_path(namespace),
                     {"labelSelector": settings.label},

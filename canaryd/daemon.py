@@ -442,9 +442,8 @@ class Daemon:
         limit too low, the Lease); None when ready."""
         if self._credentials_problem is not None:
             return [self._credentials_problem]
-        if self.watcher is None or not self.watcher.discovery.discovered.is_set():
-            problem = self.watcher.discovery.problem if self.watcher is not None else None
-            return [f"discovery failed: {problem}" if problem else "discovery not done"]
+        if self.watcher is None:
+            return ["the watches are not started"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:
             waiting.append(f"lease {self.elector}: {self.elector.problem}")

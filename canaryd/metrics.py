@@ -170,9 +170,7 @@ RELISTS = _counter(
     ["resource"],
 )
 ERROR_PLACES = (
-    "access_review",
     "credentials",
-    "discovery",
     "malformed_object",
     "operator_account",
     "request",
@@ -288,8 +286,8 @@ class StateCollector(Collector):
         )
         yield _by_state(
             "canaryd_watch_scopes",
-            "Wanted watch scopes by state: listed, waiting, forbidden (403), gone (404), "
-            "namespace_missing, kind_not_served, patch_forbidden (its bumps are answered "
+            "Wanted watch scopes by state: listed, waiting, forbidden (403), "
+            "namespace_missing, kind_not_served (404), patch_forbidden (its bumps are answered "
             "403; a scope that cannot exist is counted too).",
             self._scopes(),
         )
