@@ -53,6 +53,11 @@ SCOPE_STATES = (
     "kind_not_served",
     "patch_forbidden",
 )
+"""A canary scope's states: ``listed`` (in sync or resuming), ``waiting`` (not listed
+or not connected), ``forbidden`` (403), ``namespace_missing`` (a watched namespace
+the Namespaces watch does not know), ``kind_not_served`` (404, the API server
+confirms it), ``patch_forbidden`` (watched, but its bumps are answered 403: its
+canaries cannot be bumped)."""
 DROP_READS_AT_ONCE = 8
 """GETs in flight at once that tell a dropped canary's deletion from a label removal:
 a mass deletion takes no more of the request pool's connections beyond the bumps'
@@ -69,6 +74,118 @@ class _Watch:
     task: asyncio.Task[None]
     sync: ScopeSync
     """Where the scope stands; the watcher is its only writer (and the judge's mark)."""
+
+
+async def tell_drop(
+    kube: KubeClient,
+    registry: Registry,
+    kind: Kind,
+    key: CanaryKey,
+    label: str,
+    reads: asyncio.Semaphore,
+) -> None:
+    """Tell a canary dropped on a DELETED event as what it was, once a GET says (at
+    most ``DROP_READS_AT_ONCE`` at a time): a label-selector watch sends DELETED alike
+    when the object is deleted and when its label is removed."""
+    try:
+        async with reads:
+            await _classify_drop(kube, registry, kind, key, label)
+    except Exception:
+        # A bug here must not cancel the watches that share this task group.
+        metrics.ERRORS.labels("watch").inc()
+        log.exception("drop_classification_failed", canary=str(key))
+        registry.announce_drop(key, "deleted", "deleted, or its label removed")
+
+
+async def _classify_drop(
+    kube: KubeClient, registry: Registry, kind: Kind, key: CanaryKey, label: str
+) -> None:
+    try:
+        found = await kube.request("get", "GET", kind.object_path(key.namespace, key.name))
+    except KubeError as err:
+        if err.kind is ErrorKind.GONE:
+            registry.announce_drop(key, "deleted", "the object was deleted")
+        else:
+            registry.announce_drop(
+                key, "deleted", f"deleted, or label {label} removed (could not tell: {err})"
+            )
+        return
+    except asyncio.CancelledError:
+        registry.announce_drop(key, "deleted", "deleted, or its label removed")
+        raise
+    if is_canary(found, label):
+        # Labelled again by now, or a new object of that name: the watch's next
+        # event tracks it; this one was not a label removal.
+        registry.announce_drop(key, "deleted", "the object was deleted or replaced")
+    else:
+        registry.announce_drop(key, "not_canary", f"label {label} was removed")
+
+
+def _terminating(obj: Mapping[str, Any]) -> bool:
+    metadata = obj.get("metadata") or {}
+    status = obj.get("status") or {}
+    return bool(metadata.get("deletionTimestamp")) or (
+        isinstance(status, Mapping) and status.get("phase") == "Terminating"
+    )
+
+
+class Namespaces:
+    """What the Namespaces watch tells: which namespaces exist (a watched one that does
+    not is ``namespace_missing``) and which are being deleted (closed in the registry:
+    their canaries dropped, their scopes not watched until they are gone or back)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.seen: set[str] = set()
+        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
+        self.known = False
+        """The Namespaces watch has listed (and may be read): missing ones are known."""
+
+    def listed(self, items: list[Mapping[str, Any]]) -> bool:
+        """A full list. True when a namespace closed or reopened (the scopes change)."""
+        self.seen, self.known = {_name(obj) for obj in items}, True
+        closing = {_name(obj) for obj in items if _terminating(obj)}
+        closed = [name for name in closing if self._close(name)]
+        reopened = [
+            name
+            for name in self.registry.closed_namespaces - closing
+            if self.registry.reopen_namespace(name)
+        ]
+        return bool(closed or reopened)
+
+    def event(self, event: str, obj: Mapping[str, Any]) -> bool:
+        """An event. True when the scopes change."""
+        name = _name(obj)
+        if event == "DELETED":
+            self.seen.discard(name)
+            self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
+            self.registry.reopen_namespace(name)  # a namespace of that name may come
+            return True
+        self.seen.add(name)
+        return self._close(name) if _terminating(obj) else self.registry.reopen_namespace(name)
+
+    def missing(self, watched: frozenset[str] | None) -> set[str]:
+        """The watched namespaces that do not exist (none known before a list)."""
+        return set() if watched is None or not self.known else set(watched) - self.seen
+
+    def count(self, watched: frozenset[str] | None) -> None:
+        """The watched namespaces gauge: all that exist when all are watched."""
+        watched = frozenset(self.seen) if watched is None else watched
+        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed_namespaces))
+
+    def _close(self, name: str) -> bool:
+        if name in self.registry.closed_namespaces:
+            return False
+        self.registry.close_namespace(name, "its namespace is terminating")
+        return True
+
+    def denied(self, err: KubeError) -> None:
+        self.known = False
+        log.warning(
+            "namespaces_not_watchable",
+            error=str(err),
+            consequence="a deleted namespace is noticed only through canary watches",
+        )
 
 
 class Watcher:
@@ -93,10 +210,7 @@ class Watcher:
         self._changes: asyncio.Queue[tuple[ListWatch, Change]] = asyncio.Queue()
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
-        self._seen_namespaces: set[str] = set()
-        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
-        self._namespaces_known = False
-        """The Namespaces watch has listed (and may be read): missing ones are known."""
+        self._namespaces = Namespaces(registry)
         self.uncovered: list[str] = []
         """What the last not_checked warning said (empty: everything is checked)."""
         self._group: asyncio.TaskGroup | None = None
@@ -124,15 +238,11 @@ class Watcher:
         return self._group is not None and all(w.sync.ready for w in self._watches.values())
 
     def coverage(self) -> dict[str, int]:
-        """Watch scopes by state: ``listed`` (in sync or resuming), ``waiting`` (not
-        listed or not connected), ``forbidden`` (403), ``kind_not_served`` (404, the
-        API server confirms it), ``namespace_missing`` (a watched namespace the
-        Namespaces watch does not know), ``patch_forbidden`` (watched, but its bumps
-        are answered 403: its canaries cannot be bumped). A canaryd that checks nothing
-        must be able to say so. Each wanted scope counts once: one in a missing
-        namespace (whose list answers an empty 200) is ``namespace_missing`` only."""
+        """Watch scopes by state (``SCOPE_STATES``): a canaryd that checks nothing must
+        be able to say so. Each wanted scope counts once: one in a missing namespace
+        (whose list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
-        missing = self._namespaces_missing()
+        missing = self._namespaces.missing(self.namespaces)
         for scope, state in self._scope_states().items():
             if scope.namespace in missing and state != "kind_not_served":
                 state = "namespace_missing"
@@ -157,7 +267,7 @@ class Watcher:
         found = {
             "list_forbidden": scopes("forbidden"),
             "unauthorized": unauthorized,
-            "namespace_missing": sorted(self._namespaces_missing()),
+            "namespace_missing": sorted(self._namespaces.missing(self.namespaces)),
             "kind_not_served": sorted(self._not_served()),
             "patch_forbidden": scopes("patch_forbidden"),
         }
@@ -192,11 +302,6 @@ class Watcher:
                 states[scope] = "listed" if watch.sync.ready else "waiting"
         return states
 
-    def _namespaces_missing(self) -> set[str]:
-        if self.namespaces is None or not self._namespaces_known:
-            return set()
-        return set(self.namespaces) - self._seen_namespaces
-
     def not_ready(self) -> list[str]:
         """Why the watches are not ready, each a phrase: not started, an open-files
         limit too low for them, and the scopes whose initial list is not done or whose
@@ -212,12 +317,9 @@ class Watcher:
         if waiting:
             names = ", ".join(str(watch.lw.scope) for watch in waiting[:20])
             more = f" and {len(waiting) - 20} more" if len(waiting) > 20 else ""
-            why = next((w.lw.problem for w in waiting if w.lw.problem is not None), None)
-            because = f" ({why})" if why is not None else ""
-            problems.append(f"not listed or not connected: {names}{more}{because}")
+            why = next((f" ({w.lw.problem})" for w in waiting if w.lw.problem), "")
+            problems.append(f"not listed or not connected: {names}{more}{why}")
         return problems
-
-    # --------------------------------------------------------------- the loop
 
     async def run(self) -> None:
         try:
@@ -255,12 +357,12 @@ class Watcher:
 
     def _apply(self, watch: _Watch, change: Change) -> None:
         scope, sync, now = watch.lw.scope, watch.sync, time.monotonic()
-        resumed = False
+        resumed = rescope = False
         match change:
             case Listed(items=items, kind=name):
                 was_refused = sync.denied is not None
                 if scope.kind is None:
-                    self._namespaces_listed(items)
+                    rescope = self._namespaces.listed(items)
                 else:
                     if name and scope.kind.key not in KINDS:
                         KIND_NAMES[scope.kind.key] = name  # shown in /healthz and Events
@@ -270,7 +372,7 @@ class Watcher:
                     self.check_coverage()
             case Event(type=event, obj=obj):
                 if scope.kind is None:
-                    self._namespace_event(event, obj)
+                    rescope = self._namespaces.event(event, obj)
                 else:
                     self._canary_event(scope.kind, event, obj)
                 resumed = sync.delivered(now)
@@ -282,14 +384,18 @@ class Watcher:
                 sync.dropped(now)
             case Refused(error=err):
                 self._refused(watch, err)
-        if resumed and scope.kind is not None:
+        if scope.kind is None and not isinstance(change, Sync):
+            if rescope:
+                self._reconcile()
+            self._namespaces.count(self.namespaces)
+            self.check_coverage()
+        elif resumed and scope.kind is not None:
             self.registry.scope_resumed((scope.kind.key, scope.namespace))
 
     async def _follow_requests(self) -> None:
-        """Replace the streams the judge suspects (``ScopeSync.suspect`` marks the scope:
-        a request to the watcher, which owns the ListWatches), and say the coverage
-        again at least once a cycle (a scope whose bumps are answered 403 is learned
-        from the registry, not from a watch event)."""
+        """Replace the streams the judge suspects (``ScopeSync.suspect`` marks the scope,
+        a request to the watcher, which owns the ListWatches); say the coverage at least
+        once a cycle (a scope whose bumps are answered 403 is learned from the registry)."""
         suspects = self.registry.scopes.suspects
         while True:
             with contextlib.suppress(TimeoutError):
@@ -339,7 +445,7 @@ class Watcher:
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
-        self._count_namespaces()
+        self._namespaces.count(self.namespaces)
         self._check_open_files()
         self.check_coverage()
 
@@ -387,10 +493,6 @@ class Watcher:
                 log.info("open_files_limit_enough", watches=len(self._watches))
             self._files_problem = problem
 
-    def _count_namespaces(self) -> None:
-        watched = self._seen_namespaces if self.namespaces is None else self.namespaces
-        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed_namespaces))
-
     # ------------------------------------------------------------- canaries
 
     def _canary_event(self, kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
@@ -414,51 +516,19 @@ class Watcher:
             # object leaves the selector (its label removed or changed) as when it is
             # deleted: dropped now (never written again), told once a GET says which.
             self.registry.forget(key, "deleted", announce=False)
-            self._group.create_task(self._tell_drop(kind, key), name=f"drop {key}")
-
-    async def _tell_drop(self, kind: Kind, key: CanaryKey) -> None:
-        try:
-            async with self._drop_reads:
-                await self._classify_drop(kind, key)
-        except Exception:
-            # A bug here must not cancel the watches that share this task group.
-            metrics.ERRORS.labels("watch").inc()
-            log.exception("drop_classification_failed", canary=str(key))
-            self.registry.announce_drop(key, "deleted", "deleted, or its label removed")
-
-    async def _classify_drop(self, kind: Kind, key: CanaryKey) -> None:
-        label = self.settings.label
-        try:
-            found = await self.kube.request("get", "GET", kind.object_path(key.namespace, key.name))
-        except KubeError as err:
-            if err.kind is ErrorKind.GONE:
-                self.registry.announce_drop(key, "deleted", "the object was deleted")
-            else:
-                self.registry.announce_drop(
-                    key, "deleted", f"deleted, or label {label} removed (could not tell: {err})"
-                )
-            return
-        except asyncio.CancelledError:
-            self.registry.announce_drop(key, "deleted", "deleted, or its label removed")
-            raise
-        if is_canary(found, label):
-            # Labelled again by now, or a new object of that name: the watch's next
-            # event tracks it; this one was not a label removal.
-            self.registry.announce_drop(key, "deleted", "the object was deleted or replaced")
-        else:
-            self.registry.announce_drop(key, "not_canary", f"label {label} was removed")
+            told = tell_drop(self.kube, self.registry, kind, key, label, self._drop_reads)
+            self._group.create_task(told, name=f"drop {key}")
 
     def _refused(self, watch: _Watch, err: KubeError) -> None:
         """403, or a 404 believed: nothing in the scope is ours until a list works."""
-        scope = watch.lw.scope
+        scope, told = watch.lw.scope, watch.lw.scope.kind not in self.kinds
+        watch.sync.refused(err.kind.value)
         if scope.kind is None:
-            watch.sync.refused(err.kind.value)
-            self._namespaces_denied(err)
+            self._namespaces.denied(err)
             return
         kind = scope.kind.key
-        if err.kind is ErrorKind.GONE and kind not in self._not_served():
+        if err.kind is ErrorKind.GONE and not told:
             log.warning("kind_not_served", kind=kind, detail=str(err), retry="every cycle")
-        watch.sync.refused(err.kind.value)
         cause = "forbidden" if err.kind is ErrorKind.FORBIDDEN else "gone"
         self.registry.forget_where(
             lambda key: key.kind == kind and scope.namespace in (None, key.namespace),
@@ -466,57 +536,3 @@ class Watcher:
             f"cannot list {scope}: {err}",
         )
         self.check_coverage()
-
-    @staticmethod
-    def _terminating(obj: Mapping[str, Any]) -> bool:
-        metadata = obj.get("metadata") or {}
-        status = obj.get("status") or {}
-        return bool(metadata.get("deletionTimestamp")) or (
-            isinstance(status, Mapping) and status.get("phase") == "Terminating"
-        )
-
-    def _namespaces_listed(self, items: list[Mapping[str, Any]]) -> None:
-        self._seen_namespaces = {_name(obj) for obj in items}
-        self._namespaces_known = True
-        self.check_coverage()
-        self._count_namespaces()
-        closed = {_name(obj) for obj in items if self._terminating(obj)}
-        for name in closed:
-            self._close_namespace(name)
-        reopened = [
-            name
-            for name in self.registry.closed_namespaces - closed
-            if self.registry.reopen_namespace(name)
-        ]
-        if reopened:
-            self._reconcile()
-
-    def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
-        name = _name(obj)
-        if event == "DELETED":
-            self._seen_namespaces.discard(name)
-        else:
-            self._seen_namespaces.add(name)
-        self._count_namespaces()
-        self.check_coverage()
-        if event == "DELETED":
-            self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
-            self.registry.reopen_namespace(name)  # a namespace of that name may come
-            self._reconcile()
-        elif self._terminating(obj):
-            self._close_namespace(name)
-        elif self.registry.reopen_namespace(name):
-            self._reconcile()
-
-    def _close_namespace(self, name: str) -> None:
-        if name not in self.registry.closed_namespaces:
-            self.registry.close_namespace(name, "its namespace is terminating")
-            self._reconcile()
-
-    def _namespaces_denied(self, err: KubeError) -> None:
-        self._namespaces_known = False
-        log.warning(
-            "namespaces_not_watchable",
-            error=str(err),
-            consequence="a deleted namespace is noticed only through canary watches",
-        )
