@@ -8,9 +8,7 @@ the moment canaryd suspects its own connection (half-open: a bump answered 2xx w
 the stream delivered nothing at all) until the replacement delivers. While a scope is
 not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
 
-Only the watcher changes a scope's model, as its ``ListWatch`` tells it (and the judge,
-through ``suspect``: a request the watcher acts on, see ``Scopes.suspects``); the
-registry and the server read it.
+Only the watcher changes it, as its ``ListWatch`` tells; the judge marks it suspected.
 """
 
 from __future__ import annotations
@@ -44,9 +42,9 @@ class ScopeSync:
     of a resumed stream). A resumed stream replays what was missed over several reads:
     a bump answered before that may still be on its way."""
     suspected: str | None = None
-    """Why canaryd suspects the open stream (``suspect``), until the watcher replaces it."""
+    """Why canaryd suspects the open stream, until the watcher replaces it."""
     suspects: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set by ``suspect``: the watcher's (``Scopes.suspects``, shared by every scope)."""
+    """Set by ``suspect``: the watcher waits for it (``Scopes.suspects``, shared)."""
 
     @property
     def ready(self) -> bool:
@@ -56,8 +54,6 @@ class ScopeSync:
     @property
     def in_sync(self) -> bool:
         return self.unsynced_since is None
-
-    # -------------------------------------------------------------- transitions
 
     def listed_at(self, now: float) -> bool:
         """A full list is in the registry. True when that ends a time out of sync."""
@@ -104,11 +100,10 @@ class ScopeSync:
         self.suspects.set()
 
     def _resync(self) -> bool:
-        was_behind = self.unsynced_since is not None
-        if was_behind:
-            self.resynced_at = self.last_delivery
-        self.unsynced_since = None
-        return was_behind
+        if self.unsynced_since is None:
+            return False
+        self.unsynced_since, self.resynced_at = None, self.last_delivery
+        return True
 
 
 class _Located(Protocol):
@@ -132,15 +127,14 @@ class Scopes:
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""
-        sync = self._scopes[scope] = ScopeSync(now, suspects=self.suspects)
-        return sync
+        self._scopes[scope] = ScopeSync(now, suspects=self.suspects)
+        return self._scopes[scope]
 
     def remove(self, scope: ScopeKey) -> None:
         """The scope is no longer watched: nothing of it waits any more."""
         self._scopes.pop(scope, None)
 
     def covering(self, key: _Located) -> ScopeSync | None:
-        """The model of the watch that covers this canary (its namespace's, or the
-        cluster-wide one), if any."""
+        """The model of the watch that covers this canary (its namespace's or all's)."""
         found = self._scopes.get((key.kind, key.namespace))
         return found if found is not None else self._scopes.get((key.kind, None))

@@ -146,11 +146,8 @@ class Namespaces:
         self.seen, self.known = {_name(obj) for obj in items}, True
         closing = {_name(obj) for obj in items if _terminating(obj)}
         closed = [name for name in closing if self._close(name)]
-        reopened = [
-            name
-            for name in self.registry.closed_namespaces - closing
-            if self.registry.reopen_namespace(name)
-        ]
+        reopened = self.registry.closed - closing
+        self.registry.closed -= reopened
         return bool(closed or reopened)
 
     def event(self, event: str, obj: Mapping[str, Any]) -> bool:
@@ -158,11 +155,15 @@ class Namespaces:
         name = _name(obj)
         if event == "DELETED":
             self.seen.discard(name)
-            self.registry.forget_namespace(name, "namespace_closed", "its namespace was deleted")
-            self.registry.reopen_namespace(name)  # a namespace of that name may come
+            self._forget(name, "its namespace was deleted")
+            self.registry.closed.discard(name)  # a namespace of that name may come
             return True
         self.seen.add(name)
-        return self._close(name) if _terminating(obj) else self.registry.reopen_namespace(name)
+        if _terminating(obj):
+            return self._close(name)
+        reopened = name in self.registry.closed
+        self.registry.closed.discard(name)
+        return reopened
 
     def missing(self, watched: frozenset[str] | None) -> set[str]:
         """The watched namespaces that do not exist (none known before a list)."""
@@ -171,13 +172,18 @@ class Namespaces:
     def count(self, watched: frozenset[str] | None) -> None:
         """The watched namespaces gauge: all that exist when all are watched."""
         watched = frozenset(self.seen) if watched is None else watched
-        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed_namespaces))
+        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed))
 
     def _close(self, name: str) -> bool:
-        if name in self.registry.closed_namespaces:
+        """A namespace is being deleted: its canaries are dropped, new copies ignored."""
+        if name in self.registry.closed:
             return False
-        self.registry.close_namespace(name, "its namespace is terminating")
+        self.registry.closed.add(name)
+        self._forget(name, "its namespace is terminating")
         return True
+
+    def _forget(self, namespace: str, why: str) -> None:
+        self.registry.forget_where(lambda key: key.namespace == namespace, "namespace_closed", why)
 
     def denied(self, err: KubeError) -> None:
         self.known = False
@@ -431,7 +437,7 @@ class Watcher:
             Scope(kind, ns)
             for kind in self._kinds
             for ns in self.namespaces
-            if ns not in self.registry.closed_namespaces
+            if ns not in self.registry.closed
         }
 
     def _reconcile(self) -> None:
