@@ -447,16 +447,18 @@ class ListWatch:
 
     def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
         """Log a failed list or watch, count it, and back off before ``then`` (before a
-        list after a denial)."""
+        list after a denial: a 403 once a cycle, a kind not served once every config
+        check interval, as often as discovery used to look again at 250 namespaces)."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
+            retry = self.settings.forbidden_retry
+            if err.kind is ErrorKind.GONE:
+                retry = self.settings.config_check_interval
             self.failures.failed(
-                self.scope,
-                f"{during}_{err.kind.value}",
-                f"{err} (retry in {self.settings.forbidden_retry:g}s)",
+                self.scope, f"{during}_{err.kind.value}", f"{err} (retry in {retry:g}s)"
             )
             self._tell(Refused(err))
-            return backing_off(self.settings.forbidden_retry, State.LISTING)
+            return backing_off(retry, State.LISTING)
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
         delay = self._backoff.next()

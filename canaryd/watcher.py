@@ -8,10 +8,10 @@ again) and to the set of scopes (namespaces that come, terminate or go). A strea
 judge suspects is marked on its ScopeSync (canaryd.sync); the watcher replaces it.
 
 No discovery: every wanted kind is listed, and a list answered 404 that the API
-server confirms (canaryd.listwatch.not_served) means the kind is not served, retried
-later (a CRD installed later is picked up). No access reviews: a scope where canaryd
-may not list is learned from its list's 403, one where it may not patch from its
-bumps' 403s.
+server confirms (canaryd.listwatch.not_served) means the kind is not served, listed
+again every config check interval (a CRD installed later is picked up). No access
+reviews: a scope where canaryd may not list is learned from its list's 403, one where
+it may not patch from its bumps' 403s.
 """
 
 from __future__ import annotations
@@ -534,7 +534,8 @@ class Watcher:
             return
         kind = scope.kind.key
         if err.kind is ErrorKind.GONE and not told:
-            log.warning("kind_not_served", kind=kind, detail=str(err), retry="every cycle")
+            retry = f"every {self.settings.config_check_interval:g}s"
+            log.warning("kind_not_served", kind=kind, detail=str(err), retry=retry)
         cause = "forbidden" if err.kind is ErrorKind.FORBIDDEN else "gone"
         self.registry.forget_where(
             lambda key: key.kind == kind and scope.namespace in (None, key.namespace),
