@@ -123,7 +123,8 @@ class Registry:
         canaries are not tracked."""
         self.scopes = Scopes()
         """Where each canary watch scope stands (canaryd.sync): the watcher's to write."""
-        self._news: list[News] = []
+        self.pending: list[News] = []
+        """News not taken yet (``take_news``), oldest first."""
         self.news = asyncio.Event()
         """Set when news waits in ``take_news`` (the scheduler's loop waits for it)."""
         self.listeners: list[Callable[[], None]] = []
@@ -163,12 +164,12 @@ class Registry:
     def take_news(self) -> list[News]:
         """What changed in what is tracked since the last call, in order: the one way
         the scheduler learns of it (data flows watch -> registry -> scheduler)."""
-        news, self._news = self._news, []
+        news, self.pending = self.pending, []
         self.news.clear()
         return news
 
     def _tell(self, news: News) -> None:
-        self._news.append(news)
+        self.pending.append(news)
         self.news.set()
 
     def scope_resumed(self, scope: ScopeKey) -> None:

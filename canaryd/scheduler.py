@@ -133,19 +133,23 @@ class Scheduler:
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant: while this replica bumps, each one
         tracked is due exactly once or in flight exactly once. Empty when all is well
-        (and for a follower, which schedules nothing). Read once the registry's news is
-        taken: a canary tracked a moment ago is scheduled at the loop's next turn."""
-        self.take_news()
+        (and for a follower, which schedules nothing). A canary whose news the loop has
+        not taken yet may be neither: it is scheduled at the loop's next turn."""
         if not self.active:
             return []
         awaiting: dict[CanaryKey, int] = {}
         for _, canary in self.operator.awaiting if self.operator is not None else ():
             awaiting[canary.key] = awaiting.get(canary.key, 0) + 1
+        added = {news.canary.key for news in self.registry.pending if isinstance(news, Added)}
+
+        def times(canary: Canary) -> int:
+            due, flying = canary.key in self._due_seq, self.flying(canary)
+            return due + flying + awaiting.get(canary.key, 0)
+
         return [
             canary.key
             for canary in self.registry.canaries()
-            if (canary.key in self._due_seq) + self.flying(canary) + awaiting.get(canary.key, 0)
-            != 1
+            if times(canary) != 1 and not (times(canary) == 0 and canary.key in added)
         ]
 
     def take_news(self) -> None:
