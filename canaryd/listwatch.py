@@ -183,14 +183,14 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
     ``404 page not found`` for every path, which confirms nothing). Its group
     version's APIResourceList lacks it or has it cluster-scoped; or that 404s too and
     ``/apis``, which kube-apiserver always answers with an APIGroupList, lacks the
-    group version."""
+    group version. Raises the KubeError of a group version that does not answer."""
     where = f"{kind.plural}.{kind.group}"
     group_version = f"{kind.group}/{kind.version}"
     try:
         found = await kube.request("get", "GET", f"/apis/{group_version}")
     except KubeError as err:
         if err.kind is not ErrorKind.GONE:
-            return None
+            raise
         try:
             listed = await kube.request("get", "GET", "/apis")
         except KubeError:
@@ -439,7 +439,10 @@ class ListWatch:
         page, and then the 404 is transient (canaries kept, no verdict)."""
         if err.kind is not ErrorKind.GONE or err.reason:
             return err
-        why = await not_served(self.kube, self.scope.kind) if self.scope.kind else None
+        try:
+            why = await not_served(self.kube, self.scope.kind) if self.scope.kind else None
+        except KubeError:
+            why = None  # no answer confirms nothing
         if why is not None:
             return KubeError(ErrorKind.GONE, why, status=err.status)
         note = f"{err.args[0]} (the API server does not confirm it)"
