@@ -1,25 +1,18 @@
 """Access reviews: whether the API server lets canaryd do what it will do, asked with
 SelfSubjectAccessReviews (authorization.k8s.io/v1), which any authenticated user may
-ask about itself. ``canaryd check`` (so ``helm test``) asks them all before a start;
-``PatchReviews``, the watcher's, asks about patch in each canary scope it watches.
+ask about itself: ``canaryd check`` asks them all before a start (the daemon asks
+none: it learns a forbidden scope from the 403 on its list or its bumps).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-import structlog
-
-from canaryd import metrics
-from canaryd.backoff import Backoff
 from canaryd.config import Settings, lease_namespace
 from canaryd.kube import FLINK_GROUP, KubeClient, KubeError, kind_of
-
-log = structlog.get_logger("canaryd.access")
-ScopeT = TypeVar("ScopeT", bound=Hashable)
 
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 KIND_VERBS = ("list", "watch", "patch")
@@ -117,68 +110,3 @@ async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[b
         return isinstance(status, dict) and status.get("allowed") is True
 
     return list(await asyncio.gather(*map(allowed, permissions)))
-
-
-class PatchReviews(Generic[ScopeT]):
-    """Whether canaryd may patch in each canary scope it watches: one review per scope
-    new to it (``ask``), its answer kept while it is watched (a deleted namespace, or
-    one canaryd does not watch, asks nothing again); a refused scope is asked again on
-    its own once every ``forbidden_retry`` (a Role granted later is seen within a
-    cycle). Unanswered is not refused: what was known stays, and those reviews are
-    asked again after a backoff. ``denied`` holds the scopes refused."""
-
-    def __init__(self, settings: Settings, kube: KubeClient, on_answer: Callable[[], None]):
-        self._kube = kube
-        self._backoff = (settings.backoff_initial, settings.backoff_max)
-        self._recheck = settings.forbidden_retry
-        self._on_answer = on_answer
-        """Called after each answered round (the watcher's coverage is said again)."""
-        self._allowed: dict[ScopeT, bool] = {}
-        self._wanted: dict[ScopeT, Permission] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._new = asyncio.Event()
-
-    @property
-    def denied(self) -> frozenset[ScopeT]:
-        return frozenset(scope for scope, allowed in self._allowed.items() if not allowed)
-
-    def ask(self, group: asyncio.TaskGroup, wanted: Mapping[ScopeT, Permission]) -> None:
-        """These scopes are watched now: forget the others, ask about the new ones."""
-        self._wanted = dict(wanted)
-        self._allowed = {s: ok for s, ok in self._allowed.items() if s in self._wanted}
-        if self._wanted.keys() - self._allowed.keys():
-            self._new.set()
-        if self._task is None or self._task.done():
-            self._task = group.create_task(self._rounds(), name="access reviews")
-
-    async def _rounds(self) -> None:
-        backoff = Backoff(*self._backoff)
-        while True:
-            self._new.clear()
-            asking = {s: p for s, p in self._wanted.items() if s not in self._allowed}
-            if not asking and self.denied:
-                try:  # new scopes come sooner
-                    async with asyncio.timeout(self._recheck):
-                        await self._new.wait()
-                    continue
-                except TimeoutError:
-                    asking = {scope: self._wanted[scope] for scope in self.denied}
-            if not asking:
-                return
-            try:
-                granted = await reviews(self._kube, list(asking.values()))
-            except Exception as err:
-                # Unanswered, what was known stays; a bug must not stop the watches that
-                # share this task group.
-                metrics.ERRORS.labels("access_review").inc()
-                if isinstance(err, KubeError):
-                    log.info("access_review_unanswered", error=str(err), retry="after a backoff")
-                else:
-                    log.exception("access_review_failed_unexpectedly")
-                await asyncio.sleep(backoff.next())
-                continue
-            backoff.reset()
-            for scope, allowed in zip(asking, granted, strict=True):
-                if scope in self._wanted:  # not left meanwhile
-                    self._allowed[scope] = allowed
-            self._on_answer()

@@ -16,10 +16,19 @@ from typing import Any, TextIO
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
-from canaryd.kube import NAMESPACES_PATH, KubeClient, KubeError, connect, failure_cause, kind_of
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    connect,
+    failure_cause,
+    kind_of,
+)
+from canaryd.listwatch import list_all, not_served
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
 from canaryd.registry import is_canary
-from canaryd.watcher import list_all
 
 Say = Callable[[str | None, str], None]
 """A finding: its ``canaryd_blind`` reason (None: fine) and its line."""
@@ -79,35 +88,40 @@ async def check(settings: Settings, out: TextIO) -> int:
 async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO) -> None:
     """What the daemon would meet: each kind served, each watched namespace there, the
     canaries per namespace and, with operator-metrics, their series."""
-    scopes: Sequence[str | None] = [None]
-    if settings.namespaces is not None:
-        scopes = sorted(settings.namespaces)
-    canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
-    for kind in map(kind_of, settings.kinds):
-        try:  # in a namespace that does not exist: an empty list
-            for namespace in scopes:
-                path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
-                items, _ = await list_all(kube, path, params, settings.list_timeout)
-                canaries += [
-                    (kind.plural, str(item.get("kind") or kind.kind), *names(item))
-                    for item in items
-                    if is_canary(item, settings.label)
-                ]
-        except KubeError as err:
-            if err.status != 404:
-                raise
-            say("kind_not_served", f"kind {kind.key} is not served (its CRD is not installed)")
+    served: list[Kind] = []
+    for key in settings.kinds:
+        if await not_served(kube, kind_of(key)) is None:
+            say(None, f"kind {key} is served")
+            served.append(kind_of(key))
         else:
-            say(None, f"kind {kind.key} is served")
+            say("kind_not_served", f"kind {key} is not served (its CRD is not installed)")
+    scopes: Sequence[str | None] = [None]
     existing: list[str] = []  # the watched namespaces that exist
     if settings.namespaces is not None:
-        listed, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
+        listed, _, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
         there = {names(item)[1] for item in listed}
-        for namespace in sorted(settings.namespaces):
-            exists = namespace in there
-            line = f"namespace {namespace} {'exists' if exists else 'does not exist'}"
+        for watched in sorted(settings.namespaces):
+            exists = watched in there
+            line = f"namespace {watched} {'exists' if exists else 'does not exist'}"
             say(None if exists else "namespace_missing", line)
-        existing = sorted(settings.namespaces & there)
+        scopes = existing = sorted(settings.namespaces & there)
+    canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
+    for kind in served:
+        for namespace in scopes:
+            path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
+            try:
+                items, _, _ = await list_all(kube, path, params, settings.list_timeout)
+            except KubeError as err:
+                if err.kind is not ErrorKind.FORBIDDEN and err.status != 401:
+                    raise
+                reason = "unauthorized" if err.status == 401 else "list_forbidden"
+                say(reason, f"list {kind.plural} in {namespace or 'all namespaces'}: {err}")
+                continue
+            canaries += [
+                (kind.plural, str(item.get("kind") or kind.kind), *names(item))
+                for item in items
+                if is_canary(item, settings.label)
+            ]
     per_namespace = Counter(namespace for _, _, namespace, _ in canaries)
     for where in sorted({*per_namespace, *existing}):
         count = per_namespace[where]

@@ -131,14 +131,7 @@ class Daemon:
                 self.scheduler = scheduler = Scheduler(
                     settings, self.registry, kube, lease=self.elector
                 )
-                self.registry.attach(scheduler)
-                self.watcher = Watcher(
-                    settings,
-                    self.registry,
-                    kube,
-                    open_files,
-                    on_scope_resumed=scheduler.scope_resumed,
-                )
+                self.watcher = Watcher(settings, self.registry, kube, open_files)
                 metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
                 operator_config = self._say_operator_config()
                 log.info(
@@ -316,9 +309,8 @@ class Daemon:
         limit too low, the Lease); None when ready."""
         if self._credentials_problem is not None:
             return [self._credentials_problem]
-        if self.watcher is None or not self.watcher.discovery.discovered.is_set():
-            problem = self.watcher.discovery.problem if self.watcher is not None else None
-            return [f"discovery failed: {problem}" if problem else "discovery not done"]
+        if self.watcher is None:
+            return ["the watches are not started"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:
             waiting.append(f"lease {self.elector}: {self.elector.problem}")

@@ -77,7 +77,7 @@ KINDS = {
 }
 NAMESPACES_PATH = "/api/v1/namespaces"
 KIND_NAMES: dict[str, str] = {}
-"""The Kind names discovery found for kinds given as PLURAL.GROUP/VERSION."""
+"""The Kind names list answers gave for kinds given as PLURAL.GROUP/VERSION."""
 
 
 def kind_of(key: str) -> Kind:
@@ -171,8 +171,8 @@ NOT_SERVED = b"404 page not found\n"
 """kube-apiserver's answer to a path it does not serve (discovery of a group version not
 installed, a list of a kind whose CRD is gone), Go's http.NotFound, not a Status (checked
 on v1.35.4); the very bytes of a Go gateway with nothing behind it (Traefik's default
-router). So it shows nothing by itself: a GONE it gives is believed only once discovery
-confirms the kind is not served (discovery.discover_kinds asks /apis)."""
+router). So it shows nothing by itself: a GONE it gives is believed only once the API
+server confirms the kind is not served (listwatch.not_served asks /apis)."""
 
 
 def serving(status: int, body: bytes) -> bool:

@@ -101,7 +101,7 @@ RELISTS = _counter(
     ["resource"],
 )
 ERROR_PLACES = (
-    "access_review credentials discovery malformed_object operator_account request scheduler "
+    "credentials malformed_object operator_account request scheduler "
     "sd_notify stale_copy watch watch_decode watch_request watchdog_withheld task_watcher "
     "task_scheduler task_config task_credentials task_leader task_events"
 ).split()

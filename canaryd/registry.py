@@ -1,176 +1,112 @@
 """The registry: what canaryd knows of each canary, and the aggregate health.
 
 Only the watcher (what the API server says) and the scheduler (the results of its
-own writes) change it; the health server reads it. The counts by state are kept
+own writes) change it; the health server reads it. The scheduler learns what it must
+act on (canaries added and forgotten, scopes in sync again) from its news
+(``take_news``), woken by ``news``: nothing here calls the scheduler. The counts by state are kept
 as states change, so ``healthy`` is O(1) however many canaries there are.
 """
 
 from __future__ import annotations
 
-import enum
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from canaryd import metrics
+from canaryd.canary import (
+    INT64_MAX,
+    Canary,
+    CanaryKey,
+    CanaryState,
+    Verdict,
+    generation_of,
+    is_canary,
+    one_line,
+    read_nonce,
+    status_observed_generation,
+)
 from canaryd.logs import wall_time
-from canaryd.sync import Scopes
+from canaryd.sync import ScopeKey, Scopes
+
+__all__ = [
+    "INT64_MAX",
+    "Added",
+    "Canary",
+    "CanaryKey",
+    "CanaryState",
+    "Forgotten",
+    "News",
+    "Registry",
+    "Resumed",
+    "is_canary",
+    "one_line",
+    "read_nonce",
+]
 
 log = structlog.get_logger("canaryd.registry")
 
-INT64_MAX = 2**63 - 1
 
-
-def is_canary(obj: Mapping[str, Any], label: str) -> bool:
-    """The upstream test: the label's value equals ``true``, ignoring case."""
+def _key_of(kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
+    """The canary a copy is of; None (counted, warned) when it names none."""
     metadata = obj.get("metadata")
-    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
-    value = labels.get(label) if isinstance(labels, Mapping) else None
-    return isinstance(value, str) and value.lower() == "true"
+    if not isinstance(metadata, Mapping):
+        metrics.ERRORS.labels("malformed_object").inc()
+        log.warning("object_without_metadata", kind=kind)
+        return None
+    name, namespace = metadata.get("name"), metadata.get("namespace")
+    if not isinstance(name, str) or not isinstance(namespace, str):
+        metrics.ERRORS.labels("malformed_object").inc()
+        log.warning("object_without_name", kind=kind)
+        return None
+    return CanaryKey(kind, namespace, name)
 
 
-def one_line(text: str) -> str:
-    """A reason as one line (an API error's message may hold newlines)."""
-    return " ".join(text.split())
+def _stage(canary: Canary, stage: str, seconds: float) -> None:
+    """The last written bump reached ``stage``, ``seconds`` after it was sent (once)."""
+    if stage not in canary.stages:
+        canary.stages[stage] = seconds
+        metrics.bump_stage(canary.key.kind, stage, seconds)
 
 
-class CanaryState(enum.Enum):
-    PENDING = "pending"  # tracked, no bump judged yet
-    HEALTHY = "healthy"  # the last bump was observed in time
-    UNHEALTHY = "unhealthy"  # the last bump was written but not observed in time
-    UNKNOWN = "unknown"  # the last bump could not be written: nothing to judge
-
-
-class CanaryKey(NamedTuple):
-    """A canary's identity. A tuple: hashed in C, several times per bump."""
-
-    kind: str
-    namespace: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}/{self.namespace}/{self.name}"
+def _stages_reached(canary: Canary, observed_at: float) -> None:
+    """Record the last bump's stages its copy now shows."""
+    bumped, sent = canary.last_bumped_generation, canary.bump_sent_at
+    if bumped is None or sent is None:
+        return
+    if canary.generation >= bumped:
+        _stage(canary, "observed", max(0.0, observed_at - sent))
+    if (canary.status_observed or 0) >= bumped:
+        _stage(canary, "reconciled", max(0.0, time.monotonic() - sent))
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
-    """The last unhealthy verdict: when (monotonic and wall clock) and why."""
+class Added:
+    """A canary started being tracked: its first bump is to be scheduled."""
 
-    at: float
-    wall_time: float
-    reason: str
+    canary: Canary
 
 
-@dataclass(slots=True, eq=False)
-class Canary:
-    """One tracked canary: identity, the latest copy's few fields, and its health."""
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """A canary is no longer tracked: nothing of it is to be kept."""
 
     key: CanaryKey
-    uid: str
-    resource_version: str
-    generation: int
-    """The latest generation seen through the watch: what "reconciled" is judged on."""
-    nonce: int
-    """spec.restartNonce of the latest copy (0 when absent or not a valid integer)."""
-    nonce_problem: str | None = None
-    """Why spec.restartNonce is not usable, when it is not; the next bump repairs it."""
-    state: CanaryState = CanaryState.PENDING
-    reason: str = "waiting for the first bump to be judged"
-    cause: str = "first_bump"
-    """The reason's class, one of a few fixed words (a metric label; docs/OPERATIONS.md)."""
-    bumped_generation: int | None = None
-    """The generation our last successful bump produced, until it is judged."""
-    last_bumped_generation: int | None = None
-    """The generation of the last successful bump, judged or not (for display)."""
-    judged_generation: int | None = None
-    """The generation the last verdict (the state's reason) was about."""
-    bump_deadline: float | None = None
-    """Monotonic time at which that bump is judged."""
-    last_bump_at: float | None = None
-    """Wall-clock time of the last successful bump."""
-    deferred_until: float | None = None
-    """Set while the verdict on ``bumped_generation`` waits for its watch to resume:
-    the monotonic time by which it is judged whatever the watch does."""
-    late_recheck: bool = False
-    """An unhealthy verdict found by a late judge waits for one re-check."""
-    status_observed: int | None = None
-    """status.observedGeneration as the watch last delivered it (--reconciled-by
-    observed-generation)."""
-    generation_seen_at: float = 0.0
-    """Monotonic time the watch last delivered a higher generation."""
-    bump_sent_at: float | None = None
-    """Monotonic time the last written bump's PATCH was sent (its stages run from it)."""
-    bump_answered_at: float | None = None
-    """Scheduler-clock time that bump was answered: its scope's stream must deliver
-    something after it, or canaryd suspects its own connection (canaryd.sync)."""
-    stages: dict[str, float] = field(default_factory=dict)
-    """The last written bump's time to each stage reached so far (seconds)."""
-    verdict: Verdict | None = None
-    """The last unhealthy verdict, while it may stand (see Registry.no_verdict)."""
-    reconcile_baseline: tuple[int, float | None] | None = None
-    """--reconciled-by operator-metrics: the operator instance and its count of finished
-    reconciles of this canary (None: no such series yet) as last read before the
-    pending bump was sent; None when the operator's metrics had never answered."""
-    warned: bool = False
-    """A Warning Event (Unhealthy, Unknown) told of it, no Recovered since (canaryd.role)."""
 
 
-def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
-    """spec.restartNonce as the bump base, and what is wrong with it if anything."""
-    spec = obj.get("spec")
-    if spec is None:
-        return 0, None
-    if not isinstance(spec, Mapping):
-        return 0, f"spec is a {type(spec).__name__}, not an object"
-    value = spec.get("restartNonce")
-    if value is None:
-        return 0, None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return 0, f"spec.restartNonce is {value!r}, not an integer"
-    if value == INT64_MAX:
-        return 0, f"spec.restartNonce {value} is the largest 64-bit integer; it cannot grow"
-    if not -INT64_MAX - 1 <= value < INT64_MAX:
-        return 0, f"spec.restartNonce {value} does not fit in a 64-bit integer"
-    return value, None
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A canary watch scope is in sync again: what waited for it can be judged."""
+
+    scope: ScopeKey
 
 
-def status_observed_generation(obj: Mapping[str, Any]) -> int | None:
-    """``status.observedGeneration``, when the object reports one."""
-    status = obj.get("status")
-    value = status.get("observedGeneration") if isinstance(status, Mapping) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _generation(metadata: Mapping[str, Any]) -> int:
-    value = metadata.get("generation")
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-class RegistryObserver(Protocol):
-    """What the scheduler hears of the registry (the watcher's news, made canaries)."""
-
-    def canary_added(self, canary: Canary) -> None:
-        """A canary started being tracked: its first bump is scheduled."""
-
-    def canary_forgotten(self, key: CanaryKey) -> None:
-        """A canary is no longer tracked: nothing of it is kept."""
-
-
-class _Nobody:
-    def canary_added(self, canary: Canary) -> None:
-        pass
-
-    def canary_forgotten(self, key: CanaryKey) -> None:
-        pass
-
-
-_NOBODY = _Nobody()
+News = Added | Forgotten | Resumed
 
 
 class Registry:
@@ -182,12 +118,15 @@ class Registry:
         self.label = label
         self._canaries: dict[CanaryKey, Canary] = {}
         self._counts: Counter[CanaryState] = Counter()
-        self._closed: set[str] = set()
-        """Namespaces being deleted: their canaries are not tracked."""
+        self.closed: set[str] = set()
+        """Namespaces being deleted, as the watcher's Namespaces watch keeps them: their
+        canaries are not tracked."""
         self.scopes = Scopes()
-        """Where each canary watch scope stands (canaryd.sync): the watcher adds and
-        removes them, the judge reads the one covering a canary."""
-        self._observer: RegistryObserver = _NOBODY
+        """Where each canary watch scope stands (canaryd.sync): the watcher's to write."""
+        self.pending: list[News] = []
+        """News not taken yet (``take_news``), oldest first."""
+        self.news = asyncio.Event()
+        """Set when news waits in ``take_news`` (the scheduler's loop waits for it)."""
         self.listeners: list[Callable[[], None]] = []
         """Called after every change of what is tracked or of a state."""
 
@@ -220,30 +159,22 @@ class Registry:
             for key in sorted(self._canaries, key=lambda k: (k.namespace, k.kind, k.name))
         ]
 
-    @property
-    def closed_namespaces(self) -> frozenset[str]:
-        """Namespaces being deleted: their canaries are not tracked."""
-        return frozenset(self._closed)
-
     # ----------------------------------------------------------------- writes
 
-    def attach(self, observer: RegistryObserver) -> None:
-        """Who acts on what is tracked (the scheduler, wired by the daemon): told of
-        every canary added and forgotten."""
-        self._observer = observer
+    def take_news(self) -> list[News]:
+        """What changed in what is tracked since the last call, in order: the one way
+        the scheduler learns of it (data flows watch -> registry -> scheduler)."""
+        news, self.pending = self.pending, []
+        self.news.clear()
+        return news
 
-    def close_namespace(self, name: str, why: str) -> None:
-        """A namespace is being deleted: its canaries are dropped, new copies ignored."""
-        self._closed.add(name)
-        self.forget_namespace(name, "namespace_closed", why)
+    def _tell(self, news: News) -> None:
+        self.pending.append(news)
+        self.news.set()
 
-    def reopen_namespace(self, name: str) -> bool:
-        """A namespace of that name is usable again (deleted, or no longer terminating).
-        True when it was closed."""
-        if name not in self._closed:
-            return False
-        self._closed.discard(name)
-        return True
+    def scope_resumed(self, scope: ScopeKey) -> None:
+        """The watcher: this scope's stream delivers again after a time out of sync."""
+        self._tell(Resumed(scope))
 
     def _changed(self) -> None:
         for listener in self.listeners:
@@ -364,36 +295,24 @@ class Registry:
 
     def reconciled_seen(self, canary: Canary, seconds: float) -> None:
         """The reconcile signal reached the last bump, ``seconds`` after it was sent."""
-        if self.owns(canary) and "reconciled" not in canary.stages:
-            canary.stages["reconciled"] = seconds
-            metrics.bump_stage(canary.key.kind, "reconciled", seconds)
+        if self.owns(canary):
+            _stage(canary, "reconciled", seconds)
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
         """A copy from a list or an ADDED/MODIFIED event."""
-        metadata = obj.get("metadata")
-        if not isinstance(metadata, Mapping):
-            metrics.ERRORS.labels("malformed_object").inc()
-            log.warning("object_without_metadata", kind=kind)
+        key = _key_of(kind, obj)
+        if key is None:
             return
-        name, namespace = metadata.get("name"), metadata.get("namespace")
-        if not isinstance(name, str) or not isinstance(namespace, str):
-            metrics.ERRORS.labels("malformed_object").inc()
-            log.warning("object_without_name", kind=kind)
-            return
-        key = CanaryKey(kind, namespace, name)
-        uid = str(metadata.get("uid") or "")
+        metadata: Mapping[str, Any] = obj["metadata"]
+        uid, generation = str(metadata.get("uid") or ""), generation_of(metadata)
         existing = self._canaries.get(key)
-        if (
-            existing is not None
-            and existing.uid == uid
-            and _generation(metadata) < existing.generation
-        ):
+        if existing is not None and existing.uid == uid and generation < existing.generation:
             # An older copy of the same object (a relist racing a bump, a replaying
             # proxy): generation never goes backwards within one uid.
             metrics.ERRORS.labels("stale_copy").inc()
-            log.debug("stale_copy_ignored", canary=str(key), generation=_generation(metadata))
+            log.debug("stale_copy_ignored", canary=str(key), generation=generation)
             return
-        why_not = self._not_a_tracked_canary(namespace, obj)
+        why_not = self._why_not(key.namespace, obj)
         if why_not is not None:
             self.forget(key, *why_not)
             return
@@ -408,51 +327,26 @@ class Registry:
         if existing is not None and existing.uid != uid:
             self.forget(key, "replaced", "a new object of the same name replaced it")
             existing = None
+        rv, observed = str(metadata.get("resourceVersion") or ""), status_observed_generation(obj)
         if existing is None:
-            canary = Canary(
-                key,
-                uid,
-                str(metadata.get("resourceVersion") or ""),
-                _generation(metadata),
-                nonce,
-                problem,
-            )
-            canary.status_observed = status_observed_generation(obj)
+            canary = Canary(key, uid, rv, generation, nonce, problem, status_observed=observed)
             self._canaries[key] = canary
             self._counts[canary.state] += 1
-            log.info("canary_tracked", canary=str(key), generation=canary.generation)
-            self._observer.canary_added(canary)
-            self._changed()
-            return
-        existing.resource_version = str(metadata.get("resourceVersion") or "")
-        generation = _generation(metadata)
-        if generation > existing.generation:
-            existing.generation_seen_at = time.monotonic()
-        existing.generation = generation
-        existing.status_observed = status_observed_generation(obj)
-        existing.nonce, existing.nonce_problem = nonce, problem
-        if existing.bump_sent_at is not None:
-            self._stages_reached(existing, existing.generation_seen_at)
+            log.info("canary_tracked", canary=str(key), generation=generation)
+            self._tell(Added(canary))
+        else:
+            if generation > existing.generation:
+                existing.generation_seen_at = time.monotonic()
+            existing.resource_version, existing.generation = rv, generation
+            existing.status_observed = observed
+            existing.nonce, existing.nonce_problem = nonce, problem
+            if existing.bump_sent_at is not None:
+                _stages_reached(existing, existing.generation_seen_at)
         self._changed()
 
-    def _stages_reached(self, canary: Canary, observed_at: float) -> None:
-        """Record the last bump's stages its copy now shows, once each."""
-        bumped, sent = canary.last_bumped_generation, canary.bump_sent_at
-        if bumped is None or sent is None:
-            return
-        stages = canary.stages
-        if "observed" not in stages and canary.generation >= bumped:
-            stages["observed"] = seconds = max(0.0, observed_at - sent)
-            metrics.bump_stage(canary.key.kind, "observed", seconds)
-        if "reconciled" not in stages and (canary.status_observed or 0) >= bumped:
-            stages["reconciled"] = seconds = max(0.0, time.monotonic() - sent)
-            metrics.bump_stage(canary.key.kind, "reconciled", seconds)
-
-    def _not_a_tracked_canary(
-        self, namespace: str, obj: Mapping[str, Any]
-    ) -> tuple[str, str] | None:
+    def _why_not(self, namespace: str, obj: Mapping[str, Any]) -> tuple[str, str] | None:
         """Why a copy is not (or no longer) a canary canaryd tracks: (cause, detail)."""
-        if namespace in self._closed:
+        if namespace in self.closed:
             return "namespace_closed", "its namespace is being deleted"
         if not is_canary(obj, self.label):
             return "not_canary", f"label {self.label} is no longer true"
@@ -463,10 +357,9 @@ class Registry:
     def reread(self, canary: Canary, obj: Mapping[str, Any]) -> str | None:
         """A fresh copy the scheduler read (after a 409 or a 404). None: still the canary
         it owns, refreshed; else why this record is no longer the one tracked (a
-        ``canaryd_canaries_dropped_total`` reason: ``replaced``, ``not_canary``, ...). A
-        new object of the same name that is a canary is tracked at once (no watch event
-        may ever announce it); one that is not, or a copy that stopped being a canary,
-        drops the record."""
+        ``canaryd_canaries_dropped_total`` reason). A new object of the same name that
+        is a canary is tracked at once (no watch event may ever announce it); one that
+        is not, or a copy that stopped being a canary, drops the record."""
         if not self.owns(canary):
             return "replaced"
         metadata = obj.get("metadata")
@@ -475,7 +368,7 @@ class Registry:
             self.forget(canary.key, "replaced", "a new object of the same name replaced it")
             self.observe(canary.key.kind, obj)
             return "replaced"
-        why_not = self._not_a_tracked_canary(canary.key.namespace, obj)
+        why_not = self._why_not(canary.key.namespace, obj)
         if why_not is not None:
             self.forget(canary.key, *why_not)
             return why_not[0]
@@ -483,11 +376,8 @@ class Registry:
         return None
 
     def refresh(self, canary: Canary, obj: Mapping[str, Any]) -> None:
-        """A copy the scheduler read or wrote: resourceVersion and nonce, never generation.
-
-        The generation that counts as observed comes only from the watch: that is the
-        path whose health canaryd checks.
-        """
+        """A copy the scheduler read or wrote: resourceVersion and nonce, never generation
+        (the generation observed comes only from the watch, the path canaryd checks)."""
         metadata = obj.get("metadata") or {}
         canary.resource_version = str(metadata.get("resourceVersion") or "")
         canary.nonce, canary.nonce_problem = read_nonce(obj)
@@ -516,7 +406,7 @@ class Registry:
         canary.bump_deadline = deadline
         canary.last_bump_at = wall_time
         # The watch can deliver the bump's event before its answer arrives.
-        self._stages_reached(canary, canary.generation_seen_at)
+        _stages_reached(canary, canary.generation_seen_at)
         self._changed()
 
     def forget(
@@ -531,7 +421,7 @@ class Registry:
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
-        self._observer.canary_forgotten(key)
+        self._tell(Forgotten(key))
         self._changed()
         return canary
 
@@ -548,9 +438,6 @@ class Registry:
         for key in keys:
             self.forget(key, cause, detail)
         return len(keys)
-
-    def forget_namespace(self, namespace: str, cause: str, detail: str = "") -> int:
-        return self.forget_where(lambda key: key.namespace == namespace, cause, detail)
 
     def replace_scope(
         self, kind: str, namespace: str | None, objects: Iterable[Mapping[str, Any]]

@@ -39,7 +39,7 @@ from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect
 from canaryd.kube import KubeClient
 from canaryd.leader import LeaderElector
 from canaryd.opjudge import OperatorJudge, phase
-from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
+from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 from canaryd.sync import ScopeKey, ScopeSync
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
@@ -70,16 +70,10 @@ class Role:
     ) -> None:
         self.settings, self.registry, self.events = settings, registry, events
         self._clock = clock
+        # Failed bumps, logged as episodes (an outage is not a line per canary).
         self.failures = Episodes(
-            "bump_failures",
-            subject="canary",
-            subjects="canaries",
-            detail_event="bump_failed",
-            interval=lambda: settings.timeout,
-            logger_name="canaryd.scheduler",
-            clock=clock,
+            "bump_failures", "canary", lambda: settings.timeout, "canaries", clock=clock
         )
-        """Failed bumps, logged as episodes (an outage is not a line per canary)."""
         self.standby_reason: str | None = None
         """Why this replica does not bump (a follower under --leader-elect); None: it does."""
         self._verdicts_kept = False
@@ -113,11 +107,9 @@ class Role:
                 self.registry.set_state(canary, CanaryState.PENDING, why, "first_bump")
 
     def verdict_ttl(self) -> float:
-        """How long an unhealthy verdict stands without a bump to re-test it: two
-        cycles, less the judge's slack. The second cycle's write falls due two cycles
-        after the deadline whose judge reached the verdict, and either may run up to
-        the slack late (the scheduler's tick, a busy loop): measured from the judge,
-        the verdict would otherwise age a cycle late whenever the judge ran late."""
+        """How long an unhealthy verdict stands without a bump to re-test it: two cycles
+        (the second one's write falls due then), less the judge's slack, by which either
+        judge may run late (else it would age a cycle late whenever the judge did)."""
         return 2 * self.settings.timeout - self.settings.judge_slack
 
     def bump_failed(self, canary: Canary, cause: str, reason: str) -> None:
@@ -210,25 +202,21 @@ class Scheduler:
         lease: LeaderElector | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry, self.kube = settings, registry, kube
-        self._clock = clock
+        self.settings, self.registry, self.kube, self._clock = settings, registry, kube, clock
         self._lease = lease  # --leader-elect: whose role this follows
         self._heap: list[tuple[float, int, Canary]] = []
         self._order = itertools.count()
-        self._due_seq: dict[CanaryKey, int] = {}
-        """Each canary's one live heap entry (an earlier one of it is void)."""
-        self._wake = asyncio.Event()
+        self._due_seq: dict[CanaryKey, int] = {}  # each one's live heap entry (others void)
+        self._wake = registry.news  # set by the registry's news, and by an earlier deadline
+        # Each canary whose bump task runs (for a slot, the fence, an answer): its record.
         self._in_flight: dict[CanaryKey, Canary] = {}
-        """Canaries whose bump task runs (waiting for a slot, the fence, or an answer):
-        the record it writes for (a new object of the same name is another)."""
         self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
         permit = lease.write_permit if lease is not None else None
         self.writer = Writer(settings, registry, kube, permit=permit, clock=clock)
-        self._deferred: set[Canary] = set()
-        """Canaries whose verdict waits for their watch to resume."""
+        self._deferred: set[Canary] = set()  # verdicts waiting for their watch to resume
         self._group: asyncio.TaskGroup | None = None
+        # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
-        """Kubernetes Events on canaries whose verdict changed (the daemon runs its task)."""
         self.role = Role(settings, registry, self.events, clock=clock)
         self.failures = self.role.failures
         self.operator = (
@@ -236,9 +224,8 @@ class Scheduler:
             if settings.reconciled_by == "operator-metrics"
             else None
         )
+        # operator-metrics: canaries past their deadline, judged at the next read (Wait).
         self._waiting: list[tuple[float, Canary]] = []
-        """operator-metrics: canaries past their deadline waiting for the next read
-        (``judge.Wait``); a read judges every canary due before it started."""
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
 
@@ -281,18 +268,32 @@ class Scheduler:
 
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant (above): empty when all is well, and
-        for a follower, which schedules nothing."""
+        for a follower, which schedules nothing. A canary whose news the loop has not
+        taken yet may be neither: it is scheduled at the loop's next turn."""
         if not self.active:
             return []
         waiting = Counter(canary.key for _, canary in self._waiting)
+        new = {news.canary.key for news in self.registry.pending if isinstance(news, Added)}
         return [
             canary.key
             for canary in self.registry.canaries()
-            if (canary.key in self._due_seq) + self.flying(canary) + waiting[canary.key] != 1
+            if (canary.key in self._due_seq) + self.flying(canary) + waiting[canary.key]
+            not in ((0, 1) if canary.key in new else (1,))
         ]
 
-    def canary_added(self, canary: Canary) -> None:
-        self.schedule_first(canary)
+    def take_news(self) -> None:
+        """Act on what the registry tells, in order: a canary added is scheduled, one
+        forgotten leaves nothing here, a resumed scope's deferred verdicts are judged.
+        The loop reads it; nothing calls the scheduler back."""
+        for news in self.registry.take_news():
+            match news:
+                case Added(canary=canary):
+                    if self.registry.owns(canary):  # not forgotten since
+                        self.schedule_first(canary)
+                case Forgotten(key=key):
+                    self._forget(key)
+                case Resumed(scope=scope):
+                    self._scope_resumed(scope)
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
@@ -318,8 +319,8 @@ class Scheduler:
 
     async def _next_due(self) -> tuple[float, Canary]:
         while True:
+            self.take_news()  # clears the wake-up: the heap is read after it
             if not self._heap:
-                self._wake.clear()
                 await self._wake.wait()
                 continue
             due, seq, canary = self._heap[0]
@@ -331,7 +332,6 @@ class Scheduler:
                 heapq.heappop(self._heap)
                 del self._due_seq[canary.key]
                 return due, canary
-            self._wake.clear()
             timer = asyncio.get_running_loop().call_later(
                 max(delay, self.settings.scheduler_tick), self._wake.set
             )
@@ -524,7 +524,7 @@ class Scheduler:
                 self.push(now + self.settings.judge_slack, canary)
         return False  # not yet: rescheduled, or (Wait) judged at the next read
 
-    def scope_resumed(self, scope: ScopeKey) -> None:
+    def _scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
         kind, namespace = scope
         at = self._clock() + self.settings.resume_grace
@@ -537,7 +537,7 @@ class Scheduler:
             if canary.deferred_until is not None and at < canary.deferred_until:
                 self.push(at, canary)
 
-    def canary_forgotten(self, key: CanaryKey) -> None:
+    def _forget(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
         self._due_seq.pop(key, None)
         self.failures.recovered(key)

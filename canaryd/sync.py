@@ -8,14 +8,13 @@ the moment canaryd suspects its own connection (half-open: a bump answered 2xx w
 the stream delivered nothing at all) until the replacement delivers. While a scope is
 not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
 
-Only its ``ListWatch`` changes a scope's model (and the judge, through ``suspect``);
-the watcher, the registry and the server read it.
+Only the watcher changes it, as its ``ListWatch`` tells; the judge marks it suspected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,9 +41,10 @@ class ScopeSync:
     """Monotonic time it last came back in sync (its first list, or the first delivery
     of a resumed stream). A resumed stream replays what was missed over several reads:
     a bump answered before that may still be on its way."""
-    replace: Callable[[str], None] = field(default=lambda why: None)
-    """Set by the scope's ListWatch: drop the current stream and resume from the last
-    resourceVersion."""
+    suspected: str | None = None
+    """Why canaryd suspects the open stream, until the watcher replaces it."""
+    suspects: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by ``suspect``: the watcher waits for it (``Scopes.suspects``, shared)."""
 
     @property
     def ready(self) -> bool:
@@ -54,8 +54,6 @@ class ScopeSync:
     @property
     def in_sync(self) -> bool:
         return self.unsynced_since is None
-
-    # -------------------------------------------------------------- transitions
 
     def listed_at(self, now: float) -> bool:
         """A full list is in the registry. True when that ends a time out of sync."""
@@ -98,14 +96,14 @@ class ScopeSync:
     def suspect(self, now: float, why: str) -> None:
         """canaryd suspects its own connection: out of sync until a new stream delivers."""
         self.dropped(now, f"canaryd replaced it ({why})")
-        self.replace(why)
+        self.suspected = why
+        self.suspects.set()
 
     def _resync(self) -> bool:
-        was_behind = self.unsynced_since is not None
-        if was_behind:
-            self.resynced_at = self.last_delivery
-        self.unsynced_since = None
-        return was_behind
+        if self.unsynced_since is None:
+            return False
+        self.unsynced_since, self.resynced_at = None, self.last_delivery
+        return True
 
 
 class _Located(Protocol):
@@ -120,22 +118,23 @@ class Scopes:
 
     def __init__(self) -> None:
         self._scopes: dict[ScopeKey, ScopeSync] = {}
+        self.suspects = asyncio.Event()
+        """Set when a scope is suspected: the watcher replaces its stream."""
 
     def get(self, scope: ScopeKey, now: float) -> ScopeSync:
         """One scope's model, made (out of sync since ``now``) when first asked for."""
-        return self._scopes.setdefault(scope, ScopeSync(now))
+        return self._scopes.setdefault(scope, ScopeSync(now, suspects=self.suspects))
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""
-        sync = self._scopes[scope] = ScopeSync(now)
-        return sync
+        self._scopes[scope] = ScopeSync(now, suspects=self.suspects)
+        return self._scopes[scope]
 
     def remove(self, scope: ScopeKey) -> None:
         """The scope is no longer watched: nothing of it waits any more."""
         self._scopes.pop(scope, None)
 
     def covering(self, key: _Located) -> ScopeSync | None:
-        """The model of the watch that covers this canary (its namespace's, or the
-        cluster-wide one), if any."""
+        """The model of the watch that covers this canary (its namespace's or all's)."""
         found = self._scopes.get((key.kind, key.namespace))
         return found if found is not None else self._scopes.get((key.kind, None))

@@ -135,12 +135,10 @@ class Run:
             self.kube,  # type: ignore[arg-type]
             clock=lambda: self.now,
         )
-        self.registry.attach(self.scheduler)
         self.watcher = Watcher(
             self.settings,
             self.registry,
             self.kube,  # type: ignore[arg-type]
-            on_scope_resumed=self.scheduler.scope_resumed,
         )
         self.watcher.settings = self.settings
         self.violations = self.kube.violations
@@ -179,7 +177,7 @@ class Run:
     def scope_delivered(self) -> None:
         """An event or a bookmark arrived on the scope (as ListWatch tells it)."""
         if self.registry.scopes.get(SCOPE, self.now).delivered(self.now):
-            self.scheduler.scope_resumed(SCOPE)
+            self.registry.scope_resumed(SCOPE)
 
     @property
     def watcher_kind(self) -> Any:
@@ -189,6 +187,7 @@ class Run:
 
     def tick(self) -> None:
         self.now += CYCLE / 4
+        self.scheduler.take_news()  # as Scheduler._next_due does first
         heap = self.scheduler._heap
         while heap and heap[0][0] <= self.now:
             due, seq, canary = heapq.heappop(heap)

@@ -697,7 +697,6 @@ async def test_a_replica_that_takes_over_from_another_starts_fresh(kube, kubecon
 
     registry = Registry("flink.apache.org/canary")
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=None)  # type: ignore[arg-type]
-    registry.attach(scheduler)
     registry.observe(
         "flinkdeployments",
         {

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canaryd.registry import Canary, CanaryKey, CanaryState, Registry
+from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 
 LABEL = "flink.apache.org/canary"
 NAMES = st.sampled_from(["a", "b", "c", "d"])
@@ -55,7 +55,7 @@ def test_counts_match_a_recount_after_any_sequence(operations):
             if canary is not None:
                 registry.set_state(canary, op[3], "test", "test")
         else:
-            registry.forget_namespace(op[1], "namespace_closed")
+            registry.forget_where(lambda key, ns=op[1]: key.namespace == ns, "namespace_closed")
         recount = Counter(c.state.value for c in registry.canaries())
         assert registry.counts() == {s.value: recount[s.value] for s in CanaryState}
         assert registry.healthy == (recount["unhealthy"] == 0)
@@ -65,20 +65,6 @@ def test_counts_match_a_recount_after_any_sequence(operations):
 # ------------------------------------------- the registry's transitions, one by one
 
 
-class Heard:
-    """A registry observer that keeps what it heard."""
-
-    def __init__(self) -> None:
-        self.added: list[CanaryKey] = []
-        self.forgotten: list[CanaryKey] = []
-
-    def canary_added(self, canary: Canary) -> None:
-        self.added.append(canary.key)
-
-    def canary_forgotten(self, key: CanaryKey) -> None:
-        self.forgotten.append(key)
-
-
 def tracked(registry: Registry, name: str = "a") -> Canary:
     registry.observe("flinkdeployments", obj("ns1", name, "true", "u1"))
     found = registry.get(CanaryKey("flinkdeployments", "ns1", name))
@@ -86,13 +72,21 @@ def tracked(registry: Registry, name: str = "a") -> Canary:
     return found
 
 
-def test_observed_added_and_forgotten_are_told_to_the_observer():
-    registry, heard = Registry(LABEL), Heard()
-    registry.attach(heard)
+def test_added_forgotten_and_resumed_are_news_in_order():
+    """What the scheduler acts on is read from the registry's news (nothing calls it
+    back): canaries added and forgotten, scopes resumed, in order, each taken once."""
+    registry = Registry(LABEL)
+    assert not registry.news.is_set()
     canary = tracked(registry)
     registry.forget(canary.key, "deleted")
-    key = CanaryKey("flinkdeployments", "ns1", "a")
-    assert heard.added == [key] and heard.forgotten == [key]
+    registry.scope_resumed(("flinkdeployments", "ns1"))
+    assert registry.news.is_set()
+    assert registry.take_news() == [
+        Added(canary),
+        Forgotten(CanaryKey("flinkdeployments", "ns1", "a")),
+        Resumed(("flinkdeployments", "ns1")),
+    ]
+    assert not registry.news.is_set() and registry.take_news() == []
 
 
 def test_bumped_then_judged_healthy_or_unhealthy():

@@ -232,7 +232,6 @@ def test_a_bump_answered_without_a_generation_rise_is_no_bump_to_judge():
     canary = registry.get(canary.key)
     assert canary is not None
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: 100.0)  # type: ignore[arg-type]
-    registry.attach(scheduler)
     answer = {"metadata": {"resourceVersion": "6", "generation": 2}, "spec": {"restartNonce": 2}}
     attempt = scheduler.writer._next_attempt(canary)
     outcome = scheduler.writer._written(canary, answer, attempt)
@@ -281,8 +280,8 @@ def _one_canary(
     clock and no API server: the judge and the transitions, driven by hand."""
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=clock)  # type: ignore[arg-type]
-    registry.attach(scheduler)
     registry.observe("flinkdeployments", copy)
+    scheduler.take_news()  # as its loop does: the canary is scheduled
     canary = registry.get(CanaryKey("flinkdeployments", "ns", "c"))
     assert canary is not None
     return registry, scheduler, canary
@@ -378,7 +377,6 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
     now = [100.0]
     registry = Registry(LABEL)
     scheduler = Scheduler(Settings(timeout=CYCLE), registry, kube=UNSENT, clock=lambda: now[0])  # type: ignore[arg-type]
-    registry.attach(scheduler)
     canaries = []
     for i in range(3):
         registry.observe(
@@ -388,6 +386,7 @@ async def test_the_scheduler_takes_the_deadlines_of_a_tick_together(monkeypatch)
                 "metadata": {**canary_copy()["metadata"], "name": f"c{i}", "uid": f"u{i}"},
             },
         )
+        scheduler.take_news()  # scheduled at its phase, then pushed by hand
         canary = registry.get(CanaryKey("flinkdeployments", "ns", f"c{i}"))
         assert canary is not None
         canaries.append(canary)
@@ -750,3 +749,49 @@ async def test_only_an_answer_that_shows_the_api_server_serving_counts_as_one(an
                     async for _ in kube_client.watch("/w", {}, idle_timeout=5.0):
                         pass
             assert (kube_client.answered_since >= sent) is serving, (exchange, answer)
+
+
+async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirms_it(kube):
+    """Issue 44 (no discovery): a kind's list answered 404 means the kind is not served
+    only as a kube-apiserver Status, or as Go's plain page once the API server's own
+    lists confirm it (its /apis/GROUP/VERSION lacks the kind, has it cluster-scoped, or
+    /apis lacks the group version). A gateway's page for every path confirms nothing:
+    an outage, transient (canaries kept, no verdict)."""
+    from canaryd.kube import kind_of
+    from canaryd.listwatch import ListWatch, Scope, not_served
+
+    kube.remove_crd("flinksessionjobs")
+    configuration = k8s_client.Configuration()
+    configuration.host = kube.url
+    configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
+    client = KubeClient(configuration, request_timeout=2.0)
+    try:
+        assert await not_served(client, KINDS["flinkdeployments"]) is None
+        missing = await not_served(client, KINDS["flinksessionjobs"])
+        assert (
+            missing == "flinksessionjobs.flink.apache.org is not served in flink.apache.org/v1beta1"
+        )
+        nowhere = await not_served(client, kind_of("things.nowhere.example/v1"))
+        assert nowhere == "things.nowhere.example is not served: no nowhere.example/v1 in /apis"
+
+        def confirmed(err: KubeError, scope: Scope) -> Awaitable[KubeError]:
+            out: asyncio.Queue[Any] = asyncio.Queue()
+            lw = ListWatch(client, Settings(timeout=CYCLE), scope, selector=None, out=out)
+            return lw._confirmed(err)
+
+        plain = KubeError(ErrorKind.GONE, "404 page not found", status=404)
+        status = KubeError(ErrorKind.GONE, "not found", status=404, reason="NotFound")
+        served, gone = (
+            Scope(KINDS["flinkdeployments"], None),
+            Scope(KINDS["flinksessionjobs"], None),
+        )
+        assert (await confirmed(plain, gone)).kind is ErrorKind.GONE
+        assert (await confirmed(plain, served)).kind is ErrorKind.TRANSIENT
+        assert (await confirmed(status, served)) is status  # a Status is believed
+        # A gateway with nothing behind it answers its 404 page on every path, /apis too.
+        kube.unavailable = Fault(code=404, page="404 page not found\n")
+        assert await not_served(client, KINDS["flinksessionjobs"]) is None
+        assert (await confirmed(plain, gone)).kind is ErrorKind.TRANSIENT
+    finally:
+        kube.unavailable = None
+        await client.close()

@@ -22,15 +22,13 @@ import pytest
 
 from canaryd import __version__, metrics
 from canaryd.__main__ import main
-from canaryd.access import ACCESS_REVIEWS, KIND_VERBS, PatchReviews, Permission
+from canaryd.access import ACCESS_REVIEWS, KIND_VERBS
 from canaryd.check import check
 from canaryd.config import ConfigError, load_settings
-from canaryd.credentials import Credentials
-from canaryd.kube import KubeClient
-from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube, Fault
+from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube
 from tests.conftest import TOKEN
 from tests.controlplane.launcher import ControlPlane, built_bin_dir
-from tests.harness import TEST_SETTINGS, create_canary, json_lines, json_logs, running_daemon
+from tests.harness import create_canary, json_lines, json_logs, running_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -704,45 +702,6 @@ async def test_check_with_bad_configuration_is_one_line_and_exit_2():
         "canaryd: --timeout: '300' is 300 ms: a bare number is milliseconds; give a unit, "
         "e.g. '300s' (or '300ms' for a cycle below a second)"
     )
-
-
-async def test_patch_reviews_ask_an_unanswered_round_again_and_forget_unwatched_scopes(kube):
-    """The watcher's reviews: a round the API server did not answer (500) is not a
-    refusal and is asked again after a backoff; a scope no longer watched leaves
-    ``denied`` at once, and is asked again when it comes back (only it)."""
-    from kubernetes_asyncio import client as k8s_client
-
-    kube.deny("patch", "flinkdeployments", "team-b")
-    unanswered = kube.inject(Fault(verb="access_review"))
-    configuration = k8s_client.Configuration()
-    configuration.host = kube.url
-    configuration.api_key = {"BearerToken": f"Bearer {TOKEN}"}
-    client = KubeClient(Credentials(configuration))
-    answered = asyncio.Event()
-    patch_reviews: PatchReviews[str] = PatchReviews(TEST_SETTINGS, client, answered.set)
-
-    def patch_in(namespace: str) -> Permission:
-        return Permission("patch", "flinkdeployments", "flink.apache.org", namespace)
-
-    try:
-        async with asyncio.timeout(10), asyncio.TaskGroup() as group:
-            patch_reviews.ask(group, {"a": patch_in("team-a"), "b": patch_in("team-b")})
-            await answered.wait()
-            assert unanswered.hits == 1 and patch_reviews.denied == {"b"}
-            answered.clear()
-            patch_reviews.ask(group, {"a": patch_in("team-a")})
-            assert patch_reviews.denied == set()
-            patch_reviews.ask(group, {"a": patch_in("team-a"), "b": patch_in("team-b")})
-            await answered.wait()
-            assert patch_reviews.denied == {"b"}
-            asked = [r.body["spec"]["resourceAttributes"]["namespace"] for r in kube.requests]
-            # The unanswered round (its other review perhaps cancelled unsent), the round
-            # again, then team-b alone.
-            assert sorted(asked[-3:-1]) == ["team-a", "team-b"] and asked[-1] == "team-b", asked
-            assert asked.count("team-a") <= 2, asked
-            patch_reviews.ask(group, {})  # nothing watched: its task ends
-    finally:
-        await client.close()
 
 
 async def test_the_fakes_access_reviews_answer_as_its_requests_are_answered(kube, kubeconfig):

@@ -42,7 +42,7 @@ async def until_true(predicate: Callable[[], bool], what: str, within: float = 1
 
 
 def failed_requests() -> float:
-    return counter(metrics.API_REQUESTS, "get", "error")
+    return counter(metrics.API_REQUESTS, "list", "error")
 
 
 async def ready(run: Running) -> tuple[int, str]:
@@ -55,14 +55,15 @@ def events(records: list[dict[str, object]], name: str) -> list[dict[str, object
 
 def one_episode(records: list[dict[str, object]], cause: str) -> None:
     """Told once when it starts (a warning naming the cause), once when it ends, and a
-    summary a cycle while it lasts; every retry at debug only."""
-    started = events(records, "discovery_failures_started")
+    summary a cycle while it lasts; every retry at debug only (every scope's list fails
+    alike: one episode)."""
+    started = events(records, "watch_failures_started")
     assert len(started) == 1, started
     assert started[0]["level"] == "warning" and started[0]["cause"] == cause, started
-    assert len(events(records, "discovery_failures_ended")) == 1
-    retries = events(records, "discovery_failed")
+    assert len(events(records, "watch_failures_ended")) == 1
+    retries = events(records, "watch_failed")
     assert len(retries) >= 3 and {r["level"] for r in retries} == {"debug"}, retries
-    ongoing = events(records, "discovery_failures_ongoing")
+    ongoing = events(records, "watch_failures_ongoing")
     assert not [
         r for r in records if r["level"] == "warning" and r not in started + retries + ongoing
     ]
@@ -78,13 +79,14 @@ async def test_an_api_server_that_refuses_connections_is_one_episode_named_in_re
             before = failed_requests()
             await until_true(lambda: failed_requests() >= before + 3, "three refused attempts")
             status, text = await ready(run)
-            assert status == 503 and "discovery failed: refused: " in text, text
+            assert status == 503 and "not listed or not connected: " in text, text
+            assert "(refused: " in text, text
             assert await run.get("/healthz") == (200, "OK")  # nothing tracked: healthy
             await kube.accept_connections()
             await run.until_tracked()
             await run.until(lambda: run.daemon.not_ready() is None, "ready")
         records = json_lines(capsys.readouterr().err)
-    one_episode(records, "refused")
+    one_episode(records, "list_error")
 
 
 async def test_a_token_refused_after_a_credential_reload_is_named_and_a_fixed_one_is_read(
@@ -103,15 +105,16 @@ async def test_a_token_refused_after_a_credential_reload_is_named_and_a_fixed_on
             await run.until(lambda: len(refused()) >= 6, "three attempts, each reloaded once")
             status, text = await ready(run)
             assert status == 503, text
-            assert "discovery failed: unauthorized: 401" in text, text
+            assert "(unauthorized: 401" in text, text
             assert "(also after reloading the credentials)" in text, text
             assert "wrong-token" not in text
             config["users"][0]["user"]["token"] = TOKEN
             kubeconfig.write_text(yaml.safe_dump(config))
             await run.until_tracked(within=20)
+            await run.until(lambda: run.daemon._not_ready() is None, "every scope listed")
         err = capsys.readouterr().err
     assert "wrong-token" not in err and TOKEN not in err
-    one_episode(json_lines(err), "unauthorized")
+    one_episode(json_lines(err), "list_unauthorized")
 
 
 async def test_an_untrusted_certificate_is_named_tls(tmp_path, capsys):
@@ -129,19 +132,18 @@ async def test_an_untrusted_certificate_is_named_tls(tmp_path, capsys):
                 before = failed_requests()
                 await until_true(lambda: failed_requests() >= before + 3, "three handshakes")
                 status, text = await ready(run)
-                assert status == 503 and "discovery failed: tls: " in text, text
+                assert status == 503 and "(tls: " in text, text
                 assert "CERTIFICATE_VERIFY_FAILED" in text, text
             records = json_lines(capsys.readouterr().err)
-    started = events(records, "discovery_failures_started")
-    # One episode line for the cause; a loaded machine may also time a handshake out
-    # (the connect timeout of a 0.3 s cycle is short), which is a cause of its own.
-    assert [r["cause"] for r in started].count("tls") == 1, started
-    assert {r["cause"] for r in started} <= {"tls", "timeout"}, started
-    assert events(records, "discovery_failed") == []  # per retry: debug only
+    started = events(records, "watch_failures_started")
+    # One episode line for the cause, whichever scope failed first (a loaded machine
+    # may also time a handshake out: the same cause, a failed list).
+    assert [r["cause"] for r in started] == ["list_error"], started
+    assert events(records, "watch_failed") == []  # per retry: debug only
     # Stopped while it still failed: told as such, never as an end.
-    (still,) = events(records, "discovery_failures_still_failing")
-    assert still["failing"] == 1 and set(still["causes"]) <= {"tls", "timeout"}, still
-    assert events(records, "discovery_failures_ended") == []
+    (still,) = events(records, "watch_failures_still_failing")
+    assert still["failing"] == 3 and set(still["causes"]) == {"list_error"}, still
+    assert events(records, "watch_failures_ended") == []
 
 
 async def test_a_403_episode_still_open_at_sigterm_is_not_told_as_ended(kube, kubeconfig, capsys):

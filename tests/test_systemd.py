@@ -137,7 +137,6 @@ def test_scheduler_lag_is_what_makes_the_daemon_stuck():
         kube=None,  # type: ignore[arg-type]
         clock=lambda: now[0],
     )
-    registry.attach(scheduler)
     assert scheduler.lag() == 0.0
     scheduler.push(95.0, Canary(CanaryKey("flinkdeployments", "ns", "c"), "u", "1", 1, 0))
     assert scheduler.lag() == 5.0

@@ -178,7 +178,7 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
 
     from canaryd.credentials import Credentials
     from canaryd.kube import KINDS, KubeClient
-    from canaryd.watcher import ListWatch, Scope
+    from canaryd.listwatch import ListWatch, Scope, Sync
 
     settings = TEST_SETTINGS
     with black_hole() as url:
@@ -203,9 +203,7 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
                 settings,
                 scope,
                 selector=None,
-                on_list=lambda items: None,
-                on_event=lambda kind, obj: None,
-                on_denied=lambda err: None,
+                out=(told := asyncio.Queue()),
             )
             idle = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle")
             errors = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error")
@@ -218,7 +216,8 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
             assert lw.failures.cause(scope) == "watch_error"
             assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle") == idle
             assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error") == errors + 3
-            assert not lw.sync.in_sync and not lw.sync.connected
+            changes = [told.get_nowait()[1] for _ in range(told.qsize())]
+            assert changes == [Sync.DROPPED] * 3, changes  # never opened, each dropped
         finally:
             await kube.close()
 

@@ -1,0 +1,474 @@
+"""One scope's list/watch loop, as a stream of changes it does not apply itself.
+
+kubernetes-asyncio's ``Watch`` does not do what a watch that must not miss a change
+needs: list, watch from the list's resourceVersion with bookmarks, resume from the
+last event's resourceVersion when a stream ends, relist on 410 Expired, back off on
+errors. ``ListWatch`` does, and puts what it learns on a queue it is given, as
+client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``): a full
+list, each event, and each change of where the scope stands (a stream answered, a
+bookmark, a drop, a denial). The watcher applies them to the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from canaryd import metrics
+from canaryd.backoff import Backoff
+from canaryd.config import Settings
+from canaryd.episodes import Episodes
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    classify_answer,
+    failure_cause,
+)
+
+log = structlog.get_logger("canaryd.watcher")
+
+LIST_PAGE = 500
+"""Objects per list page (client-go's pager default)."""
+LISTS_AT_ONCE = 16
+"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``):
+600 namespaces starting together list a few dozen at a time, not 1,200 at once (the
+health server, the bumps and the watches already open keep their turns of the loop)."""
+
+
+def watch_failures(settings: Settings) -> Episodes:
+    """Failed lists and watches of every scope, told as episodes (per scope at debug)."""
+    return Episodes(
+        "watch_failures",
+        subject="scope",
+        subjects="scopes",
+        detail_event="watch_failed",
+        interval=lambda: settings.timeout,
+        logger_name="canaryd.watcher",
+    )
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one list/watch covers. ``kind`` None: the Namespaces watch."""
+
+    kind: Kind | None
+    namespace: str | None
+
+    def __str__(self) -> str:
+        return f"{self.resource}@{self.namespace}" if self.namespace else self.resource
+
+    @property
+    def resource(self) -> str:
+        return self.kind.plural if self.kind else "namespaces"
+
+    @property
+    def path(self) -> str:
+        return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
+
+
+# ------------------------------------------------------------- what it tells
+
+
+class Sync(enum.Enum):
+    """A change of where the scope stands (canaryd.sync's transitions)."""
+
+    OPENED = "opened"  # a watch was answered 200
+    BOOKMARK = "bookmark"  # delivered, with no object
+    DROPPED = "dropped"  # the list or the stream failed or ended: the registry may be behind
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """A full list: the scope's objects replace what was known of it."""
+
+    items: list[Mapping[str, Any]]
+    kind: str
+    """The Kind the list answer names (``FlinkDeployment`` of ``FlinkDeploymentList``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """An ADDED, MODIFIED or DELETED event."""
+
+    type: str
+    obj: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """403, or a 404 believed: nothing in the scope is ours for now (retried later)."""
+
+    error: KubeError
+
+
+Change = Listed | Event | Refused | Sync
+
+
+# ------------------------------------------------------------------ the loop
+
+
+class State(enum.Enum):
+    LISTING = "listing"  # no usable resourceVersion: list everything, replace the scope's
+    WATCHING = "watching"  # stream changes from a known resourceVersion
+    BACKING_OFF = "backing_off"  # wait ``delay``, then go on to ``then``
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    """A ListWatch's next state, and what it needs."""
+
+    state: State
+    rv: str = ""
+    delay: float = 0.0
+    then: State = State.LISTING
+
+
+def backing_off(delay: float, then: State, rv: str = "") -> Next:
+    return Next(State.BACKING_OFF, rv, delay, then)
+
+
+def _rv(obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata")
+    value = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
+    return str(value) if value else ""
+
+
+async def list_all(
+    kube: KubeClient, path: str, params: Mapping[str, str], time_limit: float
+) -> tuple[list[Mapping[str, Any]], str, str]:
+    """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
+    grows with the number of canaries past a few hundred objects. A continue token
+    that expired (410: the snapshot was compacted) falls back to one whole list, as
+    client-go's pager does (FullListIfExpired). Returns the items, the list's
+    resourceVersion and the Kind its answer names ("" if none)."""
+    items: list[Mapping[str, Any]] = []
+    page_params, rv = {**params, "limit": str(LIST_PAGE)}, ""
+    while True:
+        try:
+            listed = await kube.request(
+                "list", "GET", path, params=page_params, time_limit=time_limit
+            )
+        except KubeError as err:
+            if err.kind is not ErrorKind.EXPIRED or "continue" not in page_params:
+                raise
+            items, page_params, rv = [], dict(params), ""  # one whole list, no limit
+            continue
+        page = listed.get("items")
+        if page is None:
+            page = []
+        if not isinstance(page, list):
+            raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
+        items.extend(item for item in page if isinstance(item, Mapping))
+        rv = rv or _rv(listed)  # every page is of the first page's snapshot
+        metadata = listed.get("metadata")
+        token = metadata.get("continue") if isinstance(metadata, Mapping) else None
+        if "limit" not in page_params or not isinstance(token, str) or not token:
+            kind = str(listed.get("kind") or "")
+            return items, rv, kind.removesuffix("List") if kind.endswith("List") else ""
+        page_params = {**page_params, "continue": token}
+
+
+async def not_served(kube: KubeClient, kind: Kind) -> str | None:
+    """Why the API server does not serve ``kind`` as a canary kind, when it says so;
+    None when it does not say (it serves it, or an outage: a gateway answers Go's
+    ``404 page not found`` for every path, which confirms nothing). Its group
+    version's APIResourceList lacks it or has it cluster-scoped; or that 404s too and
+    ``/apis``, which kube-apiserver always answers with an APIGroupList, lacks the
+    group version. Raises the KubeError of a group version that does not answer."""
+    where = f"{kind.plural}.{kind.group}"
+    group_version = f"{kind.group}/{kind.version}"
+    try:
+        found = await kube.request("get", "GET", f"/apis/{group_version}")
+    except KubeError as err:
+        if err.kind is not ErrorKind.GONE:
+            raise
+        try:
+            listed = await kube.request("get", "GET", "/apis")
+        except KubeError:
+            return None
+        offered = {
+            version.get("groupVersion")
+            for group in listed.get("groups") or []
+            if isinstance(group, Mapping)
+            for version in group.get("versions") or []
+            if isinstance(version, Mapping)
+        }
+        if listed.get("kind") != "APIGroupList" or group_version in offered:
+            return None
+        return f"{where} is not served: no {group_version} in /apis"
+    if found.get("kind") != "APIResourceList":
+        return None
+    resources = [r for r in found.get("resources") or [] if isinstance(r, Mapping)]
+    resource = next((r for r in resources if r.get("name") == kind.plural), None)
+    if resource is None:
+        return f"{where} is not served in {group_version}"
+    if resource.get("namespaced") is not True:
+        return f"{where} is cluster-scoped; only namespaced kinds can be canaries"
+    return None
+
+
+class ListWatch:
+    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``.
+
+    Backoff follows client-go's reflector: a stream that ends or drops after it was
+    established (it delivered an event, or it lasted ``short_watch``) resumes from its
+    last resourceVersion at once; only failures in a row back off, jittered and capped
+    at a quarter of the cycle. A 410 relists at once.
+    """
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        settings: Settings,
+        scope: Scope,
+        *,
+        selector: str | None,
+        out: asyncio.Queue[tuple[ListWatch, Change]],
+        failures: Episodes | None = None,
+        list_slots: asyncio.Semaphore | None = None,
+    ) -> None:
+        self.kube, self.settings, self.scope, self._out = kube, settings, scope, out
+        self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
+        self.failures = failures or watch_failures(settings)
+        """Where failures are told: an outage is an episode, not a line per retry."""
+        self.params = {"labelSelector": selector} if selector else {}
+        metrics.watching(scope.resource)
+        self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
+        self._loop = asyncio.get_running_loop()
+        self._stream: asyncio.Timeout | None = None
+        """The open stream's cancel scope: rescheduled to now, it replaces the stream."""
+        self._opened_at: float | None = None
+        """Loop time the open stream was answered 200; None before (a connect counts
+        as nothing: a connect timeout is a failure, not an established stream)."""
+        self.problem: str | None = None
+        """Why the last list or watch failed ("refused: ..."), until one is answered."""
+        self._start_over = False
+
+    def _tell(self, change: Change) -> None:
+        self._out.put_nowait((self, change))
+
+    async def run(self) -> None:
+        """The state machine: listing -> watching (resumed from each stream's last
+        resourceVersion) -> backing off after failures in a row -> watching, or listing
+        again after a 410 or a denial. Each transition is the ``Next`` a step returns."""
+        step = Next(State.LISTING)
+        log.info("watch_started", scope=str(self.scope))
+        try:
+            while True:
+                try:
+                    match step.state:
+                        case State.LISTING:
+                            step = await self._list()
+                        case State.WATCHING:
+                            step = await self._watch(step.rv)
+                        case State.BACKING_OFF:
+                            await asyncio.sleep(step.delay)
+                            step = Next(step.then, step.rv)
+                    if self._start_over:
+                        self._start_over = False
+                        step = backing_off(self._backoff.next(), State.LISTING)
+                except Exception:
+                    # A bug must not stop the daemon: say so, count it, start over.
+                    self._tell(Sync.DROPPED)
+                    metrics.ERRORS.labels("watch").inc()
+                    log.exception("watch_failed_unexpectedly", scope=str(self.scope))
+                    step = backing_off(self._backoff.next(), State.LISTING)
+        except asyncio.CancelledError:
+            log.info("watch_stopped", scope=str(self.scope), why="cancelled")
+            raise
+
+    def replace(self, why: str) -> None:
+        """The judge suspects this stream (half-open): end it now and resume at once."""
+        if self._stream is not None and not self._stream.expired():
+            log.info("watch_replaced", scope=str(self.scope), why=why)
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "suspected").inc()
+            self._stream.reschedule(self._loop.time())
+
+    def start_over(self) -> None:
+        """What this loop told could not be applied (a bug): end the stream, back off,
+        list again (the list replaces whatever was missed)."""
+        self._start_over = True
+        if self._stream is not None and not self._stream.expired():
+            self._stream.reschedule(self._loop.time())
+
+    async def _list(self) -> Next:
+        """One list: the scope's state replaced, then a watch from its resourceVersion."""
+        try:
+            async with self.list_slots:
+                items, rv, kind = await list_all(
+                    self.kube, self.scope.path, self.params, self.settings.list_timeout
+                )
+        except KubeError as err:
+            self._tell(Sync.DROPPED)
+            return self._failed(await self._confirmed(err), "list", State.LISTING)
+        metrics.RELISTS.labels(self.scope.resource).inc()
+        self.problem = None
+        self._tell(Listed(items, kind))
+        self.failures.recovered(self.scope)
+        self._backoff.reset()
+        return Next(State.WATCHING, rv)
+
+    def _opened(self) -> None:
+        self._opened_at = self._loop.time()
+        self.problem = None
+        self._tell(Sync.OPENED)
+        if self.failures.cause(self.scope) != "ended_at_once":
+            # Answered 200: what failed (no connection, an error status) works again. A
+            # watch that ended at once with no event recovers only when one arrives.
+            self.failures.recovered(self.scope)
+
+    async def _watch(self, rv: str) -> Next:
+        """One watch stream; returns what to do next and where to resume."""
+        timeout = int(self.settings.watch_timeout * random.uniform(1.0, 2.0)) or 1
+        params = {
+            **self.params,
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout),
+        }
+        opened, events = self._loop.time(), 0
+        self._opened_at = None
+        try:
+            async with asyncio.timeout(None) as self._stream:
+                async for event in self.kube.watch(
+                    self.scope.path,
+                    params,
+                    idle_timeout=self.settings.watch_idle_timeout,
+                    on_connected=self._opened,
+                ):
+                    kind, obj = event.get("type"), event.get("object")
+                    if not isinstance(obj, Mapping):
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning(
+                            "watch_event_without_object", scope=str(self.scope), type=str(kind)
+                        )
+                        continue
+                    if kind == "ERROR":
+                        raise self._error_event(obj)
+                    rv = _rv(obj) or rv
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        self._tell(Event(kind, obj))
+                    elif kind == "BOOKMARK":
+                        self._tell(Sync.BOOKMARK)
+                    else:
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning(
+                            "watch_event_unknown_type", scope=str(self.scope), type=str(kind)
+                        )
+                    events += 1
+                    if events == 1:
+                        # The stream delivers: failures in a row are over.
+                        self._backoff.reset()
+                        self.failures.recovered(self.scope)
+        except TimeoutError:
+            if self._stream is None or not self._stream.expired():
+                raise
+            # Replaced (replace): the scope is out of sync until the new stream delivers.
+            self._tell(Sync.DROPPED)
+            return Next(State.WATCHING, rv)
+        except KubeError as err:
+            self._tell(Sync.DROPPED)
+            if err.kind is ErrorKind.EXPIRED:
+                # The resourceVersion was compacted: only a new list can resume.
+                metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
+                log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
+                return Next(State.LISTING)
+            if (
+                self._established(events)
+                and err.kind is ErrorKind.TRANSIENT
+                and err.reason != "LineTooLong"  # the same line waits at the same rv
+            ):
+                # It worked, then dropped (a reset, an idle stream): resume at once.
+                why = "idle" if err.reason == "Idle" else "dropped"
+                metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
+                # Counted; a resume that fails is the failure worth a line.
+                log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
+                return Next(State.WATCHING, rv)
+            return self._failed(await self._confirmed(err), "watch", State.WATCHING, rv)
+        finally:
+            self._stream = None
+        self._tell(Sync.DROPPED)
+        if not self._established(events):
+            # client-go: a watch that ends within a second with no event failed (a proxy
+            # or load balancer that answers and closes); reopening at once is a busy loop.
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "short").inc()
+            delay = self._backoff.next()
+            self.failures.failed(
+                self.scope,
+                "ended_at_once",
+                f"the watch ended after {self._loop.time() - opened:.3f}s with no event "
+                f"(retry in {delay:.3f}s)",
+            )
+            return backing_off(delay, State.WATCHING, rv)
+        metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
+        log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
+        return Next(State.WATCHING, rv)
+
+    def _established(self, events: int) -> bool:
+        """The stream worked: it delivered, or it stayed open ``short_watch`` after the
+        server answered (time spent connecting does not count)."""
+        return events > 0 or (
+            self._opened_at is not None
+            and self._loop.time() - self._opened_at >= self.settings.short_watch
+        )
+
+    @staticmethod
+    def _error_event(status: Mapping[str, Any]) -> KubeError:
+        code = status.get("code")
+        code = code if isinstance(code, int) else 500
+        return KubeError(
+            classify_answer(code, status),
+            str(status.get("message") or "watch error"),
+            status=code,
+            reason=str(status.get("reason") or ""),
+        )
+
+    async def _confirmed(self, err: KubeError) -> KubeError:
+        """A 404 stands as a kube-apiserver ``Status`` (its reason set), or as Go's plain
+        ``404 page not found`` once the API server confirms it does not serve the kind
+        (``not_served``): a Go gateway with no API server behind it answers the same
+        page, and then the 404 is transient (canaries kept, no verdict)."""
+        if err.kind is not ErrorKind.GONE or err.reason:
+            return err
+        try:
+            why = await not_served(self.kube, self.scope.kind) if self.scope.kind else None
+        except KubeError:
+            why = None  # no answer confirms nothing
+        if why is not None:
+            return KubeError(ErrorKind.GONE, why, status=err.status)
+        note = f"{err.args[0]} (the API server does not confirm it)"
+        return KubeError(ErrorKind.TRANSIENT, note, status=err.status, reason=err.reason)
+
+    def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
+        """Log a failed list or watch, count it, and back off before ``then`` (before a
+        list after a denial: a 403 once a cycle, a kind not served once every config
+        check interval, as often as discovery used to look again at 250 namespaces)."""
+        if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
+            retry = self.settings.forbidden_retry
+            if err.kind is ErrorKind.GONE:
+                retry = self.settings.config_check_interval
+            self.failures.failed(
+                self.scope, f"{during}_{err.kind.value}", f"{err} (retry in {retry:g}s)"
+            )
+            self._tell(Refused(err))
+            return backing_off(retry, State.LISTING)
+        why = "idle" if err.reason == "Idle" else "error"
+        metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
+        delay = self._backoff.next()
+        if err.retry_after is not None:
+            delay = max(err.retry_after, self.settings.backoff_initial)
+        delay = min(delay, self.settings.backoff_max)
+        self.problem = f"{failure_cause(err)}: {err}"
+        cause = "unauthorized" if err.status == 401 else "error"  # canaryd_blind's reason
+        self.failures.failed(self.scope, f"{during}_{cause}", f"{err} (retry in {delay:.3f}s)")
+        return backing_off(delay, then, rv)
