@@ -184,24 +184,26 @@ async def test_a_missing_crd_is_skipped_with_a_warning(tmp_path, capsys):
     """A kind whose list answers 404 (confirmed: its group version does not serve it)
     is not served: its lists are retried, nothing else is sent for it, one warning."""
     from canaryd.testing.apiserver import FLINK_DEPLOYMENTS as FD
+    from tests.harness import json_lines, json_logs
 
     kube = FakeKube(crds=[FD])
     async with kube.running():
         kube.create_namespace("default")
         create_canary(kube)
         config = kube.write_kubeconfig(tmp_path / "kubeconfig")
-        async with running_daemon(kube, config) as run:
-            await run.until_state(CanaryState.HEALTHY)
-            assert run.daemon.watcher is not None
-            await run.until(
-                lambda: [k.plural for k in run.daemon.watcher.kinds] == ["flinkdeployments"],
-                "the 404 confirmed",
-            )
-            sent = [r for r in kube.requests if r.path.endswith("/flinksessionjobs")]
-            assert sent and {(r.method, r.status) for r in sent} == {("GET", 404)}, sent
-            assert "watch" not in {key for r in sent for key in r.query}, sent
+        with json_logs("info"):
+            async with running_daemon(kube, config) as run:
+                await run.until_state(CanaryState.HEALTHY)
+                assert run.daemon.watcher is not None
+                await run.until(
+                    lambda: [k.plural for k in run.daemon.watcher.kinds] == ["flinkdeployments"],
+                    "the 404 confirmed",
+                )
+                sent = [r for r in kube.requests if r.path.endswith("/flinksessionjobs")]
+                assert sent and {(r.method, r.status) for r in sent} == {("GET", 404)}, sent
+                assert "watch" not in {key for r in sent for key in r.query}, sent
     err = capsys.readouterr().err
-    warned = [line for line in err.splitlines() if "] kind_not_served " in line]
+    warned = [e for e in json_lines(err) if e["event"] == "kind_not_served"]
     assert len(warned) == 1, err  # once, not once a retry
     assert "flinksessionjobs.flink.apache.org is not served in flink.apache.org/v1beta1" in err
 

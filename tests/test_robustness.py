@@ -764,7 +764,7 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
     configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
-    client = KubeClient(configuration, request_timeout=2.0)
+    client = KubeClient(Credentials(configuration), request_timeout=2.0)
     try:
         assert await not_served(client, KINDS["flinkdeployments"]) is None
         missing = await not_served(client, KINDS["flinksessionjobs"])

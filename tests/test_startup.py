@@ -111,7 +111,7 @@ async def test_a_token_refused_after_a_credential_reload_is_named_and_a_fixed_on
             config["users"][0]["user"]["token"] = TOKEN
             kubeconfig.write_text(yaml.safe_dump(config))
             await run.until_tracked(within=20)
-            await run.until(lambda: run.daemon._not_ready() is None, "every scope listed")
+            await run.until(lambda: run.daemon.not_ready() is None, "every scope listed")
         err = capsys.readouterr().err
     assert "wrong-token" not in err and TOKEN not in err
     one_episode(json_lines(err), "list_unauthorized")
