@@ -34,13 +34,10 @@ log = structlog.get_logger("canaryd.kube")
 FLINK_GROUP = "flink.apache.org"
 FLINK_VERSION = "v1beta1"
 MERGE_PATCH = "application/merge-patch+json"
-PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
-"""What configures a proxy, upper- or lower-case."""
+PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")  # upper- or lower-case
 RESERVED_CONNECTIONS = 64
-"""Request connections beyond the bumps' own, which bumps never take: lists (16 scopes
-at a time, canaryd.watcher), access reviews (8 at once, canaryd.access), the lease."""
-MAX_WATCH_LINE = 2**24
-"""A watch line holds one event: an object of at most 1.5 MiB (etcd's limit), encoded."""
+"""Request connections bumps never take: lists (16 scopes at a time), reviews, the lease."""
+MAX_WATCH_LINE = 2**24  # one event: an object of at most 1.5 MiB (etcd's limit), encoded
 
 
 @dataclass(frozen=True)
@@ -54,8 +51,7 @@ class Kind:
 
     @property
     def key(self) -> str:
-        """How settings, the registry and logs name it: the bare plural for Flink's
-        kinds, ``PLURAL.GROUP/VERSION`` for any other."""
+        """The bare plural for Flink's kinds, ``PLURAL.GROUP/VERSION`` for any other."""
         if (self.group, self.version) == (FLINK_GROUP, FLINK_VERSION):
             return self.plural
         return f"{self.plural}.{self.group}/{self.version}"
@@ -79,7 +75,6 @@ KIND_NAMES: dict[str, str] = {}
 
 
 def kind_of(key: str) -> Kind:
-    """The Kind a registry key names (``Kind.key``)."""
     known = KINDS.get(key)
     if known is not None:
         return known
@@ -98,8 +93,7 @@ def segment(value: str) -> str:
 
 
 def decode_json(data: bytes) -> Any:
-    """JSON from the API server; ValueError for anything else, nesting past the
-    interpreter's depth included."""
+    """JSON from the API server; ValueError for anything else, too deep nesting included."""
     try:
         return json.loads(data)
     except RecursionError as err:
@@ -112,9 +106,6 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return decoded if isinstance(decoded, dict) else None
-
-
-# -------------------------------------------------------------------- errors
 
 
 class ErrorKind(enum.Enum):
@@ -164,42 +155,32 @@ def classify_status(status: int) -> ErrorKind:
 
 
 NOT_SERVED = b"404 page not found\n"
-"""kube-apiserver's answer to a path it does not serve (Go's http.NotFound, not a
-Status), and the very bytes of a Go gateway with nothing behind it: a GONE it gives is
-believed only once discovery confirms it (docs/DESIGN.md, the 404 that is not a Status)."""
+"""kube-apiserver's answer to a path it does not serve, and a Go gateway's with nothing
+behind it: a GONE only once discovery confirms it (docs/DESIGN.md, a 404 not a Status)."""
 
 
 def serving(status: int, body: bytes) -> bool:
     """Whether an answer shows the API server serving: a 2xx, or a 4xx other than 429
     sent as a Status object (docs/DESIGN.md, the API server away)."""
-    if 200 <= status < 300:
-        return True
-    status_object = 400 <= status < 500 and status != 429
-    return status_object and (_json_object(body) or {}).get("kind") == "Status"
+    if 400 <= status < 500 and status != 429:
+        return (_json_object(body) or {}).get("kind") == "Status"
+    return 200 <= status < 300
 
 
 def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
-    """classify_status, reading the Status where the code does not tell: a 504 "Too
-    large resource version" (cause ResourceVersionTooLarge) means this API server is
-    behind the resourceVersion canaryd resumes from: EXPIRED, a relist, as client-go's
-    reflector does (isTooLargeResourceVersionError, older servers' message too)."""
-    if status == 504:
-        details = decoded.get("details")
-        causes = details.get("causes") if isinstance(details, Mapping) else None
-        if isinstance(causes, list) and any(
-            isinstance(c, Mapping) and c.get("reason") == "ResourceVersionTooLarge" for c in causes
-        ):
-            return ErrorKind.EXPIRED
-        if "too large resource version" in str(decoded.get("message") or "").lower():
-            return ErrorKind.EXPIRED
+    """classify_status, reading the Status where the code does not tell: a 504 "Too large
+    resource version" (kube-apiserver's message, its cause ResourceVersionTooLarge or not)
+    is an API server behind canaryd's resourceVersion: EXPIRED, a relist, as in client-go."""
+    message = str(decoded.get("message") or "").lower()
+    if status == 504 and "too large resource version" in message:
+        return ErrorKind.EXPIRED
     return classify_status(status)
 
 
 def error_from_response(
     status: int, body: bytes, retry_after: str | None, note: str = ""
 ) -> KubeError:
-    """A KubeError from a non-2xx answer, its Status read when there is one (``note``
-    said after its message)."""
+    """A KubeError from a non-2xx answer, its Status read (``note`` after its message)."""
     answer = _json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
@@ -241,8 +222,6 @@ def failure_cause(err: KubeError) -> str:
     seen: BaseException | None = err.__cause__
     while seen is not None and len(chain) < 16:
         chain.append(seen)
-        if isinstance(seen, aiohttp.ClientConnectorError):
-            chain.append(seen.os_error)  # what the connector met
         seen = seen.__cause__ or seen.__context__
     for cause, kinds in (
         ("tls", (ssl.SSLError, aiohttp.ClientSSLError)),
@@ -253,9 +232,6 @@ def failure_cause(err: KubeError) -> str:
         if any(isinstance(link, kinds) for link in chain):
             return cause
     return "connection"
-
-
-# -------------------------------------------------------------------- client
 
 
 class KubeClient:
@@ -274,18 +250,15 @@ class KubeClient:
         self.credentials = credentials
         self.host = str(credentials.configuration.host).rstrip("/")
         self._request_timeout = request_timeout
-        self._connect_timeout = min(connect_timeout, request_timeout)
         # A request's bound on its connection, the wait for the pool included.
-        self._timeout = aiohttp.ClientTimeout(connect=self._connect_timeout)
+        self._timeout = aiohttp.ClientTimeout(connect=min(connect_timeout, request_timeout))
         self._answered = self._unanswered = -math.inf
         """Send times of the latest exchange answered serving, and of the latest not."""
         # trust_env (a proxy and netrc lookup per request) only when a proxy is configured.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
-        # keep lists, access reviews and the lease from waiting behind bumps that all hang
-        # in a brownout. aiohttp hands out the idle connection released first, so a
-        # burst's connections take turns and stay alive within keepalive_timeout.
+        # keep lists, access reviews and the lease from waiting behind hanging bumps.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=writes_in_flight + RESERVED_CONNECTIONS, keepalive_timeout=keepalive_timeout
@@ -294,23 +267,20 @@ class KubeClient:
             headers=headers,
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
-        # Watches: a pool of their own with no limit, so that every scope always gets a
-        # connection however many namespaces are watched, never behind a bump.
+        # Watches: a pool of their own, unlimited: every scope connects, never behind a bump.
         self._watch_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
         )
 
     @property
     def answered_since(self) -> float:
-        """time.monotonic() at which the latest request the API server answered serving
-        (``serving``; a watch's included) was sent: the send time, as an answer read
-        later to a request sent before some moment says nothing about after it. -inf
-        while a request sent later got no such answer: the server stopped serving since."""
+        """When (time.monotonic()) the latest request answered ``serving`` was sent: an
+        answer to a request sent before some moment says nothing about after it. -inf
+        while one sent later got no such answer: the server stopped serving since."""
         return self._answered if self._answered >= self._unanswered else -math.inf
 
     def _note_answer(self, sent: float, status: int = 0, body: bytes = b"") -> None:
-        """An exchange sent at ``sent`` was answered (0: it failed). A watch that failed
-        after its 200 changes nothing: ``_answered`` is already at least ``sent``."""
+        """Status 0: no answer (after a watch's 200, a no-op: ``_answered >= sent``)."""
         if serving(status, body):
             self._answered = max(self._answered, sent)
         else:
@@ -334,8 +304,8 @@ class KubeClient:
         content_type: str | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[tuple[aiohttp.ClientResponse, bytes]]:
-        """One exchange within ``deadline`` (loop time; None: a watch's, bounded by its idle
-        timeout): the answer and its body (unread for a watch's 2xx), counted by ``verb``
+        """One exchange within ``deadline`` (loop time; a watch has none, ``bounds`` its
+        reads): the answer and its body (unread for a watch's 2xx), counted by ``verb``
         and noted for ``answered_since``. Whatever goes wrong is a KubeError."""
         watch = verb == "watch"
         cfg = self.credentials.configuration
@@ -374,7 +344,7 @@ class KubeClient:
                 ) from err
             metrics.API_REQUESTS.labels(verb, "error").inc()
             if isinstance(err, aiohttp.ConnectionTimeoutError):  # a black-holed address
-                no_connection = f"no connection within {self._connect_timeout:g}s"
+                no_connection = f"no connection within {self._timeout.connect:g}s"
                 raise KubeError(
                     ErrorKind.TRANSIENT, no_connection, reason="ConnectTimeout"
                 ) from err
@@ -398,10 +368,9 @@ class KubeClient:
         content_type: str = "application/json",
         time_limit: float | None = None,
     ) -> dict[str, Any]:
-        """One request (``data`` a serialised JSON body, ``body`` one to serialise): the
-        decoded JSON object, or a KubeError. One deadline, ``time_limit`` or the request
-        timeout, covers the whole call, the one retry after a 401 with reloaded
-        credentials included: what is not answered by then is abandoned, unread."""
+        """The decoded JSON object (``data`` a serialised body, ``body`` one to serialise),
+        or a KubeError. One deadline (``time_limit``, else the request timeout) covers the
+        call, a retry after a 401 with reloaded credentials included."""
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         loop = asyncio.get_running_loop()
@@ -440,12 +409,11 @@ class KubeClient:
         idle_timeout: float,
         on_connected: Callable[[], None] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """The watch's events, one a line, until the server ends the stream;
-        ``on_connected()`` once it answered 200. A KubeError whatever goes wrong: reason
-        ``Idle`` when nothing, not even a bookmark, arrives for ``idle_timeout`` seconds
-        (a silently dead connection), ``LineTooLong`` past MAX_WATCH_LINE."""
+        """The watch's events until the server ends the stream; ``on_connected()`` once
+        it answered 200. A KubeError whatever goes wrong: reason ``Idle`` when nothing, not
+        even a bookmark, arrives for ``idle_timeout`` s, ``LineTooLong`` past MAX_WATCH_LINE."""
         version = self.credentials.version
-        connect = self._connect_timeout
+        connect = self._timeout.connect
         # No total: a watch lasts minutes. aiohttp's line limit is twice read_bufsize.
         timeout = aiohttp.ClientTimeout(
             sock_read=idle_timeout, connect=connect, sock_connect=connect
@@ -482,8 +450,6 @@ class KubeClient:
 
 
 async def connect(settings: Settings) -> KubeClient:
-    """A client with the settings' credentials (canaryd.credentials.load), timings and
-    pool."""
     return KubeClient(
         await load(settings),
         request_timeout=settings.request_timeout,
