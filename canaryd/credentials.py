@@ -1,9 +1,6 @@
-"""Kubernetes credentials: where they come from, their load, and as requests carry them.
-
-kubernetes-asyncio loads them as kubectl finds them (in-cluster, its refresh hook
-re-reading the token; or the kubeconfig, merging its files: the first to name a cluster,
-user or context wins), with its exec plugin run replaced by one that a deadline or a
-shutdown ends (``_ExecProvider``).
+"""Kubernetes credentials: where they come from, their load (kubernetes-asyncio's, as
+kubectl finds them), and as requests carry them; when they are reloaded:
+docs/DEVELOPMENT.md, How it works.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ from canaryd.config import ConfigError, Settings
 log = structlog.get_logger("canaryd.credentials")
 
 IN_CLUSTER = "in-cluster service account"
+KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig or KUBECONFIG
 Reload = Callable[[k8s_client.Configuration], Awaitable[Any]]
 """Loads the credentials into a configuration again; returns kubernetes-asyncio's loader."""
 
@@ -48,8 +46,7 @@ class CredentialsError(ConfigError):
 
 @dataclass(frozen=True)
 class Source:
-    """The kubeconfig (its value and files) or IN_CLUSTER; the context; whether an exec
-    plugin gives the credentials."""
+    """The kubeconfig (its value, its files) or IN_CLUSTER; the context; an exec plugin?"""
 
     where: str
     context: str | None
@@ -57,30 +54,27 @@ class Source:
     plugin: bool = False
 
 
-def kubeconfig_path(kubeconfig: str | None) -> str:
-    """The kubeconfig kubectl would read: the given one, else ~/.kube/config."""
-    return kubeconfig or os.path.expanduser("~/.kube/config")
+def _in_cluster(kubeconfig: str | None) -> bool:
+    return kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
 
 def source(settings: Settings) -> Source:
-    """The settings' credentials, the kubeconfig read once. A file unreadable or not a
-    mapping, or none there at all, is a ``ConfigError`` of one clear line, not the
-    loader's internals ("list indices must be integers"). The context is the given one,
-    else kubectl's: the first file's current context (kubernetes-asyncio's is the last's)."""
-    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+    """The settings' credentials, the kubeconfig read once (a bad one is a ConfigError of
+    one line, not the loader's internals). The context is the given one, else kubectl's:
+    the first file's current context (kubernetes-asyncio's is the last's)."""
+    if _in_cluster(settings.kubeconfig):
         return Source(IN_CLUSTER, settings.context)
-    where = kubeconfig_path(settings.kubeconfig)
+    where = settings.kubeconfig or KUBECONFIG
     files = [os.path.expanduser(path) for path in where.split(os.pathsep) if path]
-    present = [path for path in files if Path(path).exists()]
-    if not present:
+    loaded = [_read(path) for path in files if Path(path).exists()]
+    if not loaded:
         raise ConfigError(
             f"no kubeconfig at {' or '.join(files) or repr(where)}: pass --kubeconfig or "
             "set KUBECONFIG (in a pod, canaryd uses its service account)"
         )
     current = None
     named: dict[str, dict[str, dict[str, Any]]] = {"contexts": {}, "users": {}}
-    for path in present:
-        data = _read(path)
+    for data in loaded:
         if current is None and data.get("current-context"):
             current = str(data["current-context"])
         for section, found in named.items():
@@ -111,35 +105,19 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def runs_a_plugin(settings: Settings) -> bool:
-    """Whether an exec plugin gives the credentials: it may fail or hang for a while (the
-    daemon loads them once its health server runs, and retries)."""
+    """Whether an exec plugin gives the credentials (it may fail or hang a while)."""
     return source(settings).plugin
-
-
-def server_url_problem(host: str) -> str | None:
-    """What is wrong with a kubeconfig's cluster server, or None when it can be used."""
-    try:
-        parts = urlsplit(host)
-        port = parts.port
-    except ValueError as err:
-        return f"cluster server {host!r} is not a usable URL ({err})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"cluster server {host!r} is not an http(s) URL with a host"
-    if port == 0:
-        return f"cluster server {host!r} has port 0"
-    return None
 
 
 async def load_configuration(
     kubeconfig: str | None, context: str | None
 ) -> tuple[k8s_client.Configuration, Reload | None, Any]:
-    """The configuration, a reload function (None in-cluster) and the loader (what it
-    knows of the credentials' lifetime)."""
+    """The configuration, a reload function (None in-cluster), and the loader."""
     configuration = k8s_client.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if _in_cluster(kubeconfig):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return configuration, None, None
-    path = kubeconfig_path(kubeconfig)
+    path = kubeconfig or KUBECONFIG
 
     async def reload(target: k8s_client.Configuration) -> Any:
         return await k8s_config.load_kube_config(
@@ -150,8 +128,8 @@ async def load_configuration(
 
 
 async def load(settings: Settings) -> Credentials:
-    """The settings' credentials: a ``CredentialsError`` when not loaded within the request
-    timeout; a ``ConfigError`` when the kubeconfig or its cluster server is bad."""
+    """A CredentialsError when not loaded within the request timeout; a ConfigError when
+    the kubeconfig or its cluster server is bad."""
     found = source(settings)
     try:
         async with asyncio.timeout(settings.request_timeout) as bound:
@@ -166,19 +144,23 @@ async def load(settings: Settings) -> Credentials:
         raise CredentialsError(
             f"cannot load Kubernetes credentials ({found.where}): {detail}"
         ) from err
-    problem = server_url_problem(str(configuration.host or ""))
-    if problem is not None:
-        raise ConfigError(f"kubeconfig {found.where}: {problem}")
+    host = str(configuration.host or "")
+    try:
+        parts = urlsplit(host)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        problem = "not an http(s) URL with a host (and a port other than 0)"
+    except ValueError as err:  # a port out of range, a malformed IPv6 address
+        usable, problem = False, f"not a usable URL ({err})"
+    if not usable:
+        raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
     credentials = Credentials(configuration, reload, found.files, settings.request_timeout)
     credentials.note(loader)
     return credentials
 
 
 class _ExecProvider(ExecProvider):
-    """kubernetes-asyncio's exec credential plugin run (kube_config's, replaced below),
-    with the plugin in a process group of its own that is killed and reaped when the run
-    ends otherwise than by the plugin's exit: cancelled at its call's deadline or at
-    shutdown. A hung plugin, or a command it started, outlives neither."""
+    """kubernetes-asyncio's exec plugin run, the plugin in a process group of its own
+    killed and reaped when the run is cancelled (its call's deadline, a shutdown)."""
 
     async def run(self, previous_response: str | None = None) -> Any:
         spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
@@ -213,10 +195,9 @@ kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
 class Credentials:
-    """The credentials requests carry, headers and TLS context, reloaded on a 401, before
-    an exec plugin's token expires, and when TLS files (CA, client certificate and key,
-    the kubeconfig ``files`` that may embed them) change. A new TLS context: aiohttp pools
-    connections by context, so no later request uses a connection made with the old one."""
+    """The headers and TLS context requests carry, reloaded on a 401, before an exec
+    plugin's token expires, and when TLS files (the kubeconfig ``files`` may embed them)
+    change: aiohttp pools connections by context, so a new one means new connections."""
 
     def __init__(
         self,
@@ -233,20 +214,16 @@ class Credentials:
         self._lock = asyncio.Lock()
         self._reload_ok = True
         self._not_before = -math.inf
+        # After a reload that failed, or whose credentials were refused: 1 s, doubling.
         self._backoff = Backoff(1.0, 30.0)
-        """A failing reload (an exec plugin down), or credentials refused right after one
-        (an authentication webhook down): the next waits 1 s, doubling to 30 s."""
         self._refused: int | None = None  # the version refused after its reload
         self.expiry: float | None = None  # time.time() an exec plugin's token expires
-        self._authorization: str | None = None
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
         self.tls = self._ssl_context()
 
     async def headers(self) -> dict[str, str]:
-        """The credential headers (auth_settings() calls the in-cluster token refresh
-        hook, which raises ConfigException ("Token file exists but empty") or
-        FileNotFoundError while the kubelet rotates the token: counted, raised)."""
+        """The in-cluster token refresh hook raises while the kubelet rotates the token."""
         try:
             headers = {
                 str(s["key"]): str(s["value"])
@@ -256,16 +233,12 @@ class Credentials:
         except Exception:
             metrics.ERRORS.labels("credentials").inc()
             raise
-        authorization = headers.get("authorization")
-        if authorization is not None and authorization != self._authorization:
-            self._authorization = authorization
-            logs.register_secret(authorization)  # a rotated token is masked in logs too
+        logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
         return headers
 
     def answered(self, status: int, version: int, retried: bool) -> str:
-        """A request sent with credentials ``version`` was answered ``status``: a success
-        resets the reload backoff; fresh ones refused too (``retried``) advance it one step
-        per version, not per request. Returns what a 401 adds to its error."""
+        """A success resets the reload backoff; fresh credentials refused too (``retried``)
+        advance it one step per ``version``, not per request. What a 401 adds to its error."""
         if status < 300:
             self._backoff.reset()
             self._refused = None
@@ -276,13 +249,9 @@ class Credentials:
         return " (also after reloading the credentials)" if again else ""
 
     async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
-        """Re-read the kubeconfig (an exec plugin's token expired, a certificate was
-        rotated); returns whether fresh credentials are there. ``version``: the
-        credentials a refused request was sent with; when a reload has happened since,
-        that one answers it (100 requests refused at once make one reload, not 100 runs
-        of an exec plugin). Within ``deadline`` (the call's; else the request timeout): a
-        reload still running then fails (its exec plugin killed), and a wait for another's
-        ends."""
+        """Whether fresh credentials are there. A reload since ``version`` (the refused
+        request's) answers it too; one still running at ``deadline`` (loop time, else the
+        request timeout's) fails."""
         if self._reload is None:
             return False
         if deadline is None:
@@ -290,44 +259,38 @@ class Credentials:
         try:
             async with asyncio.timeout_at(deadline), self._lock:
                 if version is not None and version != self.version:
-                    return self._reload_ok  # a reload since answers this request too
+                    return self._reload_ok
                 if time.monotonic() < self._not_before:
                     return False  # the last reload failed, or was refused: backing off
+                self._reload_ok = False
                 try:
                     loaded = await self._reload(self.configuration)
                 # Cancelled: at the deadline, or at shutdown (then cancelled on).
                 except (Exception, asyncio.CancelledError) as err:
-                    self.version += 1  # the waiters have their answer: no
                     metrics.ERRORS.labels("credentials").inc()
                     delay = self._backoff.next()
                     self._not_before = time.monotonic() + delay
-                    self._reload_ok = False
-                    log.warning(
-                        "credentials_reload_failed",
-                        error=type(err).__name__,
-                        retry_in=round(delay, 3),
-                    )
+                    error = type(err).__name__
+                    log.warning("credentials_reload_failed", error=error, retry_in=round(delay, 3))
                     if isinstance(err, asyncio.CancelledError):
                         raise
-                    return False
-                self.version += 1
-                self._reload_ok = True
-                self.note(loaded)
-                self.tls_rotated()
-                return True
+                else:
+                    self._reload_ok = True
+                    self.note(loaded)
+                    self.tls_rotated()
+                finally:
+                    self.version += 1  # the waiters have their answer
+                return self._reload_ok
         except TimeoutError:
             return False  # the request is answered by what refused it
 
     def note(self, loader: Any) -> None:
-        """What the kubeconfig loader tells of the credentials' lifetime."""
         expiry = getattr(loader, "exec_plugin_expiry", None)
         self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
 
     def next_refresh_in(self, now: float) -> float | None:
-        """Seconds until the credentials should be renewed: at 80 % of an exec token's
-        remaining lifetime (at least 1 s); every minute where TLS files (a CA bundle, a
-        client certificate: in-cluster ``ca.crt`` too) may be rotated on disk; None when
-        nothing expires."""
+        """At 80 % of an exec token's remaining lifetime (at least 1 s); every minute where
+        TLS files may be rotated on disk; None when nothing expires."""
         if self._reload is not None and self.expiry is not None:
             return max(1.0, 0.8 * (self.expiry - now))
         cfg = self.configuration
@@ -336,8 +299,6 @@ class Credentials:
         return None
 
     async def keep_fresh(self) -> None:
-        """Long-lived: renew the credentials before they expire, not only after a 401,
-        and pick up TLS files rotated on disk."""
         try:
             while True:
                 delay = self.next_refresh_in(time.time())
@@ -354,7 +315,6 @@ class Credentials:
             raise
 
     def _tls_files(self) -> tuple[object, ...]:
-        """What tells rotated TLS files: each one's path, modification time and size."""
         stamp: list[object] = []
         cfg = self.configuration
         for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._files):
@@ -372,27 +332,21 @@ class Credentials:
         context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
         if cfg.cert_file:
             context.load_cert_chain(cfg.cert_file, keyfile=cfg.key_file)
-        if not cfg.verify_ssl:
-            # Only when the kubeconfig says insecure-skip-tls-verify.
+        if not cfg.verify_ssl:  # the kubeconfig says insecure-skip-tls-verify
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
 
-    def tls_rotated(self) -> bool:
-        """A new TLS context when the TLS files changed on disk, so every later request
-        and watch opens a connection that presents and trusts the new ones. Returns
-        whether they changed."""
+    def tls_rotated(self) -> None:
         stamp = self._tls_files()
         if stamp == self._stamp:
-            return False
+            return
         try:
             context = self._ssl_context()
         except (OSError, ssl.SSLError, ValueError) as err:
-            # Half-written files (a rotation in progress): the old context stays, and
-            # the next look tries again.
+            # Half-written files (a rotation in progress): the next look tries again.
             metrics.ERRORS.labels("credentials").inc()
             log.warning("tls_files_reload_failed", error=type(err).__name__)
-            return False
+            return
         self._stamp, self.tls = stamp, context
         log.info("tls_files_reloaded")
-        return True

@@ -1,24 +1,10 @@
-"""The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``.
+"""The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``
+(docs/DESIGN.md; docs/CONFIGURATION.md says what each answer means).
 
-The Flink Kubernetes Operator counts, per resource, the reconciles JOSDK finished
-(``OperatorJosdkMetrics``: ``<scope>.resource.<name>.JOSDK.Reconciliation.finished.Count``)
-and exports them through its metric reporter. With Flink's Prometheus reporter
-each is a line such as::
-
-    flink_k8soperator_namespace_resource_JOSDK_Reconciliation_finished_Count{
-        resourcename="canary",resourcetype="FlinkDeployment",resourcens="default",...} 3.0
-
-A bump counts as reconciled by the operator when the canary's counter rose after the
-bump was written: canaryd reads it before the bump (the baseline) and again after
-the deadline. A new operator process starts its counters at zero, so a counter that
-went down, a new process start time, or an endpoint that answers again after it
-refused, is a restarted operator: its verdicts are checked afresh.
-
-Only the lines canaryd needs are read (a scrape of an operator with thousands of
-resources is tens of thousands of lines, every scrape interval): regular expressions
-find them in the bytes, matching metric names by their suffix (so a reporter scope
-format of the user's own keeps working), and prometheus_client's parser reads each
-label set not seen before (whole answers through it would take seconds each).
+A scrape of an operator with thousands of resources is tens of thousands of lines: regular
+expressions find the few canaryd needs in the bytes, matching metric names by their
+suffix (a reporter scope format of the user's own keeps working), and prometheus_client's
+parser reads each label set not seen before (whole answers through it take seconds).
 """
 
 from __future__ import annotations
@@ -33,14 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
 MAX_ANSWER = 256 * 1024 * 1024
-"""The largest answer read (bytes): an operator with 10,000 resources answers about
-11 MB. It is read in chunks and never held whole, so this bounds time, not memory."""
+"""Bytes read at most: read in chunks, never held whole, so this bounds time, not memory."""
 MAX_LINE = 1024 * 1024
 """The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
 CHUNK = 256 * 1024
 MAX_KEYS = 200_000
-"""The most label sets one answer keeps parsed for the next (an operator with 10,000
-resources answers with 10,000)."""
+"""The most label sets one answer keeps parsed for the next (10,000 resources: 10,000)."""
 
 # A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
 # their bytes, not a Python loop each.
@@ -52,9 +36,8 @@ _RECONCILED = re.compile(re.escape(RECONCILED_SUFFIX).encode() + rb"\{([^}\n]*)\
 _PROCESS = re.compile(
     rb"(_KubeClient_HttpRequest_Count|_Status_JVM_CPU_Time)(\{[^}\n]*\})?[ \t]+([^ \t\n]+)"
 )
+# A process start time, when a reporter exports one (Flink's Prometheus reporter does not).
 _START = re.compile(rb"(?m)^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
-"""A process start time, when a reporter exports one (Flink's Prometheus reporter does
-not: its registry holds Flink's metrics only)."""
 
 ResourceKey = tuple[str, str, str]
 """(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
@@ -65,9 +48,7 @@ EARLIEST_START, LATEST_START = 946_684_800.0, 4_102_444_800.0
 
 def reporter_label(value: str) -> str:
     """A label value as Flink's Prometheus reporter writes it by default
-    (AbstractPrometheusReporter.replaceInvalidChars, ``filterLabelValueCharacters``):
-    every character outside ``[a-zA-Z0-9:_]`` becomes ``_``, so namespace ``team-a``
-    is ``team_a`` and name ``my.canary`` is ``my_canary``."""
+    (AbstractPrometheusReporter.replaceInvalidChars): ``team-a`` is ``team_a``."""
     return _NOT_IN_LABELS.sub("_", value)
 
 
@@ -81,28 +62,20 @@ def _number(raw: bytes) -> float | None:
 
 class Scrape:
     """What one answer of the operator's metrics endpoint says, read chunk by chunk
-    (``feed``, then ``end``): only what canaryd needs is kept, and a line of interest
-    that is malformed is skipped. ``keys``: the label sets the last answer parsed (the
-    same every read), so a read of 10,000 resources parses few label sets."""
+    (``feed``, then ``end``); a malformed line of interest is skipped. ``keys``: the label
+    sets the last answer parsed (the same every read), so few are parsed again."""
 
     def __init__(self, keys: dict[bytes, ResourceKey | None] | None = None) -> None:
-        self.answered_at = 0.0
-        """Monotonic time the answer ended: a reconcile counted in it finished before,
-        and one that finished before the request was sent is in it."""
-        self.reconciled: dict[ResourceKey, float] = {}
-        """Finished reconciles per resource."""
-        self.process: dict[bytes, float] = {}
-        """The process-wide series that only grow within one operator process, by name
-        and labels."""
-        self.start_time: float | None = None
-        """The operator process's start time (Unix seconds), when the reporter exports it."""
+        self.answered_at = 0.0  # monotonic: a reconcile counted in it finished before
+        self.reconciled: dict[ResourceKey, float] = {}  # finished reconciles
+        self.process: dict[bytes, float] = {}  # _PROCESS's series, by name and labels
+        self.start_time: float | None = None  # Unix seconds, when the reporter exports it
         self.size = 0  # bytes read
         self._rest = b""
         self._known: dict[bytes, ResourceKey | None] = {} if keys is None else keys
+        # This answer's label sets, parsed: where the next read starts (those of resources
+        # gone, or of an operator pod replaced, are not kept).
         self.keys: dict[bytes, ResourceKey | None] = {}
-        """The label sets of this answer, parsed: what the next answer's read starts
-        from (the label sets of resources gone, or of an operator pod replaced, are not
-        kept)."""
 
     def count(self, key: ResourceKey) -> float | None:
         """A resource's finished reconciles: its series with the label values as they
@@ -115,7 +88,6 @@ class Scrape:
 
     @property
     def has_operator_series(self) -> bool:
-        """Does the answer come from the operator's reporter at all?"""
         return bool(self.process or self.reconciled)
 
     def feed(self, chunk: bytes) -> None:
@@ -174,19 +146,11 @@ def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
 
 
 class ScrapeFailed(Exception):
-    """The endpoint gave no usable answer (what that means for a verdict:
-    canaryd.judge.by_operator). ``cause`` is a short fixed word:
-
-    - ``refused``: nothing listens on the port (connection refused, or the host is
-      unreachable): the operator is starting, or gone, and the next answer comes from
-      a new process;
-    - ``unanswered``: the port is held but no whole answer comes: a connection
-      accepted and nothing (or not all of it) answered within the read limit (a frozen
-      JVM still accepts into its listen backlog), or, once that backlog is full, a
-      connect that times out;
-    - ``bad_answer``: anything else (an HTTP status other than 200, a broken, cut or
-      too large answer, TLS or name resolution failing): no sign of a restart either.
-    """
+    """The endpoint gave no usable answer (for a verdict: canaryd.judge.by_operator).
+    ``cause``: ``refused`` (nothing listens: the operator is starting, or gone),
+    ``unanswered`` (the port is held but no whole answer comes in time: a frozen JVM
+    still accepts into its listen backlog), or ``bad_answer`` (anything else: no sign
+    of a restart either)."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
@@ -206,21 +170,16 @@ class OperatorMetrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
-        self.connect_timeout = connect_timeout
-        """How long connecting may take (a frozen process's full backlog fails here)."""
-        self.read_timeout = read_timeout
-        """How long one answer may take once connected (the cycle: a slow operator is
-        not a frozen one)."""
+        self.connect_timeout = connect_timeout  # a frozen process's full backlog fails here
+        self.read_timeout = read_timeout  # one answer once connected
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
-        self.last: Scrape | None = None
-        """The last usable answer (its label sets, parsed, are where the next read starts)."""
+        self.last: Scrape | None = None  # the last usable answer
+        # The operator process judged now, one more at each restart seen (a bump's
+        # baseline from another is not comparable), and the wall-clock time it is known
+        # from (its start time when exported, else when canaryd saw it).
         self.instance = 0
-        """The operator process judged now, as far as its metrics tell: grows by one at
-        each restart seen (a bump's baseline from another is not comparable)."""
         self.instance_since = time.time()
-        """Wall-clock time from which it is known (its start time when exported, else
-        when canaryd saw it)."""
         self._refused_since_answer = False
 
     async def close(self) -> None:
@@ -229,8 +188,7 @@ class OperatorMetrics:
             self._session = None
 
     async def scrape(self) -> Scrape:
-        """One scrape. Raises ``ScrapeFailed``; on success notes a restart, if any
-        (``instance`` changes)."""
+        """One scrape, or ScrapeFailed; a restart seen changes ``instance``."""
         if self._session is None:
             # A new connection per scrape (force_close): a kept-alive connection to a
             # process that was killed fails in ways that say nothing of the new one.
@@ -286,10 +244,9 @@ class OperatorMetrics:
         return scrape
 
     def restart_seen(self, scrape: Scrape) -> float | None:
-        """When the operator process answering now started, if it is not the one the
-        last answer came from (else None): a new start time; counters that went down;
-        or an endpoint that refused connections since the last answer (the process
-        went away; a fresh check is never wrong, only a cycle slower)."""
+        """When the operator process answering now started, if it is not the last
+        answer's (else None): a new start time; counters that went down; or refused
+        connections since the last answer (a fresh check is never wrong, only slower)."""
         last = self.last
         if last is None:
             return None
