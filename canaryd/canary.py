@@ -106,7 +106,7 @@ class Canary:
     reconciles of this canary (None: no such series yet) as last read before the
     pending bump was sent; None when the operator's metrics had never answered."""
     warned: bool = False
-    """A Warning Event (Unhealthy, Unknown) told of it, no Recovered since (canaryd.scheduler.Role)."""
+    """A Warning Event (Unhealthy, Unknown) told, no Recovered since (scheduler.Role)."""
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
