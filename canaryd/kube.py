@@ -191,6 +191,8 @@ def error_from_response(
     kind = classify_answer(status, answer)
     if kind is ErrorKind.GONE and answer.get("kind") != "Status" and body != NOT_SERVED:
         kind = ErrorKind.TRANSIENT  # a gateway's page: nothing is known to be gone
+    elif kind is ErrorKind.FORBIDDEN and answer.get("kind") != "Status":
+        kind = ErrorKind.TRANSIENT  # kube-apiserver refuses with a Status; a proxy's page
     return KubeError(
         kind,
         (message or "(no message)") + note,

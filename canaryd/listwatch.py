@@ -46,14 +46,7 @@ health server, the bumps and the watches already open keep their turns of the lo
 
 def watch_failures(settings: Settings) -> Episodes:
     """Failed lists and watches of every scope, told as episodes (per scope at debug)."""
-    return Episodes(
-        "watch_failures",
-        subject="scope",
-        subjects="scopes",
-        detail_event="watch_failed",
-        interval=lambda: settings.timeout,
-        logger_name="canaryd.watcher",
-    )
+    return Episodes("watch_failures", "scope", lambda: settings.timeout)
 
 
 @dataclass(frozen=True)
@@ -294,8 +287,9 @@ class ListWatch:
             self._stream.reschedule(self._loop.time())
 
     def start_over(self) -> None:
-        """What this loop told could not be applied (a bug): end the stream, back off,
-        list again (the list replaces whatever was missed)."""
+        """End the stream, back off, list again (the list replaces whatever was missed):
+        what this loop told could not be applied (a bug), or was ignored (a namespace
+        closed meanwhile)."""
         self._start_over = True
         if self._stream is not None and not self._stream.expired():
             self._stream.reschedule(self._loop.time())
@@ -376,6 +370,7 @@ class ListWatch:
             self._tell(Sync.DROPPED)
             return Next(State.WATCHING, rv)
         except KubeError as err:
+            self._stream = None  # ended: replace() must not touch it while a 404 is confirmed
             self._tell(Sync.DROPPED)
             if err.kind is ErrorKind.EXPIRED:
                 # The resourceVersion was compacted: only a new list can resume.

@@ -53,11 +53,9 @@ SCOPE_STATES = (
     "kind_not_served",
     "patch_forbidden",
 )
-"""A canary scope's states: ``listed`` (in sync or resuming), ``waiting`` (not listed
-or not connected), ``forbidden`` (403), ``namespace_missing`` (a watched namespace
-the Namespaces watch does not know), ``kind_not_served`` (404, the API server
-confirms it), ``patch_forbidden`` (watched, but its bumps are answered 403: its
-canaries cannot be bumped)."""
+"""A canary scope's states: ``listed`` (in sync or resuming), ``waiting``, ``forbidden``
+(403), ``namespace_missing`` (the Namespaces watch does not know it), ``kind_not_served``
+(404, confirmed), ``patch_forbidden`` (its bumps are answered 403)."""
 DROP_READS_AT_ONCE = 8
 """GETs in flight at once that tell a dropped canary's deletion from a label removal:
 a mass deletion takes no more of the request pool's connections beyond the bumps'
@@ -138,6 +136,9 @@ class Namespaces:
         self.registry = registry
         self.seen: set[str] = set()
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
+        self.reopened = False
+        """A namespace left ``closed`` (deleted, or no longer terminating): copies of its
+        canaries the canary watches delivered while it was closed were ignored."""
         self.known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
 
@@ -148,6 +149,7 @@ class Namespaces:
         closed = [name for name in closing if self._close(name)]
         reopened = self.registry.closed - closing
         self.registry.closed -= reopened
+        self.reopened |= bool(reopened)
         return bool(closed or reopened)
 
     def event(self, event: str, obj: Mapping[str, Any]) -> bool:
@@ -156,13 +158,15 @@ class Namespaces:
         if event == "DELETED":
             self.seen.discard(name)
             self._forget(name, "its namespace was deleted")
-            self.registry.closed.discard(name)  # a namespace of that name may come
+            self.reopened |= name in self.registry.closed  # a namespace of that name may come
+            self.registry.closed.discard(name)
             return True
         self.seen.add(name)
         if _terminating(obj):
             return self._close(name)
         reopened = name in self.registry.closed
         self.registry.closed.discard(name)
+        self.reopened |= reopened
         return reopened
 
     def missing(self, watched: frozenset[str] | None) -> set[str]:
@@ -206,19 +210,16 @@ class Watcher:
         open_files: OpenFiles | None = None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
-        self.open_files = open_files or OpenFiles(None, None)
-        """The open-files limit in force: every watch holds a socket."""
+        self.open_files = open_files or OpenFiles(None, None)  # every watch holds a socket
         self._files_problem: str | None = None
         self.namespaces = settings.namespaces
-        self._kinds = [kind_of(key) for key in settings.kinds]
-        """The wanted kinds (a scope's Kind never changes: a name learned is display)."""
+        self._kinds = [kind_of(key) for key in settings.kinds]  # a Kind's name learned: display
         self._watches: dict[Scope, _Watch] = {}
         self._changes: asyncio.Queue[tuple[ListWatch, Change]] = asyncio.Queue()
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
         self._namespaces = Namespaces(registry)
-        self.uncovered: list[str] = []
-        """What the last not_checked warning said (empty: everything is checked)."""
+        self.uncovered: list[str] = []  # what the last not_checked warning said
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
 
@@ -239,14 +240,12 @@ class Watcher:
 
     @property
     def ready(self) -> bool:
-        """Every scope listed and connected (what systemd's READY=1 waits for). A limit
-        that is too low is said in /readyz, but must not keep a unit from starting."""
+        """Every scope listed and connected (systemd's READY=1; a low limit is only said)."""
         return self._group is not None and all(w.sync.ready for w in self._watches.values())
 
     def coverage(self) -> dict[str, int]:
-        """Watch scopes by state (``SCOPE_STATES``): a canaryd that checks nothing must
-        be able to say so. Each wanted scope counts once: one in a missing namespace
-        (whose list answers an empty 200) is ``namespace_missing`` only."""
+        """Watch scopes by state (``SCOPE_STATES``), each once: one in a missing namespace
+        (its list answers an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces.missing(self.namespaces)
         for scope, state in self._scope_states().items():
@@ -287,9 +286,9 @@ class Watcher:
         return blind
 
     def _scope_states(self) -> dict[Scope, str]:
-        """Each canary scope's state: forbidden or kind_not_served (its list or watch
-        was refused), patch_forbidden (a canary's last bump there was answered 403 and
-        none written since), listed or waiting."""
+        """Each canary scope's state: forbidden or kind_not_served (its list or watch was
+        refused), patch_forbidden (a bump there answered 403, none written since), else
+        listed or waiting."""
         refused = {
             (c.key.kind, c.key.namespace if self.namespaces is not None else None)
             for c in self.registry.tracked()
@@ -309,10 +308,9 @@ class Watcher:
         return states
 
     def not_ready(self) -> list[str]:
-        """Why the watches are not ready, each a phrase: not started, an open-files
-        limit too low for them, and the scopes whose initial list is not done or whose
-        watch is not connected, with why the first of them failed (a scope answered
-        403/404 counts as done: nothing there is ours)."""
+        """Why the watches are not ready, each a phrase: not started, an open-files limit
+        too low, the scopes not listed or not connected with why the first failed (one
+        answered 403/404 counts as done: nothing there is ours)."""
         if self._group is None:
             return ["the watches are not started"]
         waiting = sorted(
@@ -393,6 +391,13 @@ class Watcher:
         if scope.kind is None and not isinstance(change, Sync):
             if rescope:
                 self._reconcile()
+            if self._namespaces.reopened and self.namespaces is None:
+                # Canary streams are not ordered with the Namespaces one: what they told of
+                # it while closed is had again by a list (a watched one's new scope lists).
+                for other in self._watches.values():
+                    if other.lw.scope.kind is not None:
+                        other.lw.start_over()
+            self._namespaces.reopened = False
             self._namespaces.count(self.namespaces)
             self.check_coverage()
         elif resumed and scope.kind is not None:

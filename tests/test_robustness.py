@@ -795,3 +795,60 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
     finally:
         kube.unavailable = None
         await client.close()
+
+
+async def test_a_gateways_403_page_drops_no_canary(kube, kubeconfig):
+    """kube-apiserver refuses with a Status; a 403 that is a page (an auth proxy's, a
+    WAF's) is no sign of RBAC: an outage, transient. The canary stays tracked and
+    judged, and nothing says list_forbidden (before: dropped, its verdict lost)."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        page = kube.inject(
+            Fault(verb="watch", resource="flinkdeployments", code=403, page="<html>403</html>")
+        )
+        kube.close_watches()
+        watches = lambda: [  # noqa: E731
+            r for r in kube.requests if r.verb == "watch" and r.resource == "flinkdeployments"
+        ]
+        before = len(watches())
+        # The page, then a watch again (open: no status yet), within the backoff.
+        await run.until(lambda: page.hits == 1 and len(watches()) >= before + 2, "a watch again")
+        assert run.tracked() is not None and run.tracked().state is CanaryState.HEALTHY
+        assert "list_forbidden" not in run.daemon.blind()
+
+
+async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
+    """A watch answered Go's plain 404 is confirmed with the API server's own lists,
+    which may take a while; the judge suspecting the stream meanwhile (replace) or a
+    start-over must not touch the stream that already ended (before: RuntimeError from
+    the finished timeout, and the whole watcher restarted)."""
+    from canaryd.listwatch import ListWatch, Scope
+
+    confirming = asyncio.Event()
+
+    class SlowConfirmation:
+        async def request(self, verb: str, method: str, path: str, **_: Any) -> Any:
+            if verb == "list":
+                return {"kind": "FlinkDeploymentList", "metadata": {"resourceVersion": "5"}}
+            confirming.set()  # /apis/flink.apache.org/v1beta1, in a brownout
+            await asyncio.Event().wait()
+
+        async def watch(self, path: str, params: Any, **_: Any) -> AsyncIterator[Any]:
+            raise KubeError(ErrorKind.GONE, "404 page not found", status=404)
+            yield  # an async generator, as KubeClient.watch
+
+    out: asyncio.Queue[Any] = asyncio.Queue()
+    scope = Scope(KINDS["flinkdeployments"], None)
+    lw = ListWatch(SlowConfirmation(), Settings(timeout=CYCLE), scope, selector=None, out=out)  # type: ignore[arg-type]
+    task = asyncio.create_task(lw.run())
+    try:
+        async with asyncio.timeout(10):
+            await confirming.wait()
+        lw.replace("nothing delivered")
+        lw.start_over()
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -761,6 +762,39 @@ async def test_namespace_deleted_drops_its_canaries(kube, kubeconfig):
         await run.until(lambda: kube.get("namespaces", None, "team") is None, "deletion")
         assert run.canary(namespace="default") is not None
         assert await run.get("/healthz") == (200, "OK")
+
+
+async def test_a_canary_recreated_with_its_namespace_is_tracked_when_all_are_watched(
+    kube, kubeconfig
+):
+    """GitOps deletes a namespace and creates it again with its canary. The canary stream
+    and the Namespaces stream are not ordered: the new canary may arrive while canaryd
+    still has the namespace closed (its Namespaces watch lagging behind a 500), and is
+    ignored then. Once the namespace leaves ``closed``, a list has it again (before,
+    all namespaces watched: untracked until a 410, and nothing said so)."""
+    from canaryd.registry import CanaryKey
+
+    kube.create_namespace("team")
+    create_canary(kube, "c", "team")
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY, "c", "team")
+        kube.auto_finalize_namespaces = False
+        kube.delete(kube.types["namespaces"], None, "team")  # Terminating
+        await run.until(lambda: "team" in run.registry.closed, "the namespace closed")
+        lagging = kube.inject(Fault(verb="watch", resource="namespaces", code=500, times=-1))
+        kube.close_watches()
+        kube.finalize_namespace("team")
+        kube.create_namespace("team")
+        create_canary(kube, "c", "team")
+        created = time.monotonic()
+        sync = run.registry.scopes.covering(CanaryKey("flinkdeployments", "team", "c"))
+        assert sync is not None
+        await run.until(
+            lambda: sync.last_delivery > created, "the canary stream past the new canary"
+        )
+        assert run.canary("c", "team") is None  # ignored: its namespace is closed
+        kube.faults.remove(lagging)  # the Namespaces watch resumes: the namespace reopens
+        await run.until_tracked("c", "team", within=20 * CYCLE)
 
 
 async def test_namespace_terminating_stops_its_watches_when_namespaces_are_listed(kube, kubeconfig):
