@@ -7,6 +7,7 @@ Kustomizations are built with `kubectl kustomize` where kubectl exists.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -517,11 +518,15 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
+    # A fresh venv: nothing of the checkout on its path (with PYTHONPATH set, pip would
+    # find canaryd there already and install no entry point).
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=clean,
     )
     assert install.returncode == 0, install.stderr
     result = subprocess.run(
