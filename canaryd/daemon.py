@@ -176,13 +176,9 @@ class Daemon:
         """The client once its credentials are loaded: until then every failure (an exec
         plugin that fails, or hangs past the request timeout) is one episode named in
         /readyz, tried again with backoff."""
+        cycle = self.settings.timeout
         failures = Episodes(
-            "credential_failures",
-            subject="credentials",
-            subjects="credentials",
-            detail_event="credentials_failed",
-            interval=lambda: self.settings.timeout,
-            logger_name="canaryd.daemon",
+            "credential_failures", "credentials", lambda: cycle, "credentials", "credentials_failed"
         )
         backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
         try:

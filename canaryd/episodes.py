@@ -24,11 +24,10 @@ class Episodes:
         subjects: str | None = None,
         detail_event: str | None = None,
         *,
-        logger_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``subject`` names the log field of one (``scope``), ``subjects`` the summary's
-        list; ``logger_name`` is ignored (every logger writes alike: callers may drop it)."""
+        list (default: ``subject`` + s), ``detail_event`` each failure's debug line."""
         self.name = name
         self.subject = subject
         self.subjects = subjects or f"{subject}s"

@@ -86,15 +86,7 @@ class LeaderElector:
         self.problem: str | None = None
         """Why the last round could not read or write the lease (not a lost race): a
         warning episode, and /readyz names it."""
-        self.failures = Episodes(
-            "lease_failures",
-            subject="lease",
-            subjects="leases",
-            detail_event="lease_failed",
-            interval=lambda: settings.timeout,
-            logger_name="canaryd.leader",
-            clock=clock,
-        )
+        self.failures = Episodes("lease_failures", "lease", lambda: settings.timeout, clock=clock)
         metrics.LEADER.set(0)
 
     def __str__(self) -> str:

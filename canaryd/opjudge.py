@@ -84,13 +84,7 @@ class OperatorJudge:
         self._answered = False
         """The last read answered (blind: without the series, not unreachable)."""
         self.failures = Episodes(
-            "operator_metrics_failures",
-            subject="url",
-            subjects="urls",
-            detail_event="operator_metrics_failed",
-            interval=lambda: settings.timeout,
-            logger_name="canaryd.opjudge",
-            clock=clock,
+            "operator_metrics_failures", "url", lambda: settings.timeout, clock=clock
         )
 
     def forget(self, key: CanaryKey) -> None:

@@ -444,8 +444,7 @@ class Scheduler:
             if self.flying(canary):
                 del self._in_flight[canary.key]
             if self.registry.owns(canary) and self.active and not self.writer.stopping:
-                # Due again: at its next deadline, or (nothing came of it while this
-                # replica still bumps) a cycle on, never out of the schedule.
+                # Due again at its next deadline, or a cycle on: never out of the schedule.
                 self.push(next_due if next_due is not None else self._after_failure(due), canary)
 
     def _bumped(self, canary: Canary, due: float, outcome: Outcome) -> float | None:
@@ -475,8 +474,7 @@ class Scheduler:
             canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
         )
         if isinstance(judgement, Suspect) and sync is not None:
-            # canaryd's own connection is the suspect: a fresh stream tells, from the
-            # last resourceVersion; the verdict waits for it as for any resume.
+            # canaryd's own connection is the suspect: the verdict waits for a fresh stream.
             metrics.VERDICTS.labels("suspected").inc()
             sync.suspect(now, judgement.why)
             judgement = judge.by_watch(
@@ -485,14 +483,12 @@ class Scheduler:
         return self.apply(canary, judgement, now)
 
     def _last_answer(self, sync: ScopeSync | None) -> float:
-        """The send time of the latest request the API server answered, read only when
-        a watch is out of sync."""
+        """When the API server last answered (a send time), read only while out of sync."""
         return self.kube.answered_since if sync is not None and not sync.in_sync else math.inf
 
     def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
-        """Do what a judgement says: a verdict to the role (counted, logged, the
-        registry's transition), or reschedule what waits. Returns False when the
-        verdict waits."""
+        """Do what a judgement says: a verdict to the role (counted, logged, the registry's
+        transition), or reschedule what waits. Returns False when the verdict waits."""
         match judgement:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
@@ -519,8 +515,7 @@ class Scheduler:
                     self._deferred.add(canary)
                 self.push(until if judgement.at is None else min(judgement.at, until), canary)
             case Suspect():
-                # The fresh stream's verdict comes from its own deadline: judged again
-                # then (never out of the schedule).
+                # Judged again at the fresh stream's own deadline (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
         return False  # not yet: rescheduled, or (Wait) judged at the next read
 
@@ -545,6 +540,5 @@ class Scheduler:
             self.operator.forget(key)
 
     def _after_failure(self, due: float) -> float:
-        """The next cycle after a cycle that wrote nothing: one timeout after it fell due
-        (never in the past: a late cycle is not repeated at once)."""
+        """A cycle after ``due`` that wrote nothing (never in the past: not repeated at once)."""
         return max(due + self.settings.timeout, self._clock())

@@ -10,15 +10,7 @@ from canaryd.episodes import Episodes
 
 
 def episodes(clock: list[float]) -> Episodes:
-    return Episodes(
-        "bump_failures",
-        subject="canary",
-        subjects="canaries",
-        detail_event="bump_failed",
-        interval=lambda: 60.0,
-        logger_name="test",
-        clock=lambda: clock[0],
-    )
+    return Episodes("bump_failures", "canary", lambda: 60.0, "canaries", clock=lambda: clock[0])
 
 
 def test_an_episode_that_never_ends_keeps_no_memory_per_subject_that_came_and_went():

@@ -51,3 +51,26 @@ async def test_watched_namespaces_counts_all_namespaces_when_all_are_watched(kub
         await run.until(lambda: metrics.WATCHED_NAMESPACES._value.get() == 4, "4 namespaces")
         kube.delete(kube.types["namespaces"], None, "c")
         await run.until(lambda: metrics.WATCHED_NAMESPACES._value.get() == 3, "3 namespaces")
+
+
+def test_no_module_over_550_lines_and_no_class_over_350():
+    """Issue 44's house rules, kept as the code changes: a module a newcomer reads in one
+    sitting, a class whose whole can be held in mind (canaryd/testing is test tooling)."""
+    import ast
+    from pathlib import Path
+
+    import canaryd
+
+    too_long = []
+    package = Path(canaryd.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "testing":
+            continue
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > 550:
+            too_long.append(f"{path.name}: {lines} lines")
+        classes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+        for node in classes:
+            if (size := (node.end_lineno or node.lineno) - node.lineno + 1) > 350:
+                too_long.append(f"{path.name}: class {node.name}, {size} lines")
+    assert not too_long, too_long
