@@ -142,7 +142,7 @@ async def list_all(
     grows with the number of canaries past a few hundred objects. A continue token
     that expired (410: the snapshot was compacted) falls back to one whole list, as
     client-go's pager does (FullListIfExpired). Returns the items, the list's
-    resourceVersion and the Kind its answer names ("" if none)."""
+    resourceVersion and the Kind its answer names."""
     items: list[Mapping[str, Any]] = []
     page_params, rv = {**params, "limit": str(LIST_PAGE)}, ""
     while True:
@@ -155,18 +155,16 @@ async def list_all(
                 raise
             items, page_params, rv = [], dict(params), ""  # one whole list, no limit
             continue
-        page = listed.get("items")
-        if page is None:
-            page = []
-        if not isinstance(page, list):
-            raise KubeError(ErrorKind.TRANSIENT, "list items is not an array")
-        items.extend(item for item in page if isinstance(item, Mapping))
+        kind, page = str(listed.get("kind") or ""), listed.get("items")
+        if not kind.endswith("List") or not isinstance(page, list | None):
+            # No list (a gateway's 200 ``{}``): nothing is known to be gone.
+            raise KubeError(ErrorKind.TRANSIENT, f"the answer is no list (kind {kind!r})")
+        items.extend(item for item in page or () if isinstance(item, Mapping))
         rv = rv or _rv(listed)  # every page is of the first page's snapshot
         metadata = listed.get("metadata")
         token = metadata.get("continue") if isinstance(metadata, Mapping) else None
         if "limit" not in page_params or not isinstance(token, str) or not token:
-            kind = str(listed.get("kind") or "")
-            return items, rv, kind.removesuffix("List") if kind.endswith("List") else ""
+            return items, rv, kind.removesuffix("List")
         page_params = {**page_params, "continue": token}
 
 

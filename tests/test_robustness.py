@@ -852,3 +852,19 @@ async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_list_answered_with_no_list_drops_no_canary(kube, kubeconfig):
+    """A 200 whose body is no list (a gateway's ``{}``) says nothing is gone: the relist
+    fails, transient, and is retried; the canary keeps its record and its verdict
+    (before: an empty list, every canary of the scope dropped and tracked anew)."""
+    create_canary(kube)
+    async with running_daemon(kube, kubeconfig) as run:
+        await run.until_state(CanaryState.HEALTHY)
+        before = run.tracked()
+        page = kube.inject(Fault(verb="list", resource="flinkdeployments", code=200, page="{}"))
+        kube.inject(Fault(verb="watch", resource="flinkdeployments", code=410))
+        kube.close_watches()  # a 410 on resuming: a relist
+        await run.until(lambda: page.hits == 1, "the relist answered with no list")
+        await run.until_bumps(len(run.bumps()) + 2)
+        assert run.tracked() is before and before.state is CanaryState.HEALTHY
