@@ -55,8 +55,10 @@ find "$src" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 rm -rf dist && mkdir dist
 
 t "wheel and sdist of flink-canaryd $version"
-[ -x "$tools/bin/pyproject-build" ] || { python3 -m venv "$tools" && "$tools/bin/pip" install -q build==1.3.0; }
-"$tools/bin/pyproject-build" --outdir dist "$src" >/dev/null
+# Run as python -m: a venv's scripts name the path it was made at (a moved checkout).
+"$tools/bin/python" -c 'import build' 2>/dev/null \
+	|| { rm -rf "$tools" && python3 -m venv "$tools" && "$tools/bin/python" -m pip install -q build==1.3.0; }
+"$tools/bin/python" -m build --outdir dist "$src" >/dev/null
 # sdist: tar's order and gzip's header made independent of the machine.
 sdist=dist/flink_canaryd-$version.tar.gz
 mkdir "$src/sdist" && tar -xzmf "$sdist" -C "$src/sdist"
