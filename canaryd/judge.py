@@ -157,12 +157,14 @@ def by_watch(
             sync is not None
             and answered is not None
             and canary.generation < bumped  # its own event not seen (any mode)
-            and sync.silent_since(answered)
+            and sync.silent_since(answered + settings.judge_slack)
         ):
             # Nothing on the scope since this bump was answered (or since a resumed
             # stream's first event, when the bump is in its replay), though the bump is
             # a change it must deliver: canaryd's own connection is the suspect
-            # (half-open). A fresh stream tells; the verdict waits for it.
+            # (half-open). A fresh stream tells; the verdict waits for it. What came
+            # within the judge's slack of the answer may be older events still in the
+            # pipe when the answer was read (a stream cut right after them is as dead).
             since = "a bump" if answered >= sync.resynced_at else "the watch resumed"
             silent = now - max(sync.last_delivery, answered)
             return Suspect(f"nothing delivered in the {silent:.1f}s since {since}")

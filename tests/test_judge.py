@@ -59,6 +59,17 @@ def test_a_watch_silent_since_the_bump_was_answered_is_the_suspect():
     assert isinstance(watch(canary(), in_sync(last_delivery=30.0)), Suspect)
 
 
+def test_older_events_read_right_after_the_answer_do_not_clear_a_dead_stream():
+    """The bump's answer may be read before events written ahead of it: a stream cut
+    right after those (half-open) delivered something after the answer, yet is dead. What
+    came within the judge's slack of the answer proves nothing (the soak saw a false
+    unhealthy verdict from it); a delivery after that does."""
+    slack = SETTINGS.judge_slack
+    assert isinstance(watch(canary(), in_sync(last_delivery=40.0 + slack / 2)), Suspect)
+    verdict = watch(canary(), in_sync(last_delivery=40.0 + 2 * slack))
+    assert isinstance(verdict, Unhealthy), verdict
+
+
 def test_a_watch_out_of_sync_defers_then_judges_on_the_watch():
     sync = in_sync()
     sync.dropped(90.0, "it dropped")
