@@ -118,9 +118,8 @@ class Registry:
         self.label = label
         self._canaries: dict[CanaryKey, Canary] = {}
         self._counts: Counter[CanaryState] = Counter()
-        self.closed: set[str] = set()
-        """Namespaces being deleted, as the watcher's Namespaces watch keeps them: their
-        canaries are not tracked."""
+        self.closed: set[str] = set()  # being deleted (the watcher keeps it): not tracked
+        self.ignored: set[str] = set()  # closed ones a copy was ignored in: relisted at open
         self.scopes = Scopes()
         """Where each canary watch scope stands (canaryd.sync): the watcher's to write."""
         self.pending: list[News] = []
@@ -314,6 +313,8 @@ class Registry:
             return
         why_not = self._why_not(key.namespace, obj)
         if why_not is not None:
+            if why_not[0] == "namespace_closed":
+                self.ignored.add(key.namespace)
             self.forget(key, *why_not)
             return
         nonce, problem = read_nonce(obj)

@@ -136,9 +136,8 @@ class Namespaces:
         self.registry = registry
         self.seen: set[str] = set()
         """Every namespace the Namespaces watch knows: the gauge when all are watched."""
-        self.reopened = False
-        """A namespace left ``closed`` (deleted, or no longer terminating): copies of its
-        canaries the canary watches delivered while it was closed were ignored."""
+        self.relist = False
+        """A namespace left ``closed`` after canary copies in it were ignored meanwhile."""
         self.known = False
         """The Namespaces watch has listed (and may be read): missing ones are known."""
 
@@ -148,8 +147,7 @@ class Namespaces:
         closing = {_name(obj) for obj in items if _terminating(obj)}
         closed = [name for name in closing if self._close(name)]
         reopened = self.registry.closed - closing
-        self.registry.closed -= reopened
-        self.reopened |= bool(reopened)
+        self._open(reopened)
         return bool(closed or reopened)
 
     def event(self, event: str, obj: Mapping[str, Any]) -> bool:
@@ -158,16 +156,19 @@ class Namespaces:
         if event == "DELETED":
             self.seen.discard(name)
             self._forget(name, "its namespace was deleted")
-            self.reopened |= name in self.registry.closed  # a namespace of that name may come
-            self.registry.closed.discard(name)
+            self._open({name})  # a namespace of that name may come
             return True
         self.seen.add(name)
         if _terminating(obj):
             return self._close(name)
         reopened = name in self.registry.closed
-        self.registry.closed.discard(name)
-        self.reopened |= reopened
+        self._open({name})
         return reopened
+
+    def _open(self, names: set[str]) -> None:
+        self.registry.closed -= names
+        self.relist |= bool(names & self.registry.ignored)
+        self.registry.ignored -= names
 
     def missing(self, watched: frozenset[str] | None) -> set[str]:
         """The watched namespaces that do not exist (none known before a list)."""
@@ -391,13 +392,12 @@ class Watcher:
         if scope.kind is None and not isinstance(change, Sync):
             if rescope:
                 self._reconcile()
-            if self._namespaces.reopened and self.namespaces is None:
-                # Canary streams are not ordered with the Namespaces one: what they told of
-                # it while closed is had again by a list (a watched one's new scope lists).
+            if self._namespaces.relist and self.namespaces is None:
+                # Had again by a list (a watched namespace's new scope lists anyway).
                 for other in self._watches.values():
                     if other.lw.scope.kind is not None:
                         other.lw.start_over()
-            self._namespaces.reopened = False
+            self._namespaces.relist = False
             self._namespaces.count(self.namespaces)
             self.check_coverage()
         elif resumed and scope.kind is not None:

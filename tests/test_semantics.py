@@ -758,8 +758,13 @@ async def test_namespace_deleted_drops_its_canaries(kube, kubeconfig):
         kube.auto_finalize_namespaces = False
         kube.delete(kube.types["namespaces"], None, "team")  # Terminating
         await run.until_gone(namespace="team")
+        lists = len(kube.requests_for("list", resource="flinkdeployments"))
         kube.finalize_namespace("team")
         await run.until(lambda: kube.get("namespaces", None, "team") is None, "deletion")
+        await run.until(lambda: "team" not in run.registry.closed, "the namespace gone")
+        await run.until_bumps(len(run.bumps()) + 2)  # a relist would be long done
+        # Nothing of it was ignored while it was closed: no relist of every canary.
+        assert len(kube.requests_for("list", resource="flinkdeployments")) == lists
         assert run.canary(namespace="default") is not None
         assert await run.get("/healthz") == (200, "OK")
 
