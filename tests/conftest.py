@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,14 @@ TOKEN = "fake-token-1234567890"
 
 # canaryd's own log setup, at info: what tests capture is what users see.
 logs.configure("console", "info")
+
+
+@pytest.fixture(autouse=True)
+def console_logs() -> Iterator[None]:
+    """The log setup above for every test: a test that runs ``canaryd.__main__.main``
+    in-process leaves canaryd's own (JSON, or ``error`` for ``canaryd check``) behind."""
+    yield
+    logs.configure("console", "info")
 
 
 @pytest.fixture
