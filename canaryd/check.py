@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
-from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
+from canaryd.config import ConfigError, Settings
+from canaryd.config.operator_config import nested_keys_why, nested_operator_keys
 from canaryd.kube import (
     NAMESPACES_PATH,
     ErrorKind,

@@ -20,15 +20,12 @@ import structlog
 from canaryd import __version__, metrics
 from canaryd.access import account_exists
 from canaryd.backoff import Backoff
-from canaryd.config import (
-    ConfigError,
-    Settings,
-    default_identity,
-    has_prometheus_reporter,
+from canaryd.config import ConfigError, Settings, default_identity, operator_config_values
+from canaryd.config.operator_config import (
     nested_keys_why,
     nested_operator_keys,
     operator_config_files,
-    operator_config_values,
+    prometheus_reporter,
     read_operator_config,
 )
 from canaryd.credentials import CredentialsError, runs_a_plugin
@@ -229,7 +226,7 @@ class Daemon:
         configured: bool | None = None
         if path is not None:
             with contextlib.suppress(ConfigError):  # read at start already: a problem is told
-                configured = has_prometheus_reporter(read_operator_config(path))
+                configured = prometheus_reporter(read_operator_config(path)) is not None
         (log.warning if configured is False else log.info)(
             "operator_metrics",
             url=self.settings.operator_metrics_url,
