@@ -1,11 +1,8 @@
-"""``canaryd check`` (and ``helm test``, which runs it): the pre-flight check, with the
-daemon's flags and credentials. Access reviews of every permission canaryd will use,
-and whether the operator's service account exists (an admission policy naming an
-account that does not exist refuses nothing); then, all granted, what the daemon would
-meet: the kinds served, the watched namespaces there, the canaries, the operator's
-metrics. One line per finding; exit 2 naming what is missing (or on bad configuration,
-an API server unreached or refusing the credentials), 1 naming why canaryd would be
-blind (a ``canaryd_blind`` reason each), else 0."""
+"""``canaryd check`` (and ``helm test``): access reviews of every permission canaryd
+will use, whether the operator's account exists, then, all granted, what the daemon
+would meet. One line per finding; exit 2 naming what is missing (or on bad
+configuration, an API server unreached or refusing), 1 naming why canaryd would be
+blind (a ``canaryd_blind`` reason each), else 0 (docs/OPERATIONS.md)."""
 
 from __future__ import annotations
 

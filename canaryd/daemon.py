@@ -28,7 +28,7 @@ from canaryd.config.operator_config import (
     prometheus_reporter,
     read_operator_config,
 )
-from canaryd.credentials import CredentialsError, runs_a_plugin
+from canaryd.credentials import CredentialsError, source
 from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, connect
 from canaryd.leader import LeaderElector
@@ -95,7 +95,7 @@ class Daemon:
         settings = self.settings
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
-        kube = None if runs_a_plugin(settings) else await connect(settings)
+        kube = None if source(settings).plugin else await connect(settings)
         self.server = HealthServer(settings, self)
         try:
             await self.server.start()
@@ -155,7 +155,7 @@ class Daemon:
                     group.create_task(said, name="operator-account")
                 group.create_task(self._supervise("events", scheduler.events.run))
                 group.create_task(self._supervise("config", self._follow_operator_config))
-                group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
+                group.create_task(self._supervise("credentials", kube.credentials.keep_fresh))
                 if self.elector is not None:
                     group.create_task(self._supervise("leader", self.elector.run))
                 self.started.set()
