@@ -33,7 +33,6 @@ Say = Callable[[str | None, str], None]
 
 
 async def check(settings: Settings, out: TextIO) -> int:
-    """Print one line per finding; return the exit status."""
     if settings.operator_config is not None:
         read, nested = nested_operator_keys(settings.operator_config)
         for key in nested:
@@ -134,7 +133,6 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO)
 
 
 def names(item: Mapping[str, Any]) -> tuple[str, str]:
-    """An object's namespace and name."""
     metadata = item.get("metadata") or {}
     return str(metadata.get("namespace")), str(metadata.get("name"))
 
