@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import structlog
 
@@ -18,28 +17,20 @@ from canaryd.config import ConfigError, load_settings
 from canaryd.daemon import Daemon
 from canaryd.leader import lease_timings_problem
 
+try:  # less CPU per request and watch event than asyncio's own loop
+    from uvloop import run
+except ImportError:
+    from asyncio import run  # type: ignore[assignment]
+
 log = structlog.get_logger("canaryd")
-
-
-def run(main: Coroutine[Any, Any, None]) -> None:
-    """On uvloop where it is installed (less CPU per request and watch event), else on
-    asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     checking = args[:1] == ["check"]
     try:
-        if checking:
-            settings = load_settings(args[1:], os.environ, "canaryd check")
-        else:
-            settings = load_settings(args, os.environ)
+        prog = "canaryd check" if checking else "canaryd"
+        settings = load_settings(args[1:] if checking else args, os.environ, prog)
         if problem := lease_timings_problem(settings):
             raise ConfigError(problem)
         if checking:

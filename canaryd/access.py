@@ -1,8 +1,6 @@
-"""Access reviews: whether the API server lets canaryd do what it will do, asked with
-SelfSubjectAccessReviews (authorization.k8s.io/v1), which any authenticated user may
-ask about itself: ``canaryd check`` asks them all before a start (the daemon asks
-none: it learns a forbidden scope from the 403 on its list or its bumps).
-"""
+"""Access reviews (SelfSubjectAccessReviews, which any authenticated user may ask about
+itself) of what canaryd will do, for ``canaryd check``: the daemon asks none, it learns a
+forbidden scope from the 403 on its list or its bumps."""
 
 from __future__ import annotations
 
@@ -36,11 +34,8 @@ class Permission:
 
     def attributes(self) -> dict[str, str]:
         asked = {"verb": self.verb, "group": self.group, "resource": self.resource}
-        if self.namespace is not None:
-            asked["namespace"] = self.namespace
-        if self.name is not None:
-            asked["name"] = self.name
-        return asked
+        named = {"namespace": self.namespace, "name": self.name}
+        return asked | {key: value for key, value in named.items() if value is not None}
 
     def __str__(self) -> str:
         plain = self.group in ("", FLINK_GROUP, LEASE_GROUP)  # their plurals say which
@@ -55,9 +50,7 @@ class Permission:
 def wanted_permissions(settings: Settings) -> list[Permission]:
     """Every permission canaryd needs with these settings, in the order it uses them;
     the operator's service account last (``canaryd check`` reads its answer there)."""
-    scopes: Sequence[str | None] = [None]
-    if settings.namespaces is not None:
-        scopes = sorted(settings.namespaces)
+    scopes: Sequence[str | None] = sorted(settings.namespaces or ()) or [None]
     wanted = [
         Permission(verb, kind.plural, kind.group, namespace)
         for kind in map(kind_of, settings.kinds)

@@ -1,11 +1,8 @@
-"""``canaryd check`` (and ``helm test``, which runs it): the pre-flight check, with the
-daemon's flags and credentials. Access reviews of every permission canaryd will use,
-and whether the operator's service account exists (an admission policy naming an
-account that does not exist refuses nothing); then, all granted, what the daemon would
-meet: the kinds served, the watched namespaces there, the canaries, the operator's
-metrics. One line per finding; exit 2 naming what is missing (or on bad configuration,
-an API server unreached or refusing the credentials), 1 naming why canaryd would be
-blind (a ``canaryd_blind`` reason each), else 0."""
+"""``canaryd check`` (and ``helm test``): access reviews of every permission canaryd
+will use, whether the operator's account exists, then, all granted, what the daemon
+would meet. One line per finding; exit 2 naming what is missing (or on bad
+configuration, an API server unreached or refusing), 1 naming why canaryd would be
+blind (a ``canaryd_blind`` reason each), else 0 (docs/OPERATIONS.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,8 @@ from typing import Any, TextIO
 
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
-from canaryd.config import ConfigError, Settings, nested_keys_why, nested_operator_keys
+from canaryd.config import ConfigError, Settings
+from canaryd.config.operator_config import nested_keys_why, nested_operator_keys
 from canaryd.kube import (
     NAMESPACES_PATH,
     ErrorKind,
@@ -35,7 +33,6 @@ Say = Callable[[str | None, str], None]
 
 
 async def check(settings: Settings, out: TextIO) -> int:
-    """Print one line per finding; return the exit status."""
     if settings.operator_config is not None:
         read, nested = nested_operator_keys(settings.operator_config)
         for key in nested:
@@ -136,7 +133,6 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO)
 
 
 def names(item: Mapping[str, Any]) -> tuple[str, str]:
-    """An object's namespace and name."""
     metadata = item.get("metadata") or {}
     return str(metadata.get("namespace")), str(metadata.get("name"))
 

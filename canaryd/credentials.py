@@ -1,7 +1,5 @@
-"""Kubernetes credentials: where they come from, their load (kubernetes-asyncio's, as
-kubectl finds them), and as requests carry them; when they are reloaded:
-docs/DEVELOPMENT.md, How it works.
-"""
+"""Kubernetes credentials: loaded by kubernetes-asyncio as kubectl finds them, carried
+by requests, reloaded as docs/DEVELOPMENT.md (How it works) tells."""
 
 from __future__ import annotations
 
@@ -59,9 +57,9 @@ def _in_cluster(kubeconfig: str | None) -> bool:
 
 
 def source(settings: Settings) -> Source:
-    """The settings' credentials, the kubeconfig read once (a bad one is a ConfigError of
-    one line, not the loader's internals). The context is the given one, else kubectl's:
-    the first file's current context (kubernetes-asyncio's is the last's)."""
+    """The kubeconfig read once (a bad one is a ConfigError of one line, not the loader's
+    internals); the context given, else the first file's (kubectl's; the loader's is the
+    last's)."""
     if _in_cluster(settings.kubeconfig):
         return Source(IN_CLUSTER, settings.context)
     where = settings.kubeconfig or KUBECONFIG
@@ -104,15 +102,9 @@ def _read(path: str) -> dict[str, Any]:
     return data
 
 
-def runs_a_plugin(settings: Settings) -> bool:
-    """Whether an exec plugin gives the credentials (it may fail or hang a while)."""
-    return source(settings).plugin
-
-
 async def load_configuration(
     kubeconfig: str | None, context: str | None
 ) -> tuple[k8s_client.Configuration, Reload | None, Any]:
-    """The configuration, a reload function (None in-cluster), and the loader."""
     configuration = k8s_client.Configuration()
     if _in_cluster(kubeconfig):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -128,8 +120,8 @@ async def load_configuration(
 
 
 async def load(settings: Settings) -> Credentials:
-    """A CredentialsError when not loaded within the request timeout; a ConfigError when
-    the kubeconfig or its cluster server is bad."""
+    """A CredentialsError when not loaded within the request timeout; a ConfigError for a
+    bad kubeconfig or cluster server."""
     found = source(settings)
     try:
         async with asyncio.timeout(settings.request_timeout) as bound:
@@ -159,11 +151,11 @@ async def load(settings: Settings) -> Credentials:
 
 
 class _ExecProvider(ExecProvider):
-    """kubernetes-asyncio's exec plugin run, the plugin in a process group of its own
+    """kubernetes-asyncio's plugin run, with no terminal, the plugin's process group
     killed and reaped when the run is cancelled (its call's deadline, a shutdown)."""
 
     async def run(self, previous_response: str | None = None) -> Any:
-        spec = {"interactive": False}  # a daemon: no terminal, nothing typed in
+        spec = {"interactive": False}
         info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
         process = await asyncio.create_subprocess_exec(
             *self.args,
@@ -195,9 +187,8 @@ kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
 class Credentials:
-    """The headers and TLS context requests carry, reloaded on a 401, before an exec
-    plugin's token expires, and when TLS files (the kubeconfig ``files`` may embed them)
-    change: aiohttp pools connections by context, so a new one means new connections."""
+    """The headers and TLS context requests carry (aiohttp pools connections by context:
+    a new one means new connections)."""
 
     def __init__(
         self,
@@ -223,14 +214,13 @@ class Credentials:
         self.tls = self._ssl_context()
 
     async def headers(self) -> dict[str, str]:
-        """The in-cluster token refresh hook raises while the kubelet rotates the token."""
         try:
             headers = {
                 str(s["key"]): str(s["value"])
                 for s in (await self.configuration.auth_settings()).values()
                 if s.get("in") == "header" and s.get("value")
             }
-        except Exception:
+        except Exception:  # the in-cluster refresh hook, while the kubelet rotates the token
             metrics.ERRORS.labels("credentials").inc()
             raise
         logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
@@ -289,8 +279,8 @@ class Credentials:
         self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
 
     def next_refresh_in(self, now: float) -> float | None:
-        """At 80 % of an exec token's remaining lifetime (at least 1 s); every minute where
-        TLS files may be rotated on disk; None when nothing expires."""
+        """At 80 % of an exec token's remaining lifetime (at least 1 s); every minute for
+        TLS files; None when nothing expires."""
         if self._reload is not None and self.expiry is not None:
             return max(1.0, 0.8 * (self.expiry - now))
         cfg = self.configuration

@@ -20,18 +20,15 @@ import structlog
 from canaryd import __version__, metrics
 from canaryd.access import account_exists
 from canaryd.backoff import Backoff
-from canaryd.config import (
-    ConfigError,
-    Settings,
-    default_identity,
-    has_prometheus_reporter,
+from canaryd.config import ConfigError, Settings, default_identity, operator_config_values
+from canaryd.config.operator_config import (
     nested_keys_why,
     nested_operator_keys,
     operator_config_files,
-    operator_config_values,
+    prometheus_reporter,
     read_operator_config,
 )
-from canaryd.credentials import CredentialsError, runs_a_plugin
+from canaryd.credentials import CredentialsError, source
 from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, connect
 from canaryd.leader import LeaderElector
@@ -98,7 +95,7 @@ class Daemon:
         settings = self.settings
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
-        kube = None if runs_a_plugin(settings) else await connect(settings)
+        kube = None if source(settings).plugin else await connect(settings)
         self.server = HealthServer(settings, self)
         try:
             await self.server.start()
@@ -158,7 +155,7 @@ class Daemon:
                     group.create_task(said, name="operator-account")
                 group.create_task(self._supervise("events", scheduler.events.run))
                 group.create_task(self._supervise("config", self._follow_operator_config))
-                group.create_task(self._supervise("credentials", kube.keep_credentials_fresh))
+                group.create_task(self._supervise("credentials", kube.credentials.keep_fresh))
                 if self.elector is not None:
                     group.create_task(self._supervise("leader", self.elector.run))
                 self.started.set()
@@ -229,7 +226,7 @@ class Daemon:
         configured: bool | None = None
         if path is not None:
             with contextlib.suppress(ConfigError):  # read at start already: a problem is told
-                configured = has_prometheus_reporter(read_operator_config(path))
+                configured = prometheus_reporter(read_operator_config(path)) is not None
         (log.warning if configured is False else log.info)(
             "operator_metrics",
             url=self.settings.operator_metrics_url,

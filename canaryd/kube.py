@@ -1,9 +1,6 @@
-"""Kubernetes access: the resource types canaryd names, the one place where API errors
-are classified (ErrorKind; failure_cause for people), and every request and watch, over
-aiohttp with the credentials of canaryd.credentials. A PATCH whose connection failed is
-never resent here (aiohttp retries idempotent methods only): the writer resends it
-identical (canaryd.writer).
-"""
+"""Kubernetes access: the resource types, API errors classified once (ErrorKind;
+failure_cause for people), every request and watch over aiohttp. A PATCH whose
+connection failed is never resent here: the writer resends it identical."""
 
 from __future__ import annotations
 
@@ -181,7 +178,6 @@ def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
 def error_from_response(
     status: int, body: bytes, retry_after: str | None, note: str = ""
 ) -> KubeError:
-    """A KubeError from a non-2xx answer, its Status read (``note`` after its message)."""
     answer = _json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
@@ -238,8 +234,8 @@ def failure_cause(err: KubeError) -> str:
 
 
 class KubeClient:
-    """The requests canaryd makes, over aiohttp: single-object calls on one session,
-    watches on another (each holds its connection for minutes)."""
+    """Single-object calls on one session, watches (each holding its connection for
+    minutes) on another."""
 
     def __init__(
         self,
@@ -257,7 +253,7 @@ class KubeClient:
         self._timeout = aiohttp.ClientTimeout(connect=min(connect_timeout, request_timeout))
         self._answered = self._unanswered = -math.inf
         """Send times of the latest exchange answered serving, and of the latest not."""
-        # trust_env (a proxy and netrc lookup per request) only when a proxy is configured.
+        # trust_env costs a proxy and netrc lookup per request: only with a proxy.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
@@ -283,14 +279,10 @@ class KubeClient:
         return self._answered if self._answered >= self._unanswered else -math.inf
 
     def _note_answer(self, sent: float, status: int = 0, body: bytes = b"") -> None:
-        """Status 0: no answer (after a watch's 200, a no-op: ``_answered >= sent``)."""
         if serving(status, body):
             self._answered = max(self._answered, sent)
         else:
             self._unanswered = max(self._unanswered, sent)
-
-    async def keep_credentials_fresh(self) -> None:
-        await self.credentials.keep_fresh()
 
     async def close(self) -> None:
         await self._session.close()
@@ -307,9 +299,8 @@ class KubeClient:
         content_type: str | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[tuple[aiohttp.ClientResponse, bytes]]:
-        """One exchange within ``deadline`` (loop time; a watch has none, ``bounds`` its
-        reads): the answer and its body (unread for a watch's 2xx), counted by ``verb``
-        and noted for ``answered_since``. Whatever goes wrong is a KubeError."""
+        """The answer and its body (unread for a watch's 2xx) within ``deadline`` (loop
+        time; a watch's None), counted and noted; whatever goes wrong is a KubeError."""
         watch = verb == "watch"
         cfg = self.credentials.configuration
         headers: dict[str, str] | None = None
@@ -371,9 +362,8 @@ class KubeClient:
         content_type: str = "application/json",
         time_limit: float | None = None,
     ) -> dict[str, Any]:
-        """The decoded JSON object (``data`` a serialised body, ``body`` one to serialise),
-        or a KubeError. One deadline (``time_limit``, else the request timeout) covers the
-        call, a retry after a 401 with reloaded credentials included."""
+        """The decoded JSON object, or a KubeError. ``data`` is a serialised body, ``body``
+        one to serialise; one deadline covers the call, a retry after a 401 included."""
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
         loop = asyncio.get_running_loop()

@@ -745,7 +745,7 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
         trust(ca)
         client = await connect(Settings(kubeconfig=str(path)))
         reloaded.clear()
-        refresher = asyncio.create_task(client.keep_credentials_fresh())
+        refresher = asyncio.create_task(client.credentials.keep_fresh())
         try:
             await client.request("get", "GET", "/api/v1/namespaces/default")
             rotated = trustme.CA()

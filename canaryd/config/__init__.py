@@ -1,9 +1,5 @@
-"""Configuration: flags > environment > the operator's config file > defaults.
-
-Each option is one row, a field of ``Settings``: its flag, environment variable,
-operator config key, parser, default and help. ``--help``, the precedence and the
-operator config file's re-reads are made from the rows; nothing else sees strings.
-"""
+"""Configuration: flags > environment > the operator's config file > defaults, each
+option one row (a ``Settings`` field) that ``--help`` and the readers are made from."""
 
 from __future__ import annotations
 
@@ -16,37 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from canaryd import __version__
-from canaryd.config.operator_config import (
-    ConfigError,
-    has_prometheus_reporter,
-    nested_keys_why,
-    nested_operator_keys,
-    operator_config_files,
-    read_operator_config,
-    reporter_url,
-)
-from canaryd.config.parse import (
-    FLINK_KINDS,
-    account,
-    choice,
-    dns_name,
-    duration,
-    kinds,
-    matching,
-    metrics_url,
-    namespaces,
-    parse_bool,
-    port,
-)
-
-__all__ = [  # besides its own names: the file's readers, for the daemon and canaryd check
-    "ConfigError",
-    "has_prometheus_reporter",
-    "nested_keys_why",
-    "nested_operator_keys",
-    "operator_config_files",
-    "read_operator_config",
-]
+from canaryd.config import parse
+from canaryd.config.operator_config import ConfigError as ConfigError
+from canaryd.config.operator_config import operator_config_files, read_operator_config, reporter_url
 
 T = TypeVar("T")
 
@@ -105,7 +73,7 @@ class Settings:
     namespaces: frozenset[str] | None = option(
         None,
         "--namespace NS",
-        namespaces,
+        parse.namespaces,
         "watched namespace, repeatable or comma-separated",
         "all namespaces",
         key="kubernetes.operator.watched.namespaces",
@@ -122,26 +90,26 @@ class Settings:
     label: str = option(
         "flink.apache.org/canary",
         "--label KEY",
-        matching(
+        parse.matching(
             "label key",
             r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
         ),
         "canary label, value true in any case",
     )
     kinds: tuple[str, ...] = option(
-        FLINK_KINDS,
+        parse.FLINK_KINDS,
         "--kind PLURAL",
-        kinds,
+        parse.kinds,
         "canary kinds, repeatable or comma-separated: Flink's plurals, or any namespaced "
         "custom resource as PLURAL.GROUP/VERSION",
-        ",".join(FLINK_KINDS),
+        ",".join(parse.FLINK_KINDS),
         many=True,
         env="CANARYD_KINDS",
     )
     reconciled_by: str = option(
         "watch",
         "--reconciled-by watch|observed-generation|operator-metrics",
-        choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
+        parse.choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
         "a bump is reconciled when its generation is seen through the watch, when the "
         "canary's status.observedGeneration reaches it, or when the operator's own count "
         "of finished reconciles of the canary rose after it",
@@ -149,7 +117,7 @@ class Settings:
     operator_metrics_url: str = option(
         "http://127.0.0.1:9249/metrics",
         "--operator-metrics-url URL",
-        metrics_url,
+        parse.metrics_url,
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
         "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets for its "
         "Prometheus reporter, else 9249",
@@ -158,7 +126,7 @@ class Settings:
     operator_account: tuple[str, str] | None = option(
         None,
         "--operator-account NS/NAME",
-        account,
+        parse.account,
         "the operator's service account, whose stale writes of canaries the admission "
         "policy refuses (config/admission): canaryd check and the start-up log say when "
         "it does not exist",
@@ -167,7 +135,7 @@ class Settings:
     timeout: float = option(
         60.0,
         "--timeout DURATION",
-        duration(0.1, bare_floor=1.0),
+        parse.duration(0.1, bare_floor=1.0),
         "canary cycle: bump every DURATION, judge each bump one DURATION later; e.g. "
         "'30 s', '1 min', 'PT1M', a bare number is milliseconds (below a second refused: "
         "give a unit)",
@@ -175,15 +143,19 @@ class Settings:
         key="kubernetes.operator.health.canary.resource.timeout",
     )
     host: str = option(
-        "0.0.0.0", "--host ADDR", matching("host", ".+", ": empty"), "health server address"
+        "0.0.0.0", "--host ADDR", parse.matching("host", ".+", ": empty"), "health server address"
     )
     port: int = option(
-        8085, "--port N", port, "health server port", key="kubernetes.operator.health.probe.port"
+        8085,
+        "--port N",
+        parse.port,
+        "health server port",
+        key="kubernetes.operator.health.probe.port",
     )
     config_check_interval: float = option(
         300.0,
         "--config-check-interval DURATION",
-        duration(1.0),
+        parse.duration(1.0),
         "operator config re-read interval",
         "5 min",
         key="kubernetes.operator.dynamic.config.check.interval",
@@ -191,56 +163,58 @@ class Settings:
     log_format: str = option(
         "json",
         "--log-format json|console",
-        choice("log format", "json", "console"),
+        parse.choice("log format", "json", "console"),
         "log format on stderr: one JSON object a line, or aligned text for people",
     )
     log_level: str = option(
         "info",
         "--log-level LEVEL",
-        choice("log level", *LOG_LEVELS, warn="warning"),
+        parse.choice("log level", *LOG_LEVELS, warn="warning"),
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
         False,
         "--leader-elect",
-        parse_bool,
+        parse.parse_bool,
         "run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, the "
         "others keep their registry warm",
         "off",
     )
-    lease_name: str = option("canaryd", "--lease-name NAME", dns_name("lease name"), "the Lease")
+    lease_name: str = option(
+        "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
+    )
     lease_namespace: str | None = option(
         None,
         "--lease-namespace NS",
-        dns_name("lease namespace"),
+        parse.dns_name("lease namespace"),
         "the Lease's namespace",
         "the service account's namespace in a pod, else default",
     )
     identity: str | None = option(
         None,
         "--identity ID",
-        matching("identity", ".+", ": empty"),
+        parse.matching("identity", ".+", ": empty"),
         "this replica's holder identity",
         "the host name and a random suffix",
     )
     lease_duration: float = option(
         15.0,
         "--lease-duration DURATION",
-        duration(1.0),
+        parse.duration(1.0),
         "followers wait this long after the lease last changed before they take it",
         "15 s",
     )
     renew_deadline: float = option(
         10.0,
         "--renew-deadline DURATION",
-        duration(0.5),
+        parse.duration(0.5),
         "a leader that cannot renew for this long stops bumping",
         "10 s",
     )
     retry_period: float = option(
         2.0,
         "--retry-period DURATION",
-        duration(0.1),
+        parse.duration(0.1),
         "how often the lease is renewed or looked at",
         "2 s",
     )
@@ -411,9 +385,9 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     flat = read_operator_config(file)
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
-        wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse_bool))
+        wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
     said: dict[str, Any] = {}
-    for name, key, parse in wanted:  # in the rows' order: the first bad value is told
+    for name, key, parser in wanted:  # in the rows' order: the first bad value is told
         found = flat.get(key)
         if name == "operator_metrics_url":  # the port of its Prometheus reporter
             said[name] = reporter_url(flat)
@@ -423,7 +397,7 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
                 "list), not a mapping"
             )
         elif found is not None:
-            said[name] = _parsed(parse, found, f"{file}: {key}")
+            said[name] = _parsed(parser, found, f"{file}: {key}")
         else:
             said[name] = getattr(Settings(), name)
     return said

@@ -125,10 +125,6 @@ def prometheus_reporter(flat: Mapping[str, Any]) -> str | None:
     return None
 
 
-def has_prometheus_reporter(flat: Mapping[str, Any]) -> bool:
-    return prometheus_reporter(flat) is not None
-
-
 def reporter_url(flat: Mapping[str, Any]) -> str:
     """The reporter on this host: its port, or a range's first (a single operator
     process takes it), else Flink's 9249 (PrometheusReporterOptions.PORT)."""
