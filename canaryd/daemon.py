@@ -69,11 +69,8 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.elector: LeaderElector | None = None
         self.notifier = Notifier()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._config_problem: str | None = None
-        self._file_said: dict[str, Any] = {}
-        """The settings the operator config file gave at its last re-read (before the
-        first, those canaryd runs with): a change is logged once."""
+        # from_file names settings only when an operator config is read
+        self._follows = settings.namespaces_from_file and settings.dynamic_namespaces
         self._credentials_problem: str | None = None
 
     def stop(self) -> None:
@@ -81,11 +78,6 @@ class Daemon:
 
     def reload(self) -> None:
         self._reload.set()
-
-    @property
-    def follows_operator_config(self) -> bool:
-        s = self.settings
-        return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
 
     async def run(self) -> None:
         metrics.REGISTRY.register(self._collector)
@@ -101,17 +93,10 @@ class Daemon:
         kube = None if runs_a_plugin(settings) else await connect(settings)
         self.server = HealthServer(settings, self)
         try:
-            await self.server.start()
-        except OSError as err:
-            if kube is not None:
-                await kube.close()
-            raise ConfigError(
-                f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
-            ) from err
-        self._signals(install=True)  # before the credentials: an exec plugin may hang
-        try:
+            await self.server.start()  # a busy port: ConfigError, exit 2
+            self._signals(install=True)  # before the credentials: an exec plugin may hang
             async with asyncio.TaskGroup() as group:
-                self._tasks = [group.create_task(self.server.run(), name="health-server")]
+                group.create_task(self.server.run(), name="health-server")
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
@@ -144,15 +129,13 @@ class Daemon:
                     timeout=settings.timeout,
                     label=settings.label,
                     reconciled_by=settings.reconciled_by,
-                    follows_operator_config=self.follows_operator_config,
+                    follows_operator_config=self._follows,
                     operator_config=operator_config,
                 )
                 if settings.reconciled_by == "operator-metrics":
                     self._check_operator_reporter()
-                self._tasks += [
-                    group.create_task(self._supervise("watcher", self.watcher.run)),
-                    group.create_task(self._supervise("scheduler", scheduler.run)),
-                ]
+                group.create_task(self._supervise("watcher", self.watcher.run))
+                group.create_task(self._supervise("scheduler", scheduler.run))
                 if settings.operator_account is not None:
                     said = self._say_operator_account(kube, *settings.operator_account)
                     group.create_task(said, name="operator-account")
@@ -164,10 +147,10 @@ class Daemon:
                 self.started.set()
         except* _Shutdown:
             pass
-        except* ConfigError as errors:  # raised in the group: a bad kubeconfig, exit 2
+        except* ConfigError as errors:  # a busy port, or in the group a bad kubeconfig: exit 2
             raise errors.exceptions[0] from None
         finally:
-            self._signals(install=False)
+            self._signals(install=False)  # those not installed are left as they are
             if kube is not None:
                 await kube.close()
         log.info("canaryd_stopped", why="signal")
@@ -314,9 +297,6 @@ class Daemon:
 
     def stuck(self) -> str | None:
         """Why the daemon is not making progress, or None when it is (the watchdog)."""
-        for task in self._tasks:
-            if task.done():
-                return f"task {task.get_name()} ended"
         lag = self.scheduler.lag() if self.scheduler is not None else 0.0
         if lag > self.settings.timeout:
             return f"the scheduler is {lag:.1f}s behind its deadlines"
@@ -342,56 +322,51 @@ class Daemon:
 
     async def _follow_operator_config(self) -> None:
         """Re-read the operator config every check interval when its namespaces are
-        followed, and on SIGHUP whenever it decides a setting."""
+        followed, and on SIGHUP whenever it decides a setting: each setting it changed is
+        logged (old -> new); the watched namespaces follow it when dynamic, the rest apply
+        at a restart."""
+        path, watcher = self.settings.operator_config, self.watcher
+        assert watcher is not None
+        every = self.settings.config_check_interval if self._follows else None
+        followed = {"namespaces"} if self._follows else set()
+        problem: str | None = None
+        file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
         try:
             while True:
-                every = (
-                    self.settings.config_check_interval if self.follows_operator_config else None
-                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._reload.wait(), every)
                 self._reload.clear()
-                if self.settings.from_file:
-                    self.apply_operator_config()
-                else:
+                if path is None or not self.settings.from_file:
                     log.info("sighup_ignored", why="no setting comes from an operator config")
+                    continue
+                try:
+                    said = operator_config_values(path, self.settings.from_file)
+                except ConfigError as err:
+                    metrics.CONFIG_RELOADS.labels("failed").inc()
+                    if str(err) != problem:  # once per problem, not per check
+                        problem = str(err)
+                        keeping = sorted(watcher.namespaces or ()) or "all"
+                        log.error("operator_config_reload_failed", error=str(err), keeping=keeping)
+                    continue
+                if problem is not None:
+                    log.info("operator_config_readable_again", was=problem)
+                    problem = None
+                changed = False
+                for field, now in said.items():
+                    was = file_said.get(field, getattr(self.settings, field))
+                    if now != was:
+                        changed = True
+                        log.info(
+                            "operator_config_changed",
+                            setting=field,
+                            was=sorted(was) if isinstance(was, frozenset) else was,
+                            now=sorted(now) if isinstance(now, frozenset) else now,
+                            applied="now" if field in followed else "at a restart",
+                        )
+                file_said = said
+                metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
+                if followed:
+                    watcher.set_namespaces(said["namespaces"])
         except asyncio.CancelledError:
             log.info("config_follower_stopped", why="cancelled")
             raise
-
-    def apply_operator_config(self) -> None:
-        """Re-read the operator config: each setting it changed is logged (old -> new);
-        the watched namespaces are followed when dynamic, the rest apply at a restart."""
-        path, follows = self.settings.operator_config, self.follows_operator_config
-        assert path is not None and self.watcher is not None
-        try:
-            said = operator_config_values(path, self.settings.from_file)
-        except ConfigError as err:
-            metrics.CONFIG_RELOADS.labels("failed").inc()
-            if str(err) != self._config_problem:  # once per problem, not per check
-                self._config_problem = str(err)
-                log.error(
-                    "operator_config_reload_failed",
-                    error=str(err),
-                    keeping=sorted(self.watcher.namespaces or ()) or "all",
-                )
-            return
-        if self._config_problem is not None:
-            log.info("operator_config_readable_again", was=self._config_problem)
-            self._config_problem = None
-        changed = False
-        for field, now in said.items():
-            was = self._file_said.get(field, getattr(self.settings, field))
-            if now != was:
-                changed = True
-                log.info(
-                    "operator_config_changed",
-                    setting=field,
-                    was=sorted(was) if isinstance(was, frozenset) else was,
-                    now=sorted(now) if isinstance(now, frozenset) else now,
-                    applied="now" if follows and field == "namespaces" else "at a restart",
-                )
-        self._file_said = said
-        metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
-        if follows:
-            self.watcher.set_namespaces(said["namespaces"])

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client import Counter as PrometheusCounter
 
 from canaryd import metrics
-from canaryd.config import Settings
+from canaryd.config import ConfigError, Settings
 from canaryd.kube import kind_of
 from canaryd.logs import wall_time
 from canaryd.registry import Canary, Registry, one_line
@@ -231,15 +231,19 @@ class HealthServer:
         await self._runner.setup()  # no socket and no task: nothing to release if the bind fails
         server, loop = self._runner.server, asyncio.get_running_loop()
         assert server is not None
-        self._listener: asyncio.Server = await loop.create_server(
-            lambda: Connection(self.cap, server),
-            self.settings.host,
-            self.settings.port,
-            backlog=MAX_CONNECTIONS // 2,
-            reuse_address=True,
-        )
+        host, port = self.settings.host, self.settings.port
+        try:
+            self._listener: asyncio.Server = await loop.create_server(
+                lambda: Connection(self.cap, server),
+                host,
+                port,
+                backlog=MAX_CONNECTIONS // 2,
+                reuse_address=True,
+            )
+        except OSError as err:  # exit 2, as a bad flag
+            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
         self.port = self._listener.sockets[0].getsockname()[1]
-        log.info("health_server_listening", host=self.settings.host, port=self.port)
+        log.info("health_server_listening", host=host, port=self.port)
 
     async def run(self) -> None:
         try:
