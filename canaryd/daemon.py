@@ -53,13 +53,6 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings.label)
-        self._collector = metrics.StateCollector(
-            counts=self.registry.counts,
-            canaries=self.registry.tracked,
-            not_ready=self.not_ready,
-            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
-            blind=self.blind,
-        )
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -80,18 +73,19 @@ class Daemon:
         self._reload.set()
 
     async def run(self) -> None:
-        metrics.REGISTRY.register(self._collector)
-        try:
-            await self._run()
-        finally:
-            metrics.REGISTRY.unregister(self._collector)
-
-    async def _run(self) -> None:
         settings = self.settings
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
         kube = None if runs_a_plugin(settings) else await connect(settings)
         self.server = HealthServer(settings, self)
+        collector = metrics.StateCollector(
+            counts=self.registry.counts,
+            canaries=self.registry.tracked,
+            not_ready=self.not_ready,
+            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
+            blind=self.blind,
+        )
+        metrics.REGISTRY.register(collector)
         try:
             await self.server.start()  # a busy port: ConfigError, exit 2
             self._signals(install=True)  # before the credentials: an exec plugin may hang
@@ -118,7 +112,7 @@ class Daemon:
                 )
                 self.watcher = Watcher(settings, self.registry, kube, open_files)
                 metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
-                operator_config = self._say_operator_config()
+                operator_config = self._say_operator_config()  # warnings first
                 log.info(
                     "canaryd_started",
                     version=__version__,
@@ -132,8 +126,6 @@ class Daemon:
                     follows_operator_config=self._follows,
                     operator_config=operator_config,
                 )
-                if settings.reconciled_by == "operator-metrics":
-                    self._check_operator_reporter()
                 group.create_task(self._supervise("watcher", self.watcher.run))
                 group.create_task(self._supervise("scheduler", scheduler.run))
                 if settings.operator_account is not None:
@@ -151,6 +143,7 @@ class Daemon:
             raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)  # those not installed are left as they are
+            metrics.REGISTRY.unregister(collector)
             if kube is not None:
                 await kube.close()
         log.info("canaryd_stopped", why="signal")
@@ -172,57 +165,53 @@ class Daemon:
                     self._credentials_problem = str(err)
                     failures.failed("start-up", "credentials", str(err))
                     await asyncio.sleep(backoff.next())
-                    continue
-                self._credentials_problem = None
-                failures.recovered("start-up")
-                return kube
+                else:
+                    self._credentials_problem = None
+                    failures.recovered("start-up")
+                    return kube
         finally:
             failures.stopped("canaryd stopped")
 
     def _say_operator_config(self) -> str | None:
-        """Which operator config file is read; a warning when the directory holds both
-        flink-conf.yaml and config.yaml: the operator reads the first, so must canaryd,
-        and an edit of the other changes neither."""
-        if self.settings.operator_config is None:
-            return None
-        read, ignored = operator_config_files(self.settings.operator_config)
-        if ignored:
-            log.warning(
-                "operator_config_ignored",
-                read=str(read),
-                ignored=[str(path) for path in ignored],
-                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
-                "and config.yaml only without it",
-            )
-        _, nested = nested_operator_keys(read)
-        if nested:
-            log.warning(
-                "operator_config_nested_keys",
-                file=str(read),
-                flat_keys=nested,
-                why=nested_keys_why(read),
-            )
-        return str(read)
-
-    def _check_operator_reporter(self) -> None:
-        """operator-metrics reads the operator's Prometheus reporter: say at start where,
-        and warn when the operator config canaryd reads does not set one up (canaries
-        then stay ``pending``: nothing restarts the operator)."""
-        path = self.settings.operator_config
+        """Which operator config file is read, with a warning for what the operator reads
+        otherwise: the directory holds both flink-conf.yaml and config.yaml (it reads the
+        first, so must canaryd, and an edit of the other changes neither), keys written
+        nested; operator-metrics says where it reads the reporter, and warns when the file
+        sets none up (canaries then stay ``pending``: nothing restarts the operator)."""
+        path, read = self.settings.operator_config, None
         configured: bool | None = None
         if path is not None:
+            read, ignored = operator_config_files(path)
+            if ignored:
+                log.warning(
+                    "operator_config_ignored",
+                    read=str(read),
+                    ignored=[str(file) for file in ignored],
+                    why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                    "and config.yaml only without it",
+                )
+            _, nested = nested_operator_keys(read)
+            if nested:
+                log.warning(
+                    "operator_config_nested_keys",
+                    file=str(read),
+                    flat_keys=nested,
+                    why=nested_keys_why(read),
+                )
             with contextlib.suppress(ConfigError):  # read at start already: a problem is told
                 configured = has_prometheus_reporter(read_operator_config(path))
-        (log.warning if configured is False else log.info)(
-            "operator_metrics",
-            url=self.settings.operator_metrics_url,
-            reporter_configured=configured,
-            hint=None
-            if configured is not False
-            else f"{path} sets up no Prometheus reporter: add "
-            "kubernetes.operator.metrics.reporter.prom.factory.class: "
-            "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
-        )
+        if self.settings.reconciled_by == "operator-metrics":
+            (log.warning if configured is False else log.info)(
+                "operator_metrics",
+                url=self.settings.operator_metrics_url,
+                reporter_configured=configured,
+                hint=None
+                if configured is not False
+                else f"{path} sets up no Prometheus reporter: add "
+                "kubernetes.operator.metrics.reporter.prom.factory.class: "
+                "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
+            )
+        return None if read is None else str(read)
 
     async def _say_operator_account(self, kube: KubeClient, namespace: str, name: str) -> None:
         """Say once at start whether the operator's service account exists: the
@@ -236,15 +225,15 @@ class Daemon:
             return
         if exists:
             log.info("operator_account", namespace=namespace, name=name, exists=True)
-            return
-        log.warning(
-            "operator_account_missing",
-            namespace=namespace,
-            name=name,
-            why="the admission policy refuses the stale writes of this account, which "
-            "does not exist: it refuses nothing (--operator-account, the chart's "
-            "admissionPolicy.operatorServiceAccount)",
-        )
+        else:
+            log.warning(
+                "operator_account_missing",
+                namespace=namespace,
+                name=name,
+                why="the admission policy refuses the stale writes of this account, which "
+                "does not exist: it refuses nothing (--operator-account, the chart's "
+                "admissionPolicy.operatorServiceAccount)",
+            )
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run a long-lived task for as long as the daemon runs: a bug that escapes it is
