@@ -1,10 +1,5 @@
-"""The daemon: wires watcher, scheduler and health server under one TaskGroup.
-
-When any task fails the others are cancelled and the failure is raised; SIGTERM and
-SIGINT stop everything cleanly (the bumps in flight are finished or abandoned first,
-then the tasks stop and a leader releases its lease); SIGHUP re-reads the operator
-config file.
-"""
+"""The daemon: wires watcher, scheduler and health server under one TaskGroup (a task
+that fails stops them all); docs/CONFIGURATION.md#signals says what each signal does."""
 
 from __future__ import annotations
 

@@ -191,8 +191,7 @@ class HealthServer:
         return [f"blind {reason}: {what}" for reason, what in self.view.blind().items()]
 
     async def health(self, request: web.Request) -> web.Response:
-        registry = self.view.registry
-        healthy = registry.healthy
+        healthy = self.view.registry.healthy
         status = 200 if healthy else 500
         if "application/json" in request.headers.get("Accept", ""):
             role, leader = self.view.role()
@@ -200,14 +199,14 @@ class HealthServer:
                 "healthy": healthy,
                 "role": role,
                 "leader": leader,
-                "canaries": [canary_json(c) for c in registry.canaries()],
+                "canaries": [canary_json(c) for c in self.view.registry.canaries()],
                 "blind": self.view.blind(),
             }
             return web.json_response(body, status=status)
         lines = ["OK" if healthy else "ERROR"]
         if "verbose" not in request.query:
             return web.Response(status=status, text=lines[0])
-        for canary in registry.canaries():
+        for canary in self.view.registry.canaries():
             kind, key = kind_of(canary.key.kind).kind, canary.key
             lines.append(f"{canary.state.value} {kind} {key.namespace}/{key.name}: {canary.reason}")
         return web.Response(status=status, text="\n".join([*lines, *self.blind_lines()]) + "\n")
