@@ -72,20 +72,13 @@ class Daemon:
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
         kube = None if runs_a_plugin(settings) else await connect(settings)
-        self.server = HealthServer(settings, self)
-        collector = metrics.StateCollector(
-            counts=self.registry.counts,
-            canaries=self.registry.tracked,
-            not_ready=self.not_ready,
-            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
-            blind=self.blind,
-        )
-        metrics.REGISTRY.register(collector)
+        self.server = server = HealthServer(settings, self)
+        metrics.REGISTRY.register(server)  # its state gauges
         try:
-            await self.server.start()  # a busy port: ConfigError, exit 2
+            await server.start()  # a busy port: ConfigError, exit 2
             self._signals(install=True)  # before the credentials: an exec plugin may hang
             async with asyncio.TaskGroup() as group:
-                group.create_task(self.server.run(), name="health-server")
+                group.create_task(server.run(), name="health-server")
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
@@ -138,7 +131,7 @@ class Daemon:
             raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)  # those not installed are left as they are
-            metrics.REGISTRY.unregister(collector)
+            metrics.REGISTRY.unregister(server)
             if kube is not None:
                 await kube.close()
         log.info("canaryd_stopped", why="signal")
@@ -263,6 +256,9 @@ class Daemon:
         blind = self.watcher.blind() if self.watcher is not None else {}
         operator = self.scheduler.operator if self.scheduler is not None else None
         return blind | (operator.blind() if operator is not None else {})
+
+    def coverage(self) -> dict[str, int]:
+        return self.watcher.coverage() if self.watcher is not None else {}
 
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready

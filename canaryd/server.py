@@ -1,5 +1,6 @@
 """The health server: its endpoints, and the limits of its unauthenticated port, are
-docs/CONFIGURATION.md's "HTTP". It reads the daemon through a ``HealthView``."""
+docs/CONFIGURATION.md's "HTTP". It reads the daemon through a ``HealthView``, for its
+answers and for the state gauges read at scrape time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import structlog
@@ -17,6 +18,8 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client import Counter as PrometheusCounter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from canaryd import metrics
 from canaryd.config import ConfigError, Settings
@@ -40,6 +43,7 @@ class HealthView(Protocol):
     def role(self) -> tuple[str, str | None]: ...
     def stuck(self) -> str | None: ...
     def blind(self) -> Mapping[str, str]: ...
+    def coverage(self) -> Mapping[str, int]: ...
 
 
 def canary_json(canary: Canary) -> dict[str, object]:
@@ -172,8 +176,16 @@ class ConnectionCap:
             untold.clear()
 
 
-class HealthServer:
-    """Binds at ``start()``, so a busy port fails before anything else runs."""
+def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
+class HealthServer(Collector):
+    """Binds at ``start()``, so a busy port fails before anything else runs; registered
+    in metrics.REGISTRY, it collects the state gauges."""
 
     def __init__(self, settings: Settings, view: HealthView) -> None:
         self.settings, self.view = settings, view
@@ -225,6 +237,39 @@ class HealthServer:
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(metrics.REGISTRY)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """A dropped canary has no series: nothing is kept to remove."""
+        registry, blind = self.view.registry, self.view.blind()
+        yield _family("canaryd_canaries", "Tracked canaries by state.", "state", registry.counts())
+        yield GaugeMetricFamily(
+            "canaryd_ready",
+            "1 when every watch scope is listed and connected (/readyz 200), else 0.",
+            value=0 if self.view.not_ready() else 1,
+        )
+        yield _family(
+            "canaryd_watch_scopes",
+            "Wanted watch scopes by state (docs/CONFIGURATION.md says each).",
+            "state",
+            self.view.coverage(),
+        )
+        yield _family(
+            "canaryd_blind",
+            "1 while canaryd checks nothing or cannot judge, by reason, else 0 (/readyz and "
+            "/healthz?verbose say what).",
+            "reason",
+            {reason: int(reason in blind) for reason in metrics.BLIND_REASONS},
+        )
+        # canary_namespace: Prometheus' scrape sets ``namespace``.
+        each = GaugeMetricFamily(
+            "canaryd_canary_state",
+            "1 for each tracked canary, labelled with its state and the class of its reason "
+            "(docs/OPERATIONS.md).",
+            labels=["kind", "canary_namespace", "name", "state", "reason"],
+        )
+        for c in registry.tracked():
+            each.add_metric([c.key.kind, c.key.namespace, c.key.name, c.state.value, c.cause], 1)
+        yield each
 
     async def start(self) -> None:
         await self._runner.setup()  # no socket and no task: nothing to release if the bind fails
