@@ -9,6 +9,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -109,24 +110,19 @@ class Connection(web.RequestHandler):
         return answer
 
 
+@dataclass(eq=False)
 class ConnectionCap:
     """At most ``max_connections`` open, in the order they were last active (accepted, or
     answered). A new one at the cap closes the first not being answered (or whose answer
     was not taken for ``answer_timeout``), else it is refused. Handlers never wait."""
 
-    def __init__(
-        self,
-        interval: Callable[[], float],
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        answer_timeout: float = ANSWER_TIMEOUT,
-    ) -> None:
-        self.max_connections, self.answer_timeout = max_connections, answer_timeout
-        self.open: dict[Connection, float] = {}
-        """Each open connection, with when it was last active, least recently first."""
-        self._interval = interval
-        self._told_at: dict[str, float] = {}
-        self._untold: dict[str, Counter[str]] = {}
+    interval: Callable[[], float]
+    max_connections: int = field(default=MAX_CONNECTIONS, kw_only=True)
+    answer_timeout: float = field(default=ANSWER_TIMEOUT, kw_only=True)
+    open: dict[Connection, float] = field(default_factory=dict, init=False)
+    """Each open connection, with when it was last active, least recently first."""
+    _told_at: dict[str, float] = field(default_factory=dict, init=False)
+    _untold: dict[str, Counter[str]] = field(default_factory=dict, init=False)
 
     def admit(self, connection: Connection) -> None:
         now = asyncio.get_running_loop().time()
@@ -169,7 +165,7 @@ class ConnectionCap:
         counter.inc()
         untold = self._untold.setdefault(event, Counter())
         untold[kind] += 1
-        now, interval = time.monotonic(), self._interval()
+        now, interval = time.monotonic(), self.interval()
         if now - self._told_at.get(event, -math.inf) >= interval:
             log.warning(event, by_reason=dict(untold), next_line_in=round(interval, 3), **fields)
             self._told_at[event] = now
