@@ -1,10 +1,5 @@
-"""The daemon: wires watcher, scheduler and health server under one TaskGroup.
-
-When any task fails the others are cancelled and the failure is raised; SIGTERM and
-SIGINT stop everything cleanly (the bumps in flight are finished or abandoned first,
-then the tasks stop and a leader releases its lease); SIGHUP re-reads the operator
-config file.
-"""
+"""The daemon: wires watcher, scheduler and health server under one TaskGroup (a task
+that fails stops them all); docs/CONFIGURATION.md#signals says what each signal does."""
 
 from __future__ import annotations
 
@@ -50,13 +45,6 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings.label)
-        self._collector = metrics.StateCollector(
-            counts=self.registry.counts,
-            canaries=self.registry.tracked,
-            not_ready=self.not_ready,
-            scopes=lambda: self.watcher.coverage() if self.watcher is not None else {},
-            blind=self.blind,
-        )
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
@@ -66,11 +54,8 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.elector: LeaderElector | None = None
         self.notifier = Notifier()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._config_problem: str | None = None
-        self._file_said: dict[str, Any] = {}
-        """The settings the operator config file gave at its last re-read (before the
-        first, those canaryd runs with): a change is logged once."""
+        # from_file names settings only when an operator config is read
+        self._follows = settings.namespaces_from_file and settings.dynamic_namespaces
         self._credentials_problem: str | None = None
 
     def stop(self) -> None:
@@ -79,36 +64,18 @@ class Daemon:
     def reload(self) -> None:
         self._reload.set()
 
-    @property
-    def follows_operator_config(self) -> bool:
-        s = self.settings
-        return s.operator_config is not None and s.namespaces_from_file and s.dynamic_namespaces
-
     async def run(self) -> None:
-        metrics.REGISTRY.register(self._collector)
-        try:
-            await self._run()
-        finally:
-            metrics.REGISTRY.unregister(self._collector)
-
-    async def _run(self) -> None:
         settings = self.settings
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
         kube = None if source(settings).plugin else await connect(settings)
-        self.server = HealthServer(settings, self)
+        self.server = server = HealthServer(settings, self)
+        metrics.REGISTRY.register(server)  # its state gauges
         try:
-            await self.server.start()
-        except OSError as err:
-            if kube is not None:
-                await kube.close()
-            raise ConfigError(
-                f"cannot listen on {settings.host}:{settings.port}: {err.strerror or err}"
-            ) from err
-        self._signals(install=True)  # before the credentials: an exec plugin may hang
-        try:
+            await server.start()  # a busy port: ConfigError, exit 2
+            self._signals(install=True)  # before the credentials: an exec plugin may hang
             async with asyncio.TaskGroup() as group:
-                self._tasks = [group.create_task(self.server.run(), name="health-server")]
+                group.create_task(server.run(), name="health-server")
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
@@ -130,7 +97,7 @@ class Daemon:
                 )
                 self.watcher = Watcher(settings, self.registry, kube, open_files)
                 metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
-                operator_config = self._say_operator_config()
+                operator_config = self._say_operator_config()  # warnings first
                 log.info(
                     "canaryd_started",
                     version=__version__,
@@ -141,15 +108,11 @@ class Daemon:
                     timeout=settings.timeout,
                     label=settings.label,
                     reconciled_by=settings.reconciled_by,
-                    follows_operator_config=self.follows_operator_config,
+                    follows_operator_config=self._follows,
                     operator_config=operator_config,
                 )
-                if settings.reconciled_by == "operator-metrics":
-                    self._check_operator_reporter()
-                self._tasks += [
-                    group.create_task(self._supervise("watcher", self.watcher.run)),
-                    group.create_task(self._supervise("scheduler", scheduler.run)),
-                ]
+                group.create_task(self._supervise("watcher", self.watcher.run))
+                group.create_task(self._supervise("scheduler", scheduler.run))
                 if settings.operator_account is not None:
                     said = self._say_operator_account(kube, *settings.operator_account)
                     group.create_task(said, name="operator-account")
@@ -161,10 +124,11 @@ class Daemon:
                 self.started.set()
         except* _Shutdown:
             pass
-        except* ConfigError as errors:  # raised in the group: a bad kubeconfig, exit 2
+        except* ConfigError as errors:  # a busy port, or in the group a bad kubeconfig: exit 2
             raise errors.exceptions[0] from None
         finally:
-            self._signals(install=False)
+            self._signals(install=False)  # those not installed are left as they are
+            metrics.REGISTRY.unregister(server)
             if kube is not None:
                 await kube.close()
         log.info("canaryd_stopped", why="signal")
@@ -186,57 +150,53 @@ class Daemon:
                     self._credentials_problem = str(err)
                     failures.failed("start-up", "credentials", str(err))
                     await asyncio.sleep(backoff.next())
-                    continue
-                self._credentials_problem = None
-                failures.recovered("start-up")
-                return kube
+                else:
+                    self._credentials_problem = None
+                    failures.recovered("start-up")
+                    return kube
         finally:
             failures.stopped("canaryd stopped")
 
     def _say_operator_config(self) -> str | None:
-        """Which operator config file is read; a warning when the directory holds both
-        flink-conf.yaml and config.yaml: the operator reads the first, so must canaryd,
-        and an edit of the other changes neither."""
-        if self.settings.operator_config is None:
-            return None
-        read, ignored = operator_config_files(self.settings.operator_config)
-        if ignored:
-            log.warning(
-                "operator_config_ignored",
-                read=str(read),
-                ignored=[str(path) for path in ignored],
-                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
-                "and config.yaml only without it",
-            )
-        _, nested = nested_operator_keys(read)
-        if nested:
-            log.warning(
-                "operator_config_nested_keys",
-                file=str(read),
-                flat_keys=nested,
-                why=nested_keys_why(read),
-            )
-        return str(read)
-
-    def _check_operator_reporter(self) -> None:
-        """operator-metrics reads the operator's Prometheus reporter: say at start where,
-        and warn when the operator config canaryd reads does not set one up (canaries
-        then stay ``pending``: nothing restarts the operator)."""
-        path = self.settings.operator_config
+        """Which operator config file is read, with a warning for what the operator reads
+        otherwise: the directory holds both flink-conf.yaml and config.yaml (it reads the
+        first, so must canaryd, and an edit of the other changes neither), keys written
+        nested; operator-metrics says where it reads the reporter, and warns when the file
+        sets none up (canaries then stay ``pending``: nothing restarts the operator)."""
+        path, read = self.settings.operator_config, None
         configured: bool | None = None
         if path is not None:
+            read, ignored = operator_config_files(path)
+            if ignored:
+                log.warning(
+                    "operator_config_ignored",
+                    read=str(read),
+                    ignored=[str(file) for file in ignored],
+                    why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                    "and config.yaml only without it",
+                )
+            _, nested = nested_operator_keys(read)
+            if nested:
+                log.warning(
+                    "operator_config_nested_keys",
+                    file=str(read),
+                    flat_keys=nested,
+                    why=nested_keys_why(read),
+                )
             with contextlib.suppress(ConfigError):  # read at start already: a problem is told
                 configured = prometheus_reporter(read_operator_config(path)) is not None
-        (log.warning if configured is False else log.info)(
-            "operator_metrics",
-            url=self.settings.operator_metrics_url,
-            reporter_configured=configured,
-            hint=None
-            if configured is not False
-            else f"{path} sets up no Prometheus reporter: add "
-            "kubernetes.operator.metrics.reporter.prom.factory.class: "
-            "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
-        )
+        if self.settings.reconciled_by == "operator-metrics":
+            (log.warning if configured is False else log.info)(
+                "operator_metrics",
+                url=self.settings.operator_metrics_url,
+                reporter_configured=configured,
+                hint=None
+                if configured is not False
+                else f"{path} sets up no Prometheus reporter: add "
+                "kubernetes.operator.metrics.reporter.prom.factory.class: "
+                "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
+            )
+        return None if read is None else str(read)
 
     async def _say_operator_account(self, kube: KubeClient, namespace: str, name: str) -> None:
         """Say once at start whether the operator's service account exists: the
@@ -250,15 +210,15 @@ class Daemon:
             return
         if exists:
             log.info("operator_account", namespace=namespace, name=name, exists=True)
-            return
-        log.warning(
-            "operator_account_missing",
-            namespace=namespace,
-            name=name,
-            why="the admission policy refuses the stale writes of this account, which "
-            "does not exist: it refuses nothing (--operator-account, the chart's "
-            "admissionPolicy.operatorServiceAccount)",
-        )
+        else:
+            log.warning(
+                "operator_account_missing",
+                namespace=namespace,
+                name=name,
+                why="the admission policy refuses the stale writes of this account, which "
+                "does not exist: it refuses nothing (--operator-account, the chart's "
+                "admissionPolicy.operatorServiceAccount)",
+            )
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run a long-lived task for as long as the daemon runs: a bug that escapes it is
@@ -294,6 +254,9 @@ class Daemon:
         operator = self.scheduler.operator if self.scheduler is not None else None
         return blind | (operator.blind() if operator is not None else {})
 
+    def coverage(self) -> dict[str, int]:
+        return self.watcher.coverage() if self.watcher is not None else {}
+
     def _ready(self) -> bool:
         return self.watcher is not None and self.watcher.ready
 
@@ -311,9 +274,6 @@ class Daemon:
 
     def stuck(self) -> str | None:
         """Why the daemon is not making progress, or None when it is (the watchdog)."""
-        for task in self._tasks:
-            if task.done():
-                return f"task {task.get_name()} ended"
         lag = self.scheduler.lag() if self.scheduler is not None else 0.0
         if lag > self.settings.timeout:
             return f"the scheduler is {lag:.1f}s behind its deadlines"
@@ -339,56 +299,51 @@ class Daemon:
 
     async def _follow_operator_config(self) -> None:
         """Re-read the operator config every check interval when its namespaces are
-        followed, and on SIGHUP whenever it decides a setting."""
+        followed, and on SIGHUP whenever it decides a setting: each setting it changed is
+        logged (old -> new); the watched namespaces follow it when dynamic, the rest apply
+        at a restart."""
+        path, watcher = self.settings.operator_config, self.watcher
+        assert watcher is not None
+        every = self.settings.config_check_interval if self._follows else None
+        followed = {"namespaces"} if self._follows else set()
+        problem: str | None = None
+        file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
         try:
             while True:
-                every = (
-                    self.settings.config_check_interval if self.follows_operator_config else None
-                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._reload.wait(), every)
                 self._reload.clear()
-                if self.settings.from_file:
-                    self.apply_operator_config()
-                else:
+                if path is None or not self.settings.from_file:
                     log.info("sighup_ignored", why="no setting comes from an operator config")
+                    continue
+                try:
+                    said = operator_config_values(path, self.settings.from_file)
+                except ConfigError as err:
+                    metrics.CONFIG_RELOADS.labels("failed").inc()
+                    if str(err) != problem:  # once per problem, not per check
+                        problem = str(err)
+                        keeping = sorted(watcher.namespaces or ()) or "all"
+                        log.error("operator_config_reload_failed", error=str(err), keeping=keeping)
+                    continue
+                if problem is not None:
+                    log.info("operator_config_readable_again", was=problem)
+                    problem = None
+                changed = False
+                for field, now in said.items():
+                    was = file_said.get(field, getattr(self.settings, field))
+                    if now != was:
+                        changed = True
+                        log.info(
+                            "operator_config_changed",
+                            setting=field,
+                            was=sorted(was) if isinstance(was, frozenset) else was,
+                            now=sorted(now) if isinstance(now, frozenset) else now,
+                            applied="now" if field in followed else "at a restart",
+                        )
+                file_said = said
+                metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
+                if followed:
+                    watcher.set_namespaces(said["namespaces"])
         except asyncio.CancelledError:
             log.info("config_follower_stopped", why="cancelled")
             raise
-
-    def apply_operator_config(self) -> None:
-        """Re-read the operator config: each setting it changed is logged (old -> new);
-        the watched namespaces are followed when dynamic, the rest apply at a restart."""
-        path, follows = self.settings.operator_config, self.follows_operator_config
-        assert path is not None and self.watcher is not None
-        try:
-            said = operator_config_values(path, self.settings.from_file)
-        except ConfigError as err:
-            metrics.CONFIG_RELOADS.labels("failed").inc()
-            if str(err) != self._config_problem:  # once per problem, not per check
-                self._config_problem = str(err)
-                log.error(
-                    "operator_config_reload_failed",
-                    error=str(err),
-                    keeping=sorted(self.watcher.namespaces or ()) or "all",
-                )
-            return
-        if self._config_problem is not None:
-            log.info("operator_config_readable_again", was=self._config_problem)
-            self._config_problem = None
-        changed = False
-        for field, now in said.items():
-            was = self._file_said.get(field, getattr(self.settings, field))
-            if now != was:
-                changed = True
-                log.info(
-                    "operator_config_changed",
-                    setting=field,
-                    was=sorted(was) if isinstance(was, frozenset) else was,
-                    now=sorted(now) if isinstance(now, frozenset) else now,
-                    applied="now" if follows and field == "namespaces" else "at a restart",
-                )
-        self._file_said = said
-        metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
-        if follows:
-            self.watcher.set_namespaces(said["namespaces"])

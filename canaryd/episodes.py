@@ -43,10 +43,6 @@ class Episodes:
         one subject keeps open must not hold every other that came and went)."""
         self._started_at = self._summarised_at = 0.0
 
-    @property
-    def failing(self) -> int:
-        return len(self._failing)
-
     def cause(self, subject: Hashable) -> str | None:
         return self._failing.get(subject)
 
@@ -77,14 +73,12 @@ class Episodes:
                 return
         elif not self._failing:
             return
-        causes = sorted(self._announced)
-        log.info(f"{self.name}_ended", **self._end(), causes=causes)
+        log.info(f"{self.name}_ended", causes=sorted(self._announced), **self._end())
 
     def stopped(self, why: str) -> None:
         """Nothing is tried any more: an episode still going is told as still failing, not ended."""
-        if self._failing:
-            told = self._told()
-            log.info(f"{self.name}_still_failing", why=why, **told, **self._end())
+        if self._failing:  # told before its end clears it
+            log.info(f"{self.name}_still_failing", why=why, **self._told(), **self._end())
 
     def _end(self) -> dict[str, Any]:
         ended = {"lasted": round(self._clock() - self._started_at, 3), "affected": self._affected}

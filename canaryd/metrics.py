@@ -1,18 +1,14 @@
-"""Prometheus metrics in canaryd's own registry: the series canaryd writes, the state read
-at scrape time (StateCollector) and what runs (build, process). Each labelled counter an
-alert reads is exported at 0 with every label value it takes (increase() cannot see a
-series' first step from absent to 1); every swallowed exception counts in ``ERRORS`` by
-place. docs/CONFIGURATION.md describes every series and label value."""
+"""Prometheus metrics in canaryd's own registry: the series canaryd writes and what runs
+(build, process; the state read at scrape time is the health server's). Each labelled
+counter an alert reads is exported at 0 with every label value it takes (increase() cannot
+see a series' first step from absent to 1); every swallowed exception counts in ``ERRORS``
+by place. docs/CONFIGURATION.md describes every series and label value."""
 
 import platform
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from canaryd import __version__
 
@@ -185,57 +181,6 @@ def watching(resource: str) -> None:
 def operator_metrics_exported() -> None:
     for result in ("ok", "refused", "unanswered", "bad_answer"):
         OPERATOR_SCRAPES.labels(result)
-
-
-def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=[label])
-    for value, count in values.items():
-        family.add_metric([value], count)
-    return family
-
-
-@dataclass(eq=False)  # a collector is registered by identity
-class StateCollector(Collector):
-    """What is read at scrape time; ``blind``: reason -> what, ``canaries``: registry.Canary
-    objects (a dropped canary has no series: nothing is kept to remove)."""
-
-    counts: Callable[[], Mapping[str, int]]
-    canaries: Callable[[], Iterable[Any]]
-    not_ready: Callable[[], Sequence[str] | None]
-    scopes: Callable[[], Mapping[str, int]]
-    blind: Callable[[], Mapping[str, str]]
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield _family("canaryd_canaries", "Tracked canaries by state.", "state", self.counts())
-        yield GaugeMetricFamily(
-            "canaryd_ready",
-            "1 when every watch scope is listed and connected (/readyz 200), else 0.",
-            value=0 if self.not_ready() else 1,
-        )
-        yield _family(
-            "canaryd_watch_scopes",
-            "Wanted watch scopes by state (docs/CONFIGURATION.md says each).",
-            "state",
-            self.scopes(),
-        )
-        blind = self.blind()
-        yield _family(
-            "canaryd_blind",
-            "1 while canaryd checks nothing or cannot judge, by reason, else 0 (/readyz and "
-            "/healthz?verbose say what).",
-            "reason",
-            {reason: int(reason in blind) for reason in BLIND_REASONS},
-        )
-        # canary_namespace: Prometheus' scrape sets ``namespace``.
-        each = GaugeMetricFamily(
-            "canaryd_canary_state",
-            "1 for each tracked canary, labelled with its state and the class of its reason "
-            "(docs/OPERATIONS.md).",
-            labels=["kind", "canary_namespace", "name", "state", "reason"],
-        )
-        for c in self.canaries():
-            each.add_metric([c.key.kind, c.key.namespace, c.key.name, c.state.value, c.cause], 1)
-        yield each
 
 
 # What runs (issue 33): the build, and the process_* series (CPU, memory, open files).

@@ -1,5 +1,6 @@
 """The health server: its endpoints, and the limits of its unauthenticated port, are
-docs/CONFIGURATION.md's "HTTP". It reads the daemon through a ``HealthView``."""
+docs/CONFIGURATION.md's "HTTP". It reads the daemon through a ``HealthView``, for its
+answers and for the state gauges read at scrape time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -17,9 +19,11 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client import Counter as PrometheusCounter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from canaryd import metrics
-from canaryd.config import Settings
+from canaryd.config import ConfigError, Settings
 from canaryd.kube import kind_of
 from canaryd.logs import wall_time
 from canaryd.registry import Canary, Registry, one_line
@@ -40,6 +44,7 @@ class HealthView(Protocol):
     def role(self) -> tuple[str, str | None]: ...
     def stuck(self) -> str | None: ...
     def blind(self) -> Mapping[str, str]: ...
+    def coverage(self) -> Mapping[str, int]: ...
 
 
 def canary_json(canary: Canary) -> dict[str, object]:
@@ -105,24 +110,19 @@ class Connection(web.RequestHandler):
         return answer
 
 
+@dataclass(eq=False)
 class ConnectionCap:
     """At most ``max_connections`` open, in the order they were last active (accepted, or
     answered). A new one at the cap closes the first not being answered (or whose answer
     was not taken for ``answer_timeout``), else it is refused. Handlers never wait."""
 
-    def __init__(
-        self,
-        interval: Callable[[], float],
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        answer_timeout: float = ANSWER_TIMEOUT,
-    ) -> None:
-        self.max_connections, self.answer_timeout = max_connections, answer_timeout
-        self.open: dict[Connection, float] = {}
-        """Each open connection, with when it was last active, least recently first."""
-        self._interval = interval
-        self._told_at: dict[str, float] = {}
-        self._untold: dict[str, Counter[str]] = {}
+    interval: Callable[[], float]
+    max_connections: int = field(default=MAX_CONNECTIONS, kw_only=True)
+    answer_timeout: float = field(default=ANSWER_TIMEOUT, kw_only=True)
+    open: dict[Connection, float] = field(default_factory=dict, init=False)
+    """Each open connection, with when it was last active, least recently first."""
+    _told_at: dict[str, float] = field(default_factory=dict, init=False)
+    _untold: dict[str, Counter[str]] = field(default_factory=dict, init=False)
 
     def admit(self, connection: Connection) -> None:
         now = asyncio.get_running_loop().time()
@@ -165,15 +165,23 @@ class ConnectionCap:
         counter.inc()
         untold = self._untold.setdefault(event, Counter())
         untold[kind] += 1
-        now, interval = time.monotonic(), self._interval()
+        now, interval = time.monotonic(), self.interval()
         if now - self._told_at.get(event, -math.inf) >= interval:
             log.warning(event, by_reason=dict(untold), next_line_in=round(interval, 3), **fields)
             self._told_at[event] = now
             untold.clear()
 
 
-class HealthServer:
-    """Binds at ``start()``, so a busy port fails before anything else runs."""
+def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
+class HealthServer(Collector):
+    """Binds at ``start()``, so a busy port fails before anything else runs; registered
+    in metrics.REGISTRY, it collects the state gauges."""
 
     def __init__(self, settings: Settings, view: HealthView) -> None:
         self.settings, self.view = settings, view
@@ -191,8 +199,7 @@ class HealthServer:
         return [f"blind {reason}: {what}" for reason, what in self.view.blind().items()]
 
     async def health(self, request: web.Request) -> web.Response:
-        registry = self.view.registry
-        healthy = registry.healthy
+        healthy = self.view.registry.healthy
         status = 200 if healthy else 500
         if "application/json" in request.headers.get("Accept", ""):
             role, leader = self.view.role()
@@ -200,14 +207,14 @@ class HealthServer:
                 "healthy": healthy,
                 "role": role,
                 "leader": leader,
-                "canaries": [canary_json(c) for c in registry.canaries()],
+                "canaries": [canary_json(c) for c in self.view.registry.canaries()],
                 "blind": self.view.blind(),
             }
             return web.json_response(body, status=status)
         lines = ["OK" if healthy else "ERROR"]
         if "verbose" not in request.query:
             return web.Response(status=status, text=lines[0])
-        for canary in registry.canaries():
+        for canary in self.view.registry.canaries():
             kind, key = kind_of(canary.key.kind).kind, canary.key
             lines.append(f"{canary.state.value} {kind} {key.namespace}/{key.name}: {canary.reason}")
         return web.Response(status=status, text="\n".join([*lines, *self.blind_lines()]) + "\n")
@@ -227,19 +234,56 @@ class HealthServer:
         body = generate_latest(metrics.REGISTRY)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """A dropped canary has no series: nothing is kept to remove."""
+        registry, blind = self.view.registry, self.view.blind()
+        yield _family("canaryd_canaries", "Tracked canaries by state.", "state", registry.counts())
+        yield GaugeMetricFamily(
+            "canaryd_ready",
+            "1 when every watch scope is listed and connected (/readyz 200), else 0.",
+            value=0 if self.view.not_ready() else 1,
+        )
+        yield _family(
+            "canaryd_watch_scopes",
+            "Wanted watch scopes by state (docs/CONFIGURATION.md says each).",
+            "state",
+            self.view.coverage(),
+        )
+        yield _family(
+            "canaryd_blind",
+            "1 while canaryd checks nothing or cannot judge, by reason, else 0 (/readyz and "
+            "/healthz?verbose say what).",
+            "reason",
+            {reason: int(reason in blind) for reason in metrics.BLIND_REASONS},
+        )
+        # canary_namespace: Prometheus' scrape sets ``namespace``.
+        each = GaugeMetricFamily(
+            "canaryd_canary_state",
+            "1 for each tracked canary, labelled with its state and the class of its reason "
+            "(docs/OPERATIONS.md).",
+            labels=["kind", "canary_namespace", "name", "state", "reason"],
+        )
+        for c in registry.tracked():
+            each.add_metric([c.key.kind, c.key.namespace, c.key.name, c.state.value, c.cause], 1)
+        yield each
+
     async def start(self) -> None:
         await self._runner.setup()  # no socket and no task: nothing to release if the bind fails
         server, loop = self._runner.server, asyncio.get_running_loop()
         assert server is not None
-        self._listener: asyncio.Server = await loop.create_server(
-            lambda: Connection(self.cap, server),
-            self.settings.host,
-            self.settings.port,
-            backlog=MAX_CONNECTIONS // 2,
-            reuse_address=True,
-        )
+        host, port = self.settings.host, self.settings.port
+        try:
+            self._listener: asyncio.Server = await loop.create_server(
+                lambda: Connection(self.cap, server),
+                host,
+                port,
+                backlog=MAX_CONNECTIONS // 2,
+                reuse_address=True,
+            )
+        except OSError as err:  # exit 2, as a bad flag
+            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
         self.port = self._listener.sockets[0].getsockname()[1]
-        log.info("health_server_listening", host=self.settings.host, port=self.port)
+        log.info("health_server_listening", host=host, port=self.port)
 
     async def run(self) -> None:
         try:

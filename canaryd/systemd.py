@@ -51,8 +51,7 @@ class Notifier:
             if not sent_ready and ready():
                 sent_ready = self.notify("READY=1")
             if self.watchdog_interval is not None:
-                why = stuck()
-                if why is None:
+                if (why := stuck()) is None:
                     self.notify("WATCHDOG=1")
                 else:
                     metrics.ERRORS.labels("watchdog_withheld").inc()

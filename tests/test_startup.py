@@ -226,3 +226,23 @@ def _chained(*errors: BaseException) -> KubeError:
 )
 def test_the_cause_named_is_the_most_telling_one_in_the_chain(error, cause):
     assert failure_cause(error) == cause
+
+
+async def test_a_busy_port_exits_2_naming_it_and_leaves_nothing_behind(kube, kubeconfig):
+    """The health port taken: a ConfigError (exit 2) naming it, before any task runs; the
+    client closed and the state gauges unregistered (a second start says the same)."""
+    from dataclasses import replace
+
+    from canaryd.config import ConfigError
+    from canaryd.daemon import Daemon
+    from tests.harness import TEST_SETTINGS
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = replace(TEST_SETTINGS, kubeconfig=str(kubeconfig), port=port)
+        for _ in range(2):
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: "):
+                await Daemon(settings).run()
+    assert kube.requests_for("list") == []  # nothing watched
