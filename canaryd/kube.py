@@ -304,7 +304,7 @@ class KubeClient:
         watch = verb == "watch"
         cfg = self.credentials.configuration
         headers: dict[str, str] | None = None
-        sent = time.monotonic()
+        sent, answered = time.monotonic(), False
         try:
             async with asyncio.timeout_at(deadline):
                 headers = await self.credentials.headers()
@@ -323,6 +323,7 @@ class KubeClient:
                 ) as response:
                     body = b"" if watch and response.status < 300 else await response.read()
                     metrics.API_REQUESTS.labels(verb, str(response.status)).inc()
+                    answered = True  # counted once: a stream cut later is not a request
                     self._note_answer(sent, response.status, body)
                     yield response, body
         except KubeError:
@@ -336,7 +337,8 @@ class KubeClient:
                 raise KubeError(
                     ErrorKind.TRANSIENT, f"no event for {idle}s", reason="Idle"
                 ) from err
-            metrics.API_REQUESTS.labels(verb, "error").inc()
+            if not answered:
+                metrics.API_REQUESTS.labels(verb, "error").inc()
             if isinstance(err, aiohttp.ConnectionTimeoutError):  # a black-holed address
                 no_connection = f"no connection within {self._timeout.connect:g}s"
                 raise KubeError(
@@ -427,7 +429,6 @@ class KubeClient:
                 try:
                     line = await response.content.readline()
                 except LineTooLong as err:
-                    metrics.API_REQUESTS.labels("watch", "error").inc()
                     too_long = f"a watch line longer than {MAX_WATCH_LINE} bytes"
                     raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
                 if not line:

@@ -509,6 +509,32 @@ async def test_a_watch_line_past_the_limit_is_a_kube_error(monkeypatch):
     assert caught.value.kind is ErrorKind.TRANSIENT and caught.value.reason == "LineTooLong"
 
 
+async def test_a_watch_cut_after_its_answer_is_one_request_counted_as_answered(monkeypatch):
+    """canaryd_api_requests_total counts a request once: a watch answered 200 whose
+    stream then breaks (cut mid-chunk, or a line past the limit) is not also an error."""
+
+    def requests() -> tuple[float, float]:
+        return counter(metrics.API_REQUESTS, "watch", "200"), counter(
+            metrics.API_REQUESTS, "watch", "error"
+        )
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"a"')
+        await writer.drain()
+        writer.close()  # mid-chunk, no last chunk
+
+    before = requests()
+    async with _raw_server(cut, request_timeout=1.0) as (kube_client, _):
+        with pytest.raises(KubeError):
+            _ = [e async for e in kube_client.watch("/w", {}, idle_timeout=5.0)]
+    monkeypatch.setattr(kube_module, "MAX_WATCH_LINE", 10_000)
+    with pytest.raises(KubeError):
+        await _watch_answering(b"x" * 20_000 + b"\n", (4096,))
+    after = requests()
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 0)
+
+
 async def test_a_half_open_pool_costs_no_bump_per_idle_connection(kube, tmp_path):
     """Every connection to the API server goes silent at once, with no FIN or RST (a
     crashed replica behind a load balancer), while new ones work. The start-up burst
