@@ -227,8 +227,10 @@ class Daemon:
         task = asyncio.current_task()
         if task is not None:
             task.set_name(name)
+        loop = asyncio.get_running_loop()
         backoff = Backoff(self.settings.backoff_initial, self.settings.backoff_max)
         while True:
+            started = loop.time()
             try:
                 await run()
                 why = "returned"
@@ -236,6 +238,8 @@ class Daemon:
                 why = type(err).__name__
                 log.exception("task_failed", task=name)
             metrics.ERRORS.labels(f"task_{name}").inc()
+            if loop.time() - started >= self.settings.backoff_max:
+                backoff.reset()  # it ran well for a while: a new failure, not a loop
             delay = backoff.next()
             log.error("task_restarting", task=name, why=why, restart_in=round(delay, 3))
             await asyncio.sleep(delay)

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.config import ConfigException
+from structlog.testing import capture_logs
 
 from canaryd import judge, metrics
 from canaryd import kube as kube_module
@@ -26,6 +27,7 @@ from canaryd import writer as writer_module
 from canaryd.access import Permission, reviews
 from canaryd.config import ConfigError, Settings, load_settings, read_operator_config
 from canaryd.credentials import Credentials
+from canaryd.daemon import Daemon
 from canaryd.kube import KINDS, ErrorKind, KubeClient, KubeError
 from canaryd.registry import INT64_MAX, Canary, CanaryKey, CanaryState, Registry, read_nonce
 from canaryd.scheduler import Scheduler
@@ -124,6 +126,36 @@ async def test_a_task_that_fails_is_restarted_and_the_health_server_outlives_it(
         assert calls["n"] == 2
         assert counter(metrics.ERRORS, "task_scheduler") == before + 1
         assert run.daemon.stuck() is None
+
+
+async def test_a_task_that_ran_well_for_a_while_restarts_at_the_first_backoff_step():
+    """The restart backoff grows while a task fails at once, and starts over once it ran
+    for the longest backoff step: a bug met again hours later is not 30 s without it."""
+    settings = replace(Settings(), timeout=CYCLE)
+    daemon = Daemon(settings)
+    calls, done = 0, asyncio.Event()
+
+    async def run() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # a while running well, then the same bug
+            await asyncio.sleep(1.5 * settings.backoff_max)  # the scenario, not a wait
+        if calls == 7:
+            done.set()
+            await asyncio.Event().wait()
+        raise RuntimeError("a bug")
+
+    with capture_logs() as records:
+        supervised = asyncio.create_task(daemon._supervise("t", run))
+        async with asyncio.timeout(10):
+            await done.wait()
+        supervised.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervised
+    delays = [r["restart_in"] for r in records if r["event"] == "task_restarting"]
+    assert len(delays) == 6, delays
+    assert delays[4] > 2 * settings.backoff_initial, delays  # grown while failing at once
+    assert delays[5] <= 1.2 * settings.backoff_initial + 0.001, delays  # started over
 
 
 # ------------------------------------------------------ the operator config
