@@ -1,19 +1,12 @@
 """The judge: what a canary's pending bump amounts to, as a value.
 
-Two pure functions, one per reconcile signal, read a canary, the sync model of the
-watch that covers it (canaryd.sync) and, for ``operator-metrics``, a read of the
-operator's metrics; they change nothing. They return what the scheduler then does:
-
-- ``Healthy`` / ``Unhealthy``: a verdict (the only way to become unhealthy: a bump
-  written and not reconciled in time);
-- ``NoVerdict``: no verdict either way (the API server away, the operator's metrics
-  unusable): ``fresh`` ones start the canary afresh (``pending``), the others leave it
-  ``unknown`` (an unhealthy verdict stands and ages);
-- ``Defer`` (the watch is not in sync: canaryd's own delay), ``Recheck`` (the judge ran
-  late), ``Suspect`` (the watch delivered nothing at all: canaryd's connection is the
-  suspect, replace it and judge again) and ``Wait`` (the operator's answer has not
-  come): not yet;
-- ``None``: nothing to judge (the last cycle wrote no bump).
+Two pure functions, one per reconcile signal (``by_watch``, ``by_operator``), read a
+canary, the sync model of its watch (canaryd.sync) and, for operator-metrics, a read of
+the operator's metrics; they change nothing. The scheduler acts on what they return: a
+verdict (``Healthy``, or ``Unhealthy``: only a bump written and not reconciled in time),
+``NoVerdict`` either way, not yet (``Defer``: the watch is behind; ``Recheck``: the judge
+ran late; ``Suspect``: canaryd's own connection may be dead; ``Wait``: the operator's
+answer has not come), or None: the last cycle wrote no bump.
 """
 
 from __future__ import annotations
@@ -42,24 +35,19 @@ class Unhealthy:
 @dataclass(frozen=True, slots=True)
 class NoVerdict:
     reason: str
-    counted: str
-    """The ``canaryd_verdicts_total`` label: unreachable, operator_unavailable."""
+    counted: str  # the canaryd_verdicts_total label
     fresh: bool = False
-    """Start the canary afresh (``pending``, no verdict kept): what was found was about
-    something that is gone (an operator process)."""
-    missing_series: str | None = None
-    """The operator's metrics lack this canary's series (warned once)."""
+    """Start the canary afresh (``pending``, no verdict kept): it was about something
+    that is gone (an operator process)."""
+    missing_series: str | None = None  # the operator's metrics lack it (warned once)
 
 
 @dataclass(frozen=True, slots=True)
 class Defer:
-    until: float
-    """By when it is judged whatever the watch does (one cycle past the deadline)."""
+    until: float  # judged by then whatever the watch does (a cycle past the deadline)
     why: str
-    first: bool
-    """The first deferral of this bump (counted and logged once)."""
-    at: float | None = None
-    """When to judge again, if sooner than ``until`` (the watch already resumed)."""
+    first: bool  # the first deferral of this bump (counted and logged once)
+    at: float | None = None  # when to judge again, if sooner (the watch resumed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +62,7 @@ class Suspect:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """The operator's answer has not come, for less than a cycle past the deadline: the
-    scheduler keeps the canary for the next read."""
+    """The operator's answer has not come (less than a cycle past the deadline)."""
 
 
 Judgement = Healthy | Unhealthy | NoVerdict | Defer | Recheck | Suspect | Wait | None

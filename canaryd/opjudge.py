@@ -1,12 +1,11 @@
 """--reconciled-by operator-metrics: the operator's own reconcile counts, for the scheduler.
 
-The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
-never per canary. ``reads`` yields every read, and a ``Read`` of its silence each
-interval a read stays unanswered (a frozen JVM holds a read that long). The scheduler
-keeps the canaries whose deadline passed until the next read (``judge.Wait``) and asks
-here what that read says of each (``judge``: canaryd.judge.by_operator), when its next
-bump is due (``bump_at``) and, after a new operator process (counters reset, a new
-start time), how to check every canary afresh (``restart``). Nothing here schedules.
+The operator's metrics (canaryd.opmetrics) are read every scrape interval, never per
+canary: ``reads`` yields each read, and one of its silence each interval it stays
+unanswered (a frozen JVM holds a read that long). The scheduler keeps the canaries past
+their deadline until the next read (``judge.Wait``) and asks here what it says of each
+(``judge``), when each is bumped next (``bump_at``) and, after a new operator process,
+how to check them all afresh (``restart``). Nothing here schedules.
 """
 
 from __future__ import annotations
@@ -68,21 +67,16 @@ class OperatorJudge:
             clock=clock,
         )
         metrics.operator_metrics_exported()
-        self._instance_judged = 0
-        """The operator instance (OperatorMetrics.instance) the verdicts are about."""
-        self._missing_series: set[CanaryKey] = set()
-        """Canaries whose counter the operator's metrics lack (warned once each)."""
+        self._instance_judged = 0  # the OperatorMetrics.instance the verdicts are about
+        self._missing_series: set[CanaryKey] = set()  # warned once each
+        # Bumped off their place in the cycle for a fresh check (an operator restart):
+        # once that bump is judged, the next goes back to its place (``bump_at``).
         self._realign: set[CanaryKey] = set()
-        """Canaries bumped off their place in the cycle for a fresh check (an operator
-        restart): once that bump is judged, the next one goes back to its place."""
-        self._epoch = clock()
-        """Where the cycle's places are counted from (``_place``)."""
+        self._epoch = clock()  # where the cycle's places are counted from
         self.problem: str | None = None
         """Why the operator's metrics cannot judge canaries right now (``blind``)."""
-        self._unusable_since: float | None = None
-        """Since when every read failed or answered without the operator's series."""
-        self._answered = False
-        """The last read answered (blind: without the series, not unreachable)."""
+        self._unusable_since: float | None = None  # every read since failed, or no series
+        self._answered = False  # the last read answered (blind, but not unreachable)
         self.failures = Episodes(
             "operator_metrics_failures", "url", lambda: settings.timeout, clock=clock
         )
@@ -151,7 +145,19 @@ class OperatorJudge:
                 )
             restarted = self.operator.instance != self._instance_judged
             self._instance_judged = self.operator.instance
-            self._note_reconciles(scrape)
+            # The ``reconciled`` stage of bumps reconciled since the last read (its time
+            # an upper bound: the read's answer).
+            for canary in self.registry.tracked():
+                sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
+                if (
+                    sent is not None
+                    and canary.bumped_generation is not None
+                    and baseline is not None
+                    and baseline[0] == self._instance_judged
+                    and "reconciled" not in canary.stages
+                    and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
+                ):
+                    self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
         if self.problem is None:
             self._unusable_since = None
         elif self._unusable_since is None:
@@ -191,7 +197,19 @@ class OperatorJudge:
                 canary, self.registry.scopes.covering(canary.key), self._api_last_answer(), now
             ),
         )
-        self._warn_missing_series(canary, judgement)
+        missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
+        if missing is None:
+            self._missing_series.discard(canary.key)  # warned again if it goes missing again
+        elif canary.key not in self._missing_series:
+            self._missing_series.add(canary.key)
+            log.warning(
+                "operator_series_missing",
+                canary=str(canary.key),
+                series=missing,
+                url=self.settings.operator_metrics_url,
+                hint="the operator does not watch its namespace, or has not "
+                "reconciled it since it started",
+            )
         return judgement
 
     def bump_at(self, canary: Canary, judged: bool, now: float) -> float | None:
@@ -201,7 +219,9 @@ class OperatorJudge:
         answer read (the canary's count before this bump)."""
         if judged and canary.key in self._realign:
             self._realign.discard(canary.key)
-            place = self._place(canary, now)
+            timeout = self.settings.timeout
+            offset = self._epoch + phase(canary) * timeout
+            place = offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
             if place - now > self.settings.scrape_interval:
                 return place
         last = self.operator.last
@@ -226,41 +246,5 @@ class OperatorJudge:
             self._realign.add(canary.key)
         return [(started + index * step, canary) for index, canary in enumerate(canaries)]
 
-    def _warn_missing_series(self, canary: Canary, judgement: Judgement) -> None:
-        missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
-        if missing is None:
-            self._missing_series.discard(canary.key)  # warned again if it goes missing again
-        elif canary.key not in self._missing_series:
-            self._missing_series.add(canary.key)
-            log.warning(
-                "operator_series_missing",
-                canary=str(canary.key),
-                series=missing,
-                url=self.settings.operator_metrics_url,
-                hint="the operator does not watch its namespace, or has not "
-                "reconciled it since it started",
-            )
-
-    def _place(self, canary: Canary, now: float) -> float:
-        """The first time from ``now`` at the canary's place in the cycle."""
-        timeout = self.settings.timeout
-        offset = self._epoch + phase(canary) * timeout
-        return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
-
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
-
-    def _note_reconciles(self, scrape: Scrape) -> None:
-        """The ``reconciled`` stage of bumps the operator reconciled since the last read
-        (its time is an upper bound: the read's answer)."""
-        for canary in self.registry.tracked():
-            sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
-            if (
-                sent is not None
-                and canary.bumped_generation is not None
-                and baseline is not None
-                and baseline[0] == self._instance_judged
-                and "reconciled" not in canary.stages
-                and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
-            ):
-                self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))

@@ -1,10 +1,10 @@
 """The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``
-(docs/DESIGN.md; docs/CONFIGURATION.md says what each answer means).
+(docs/CONFIGURATION.md says what each answer means).
 
-A scrape of an operator with thousands of resources is tens of thousands of lines: regular
-expressions find the few canaryd needs in the bytes, matching metric names by their
-suffix (a reporter scope format of the user's own keeps working), and prometheus_client's
-parser reads each label set not seen before (whole answers through it take seconds).
+Regular expressions find the few series canaryd needs in the bytes, by their name's suffix
+(a reporter scope format of the user's own keeps working), and prometheus_client's parser
+reads each label set not seen before: whole answers of tens of thousands of lines through
+it take seconds.
 """
 
 from __future__ import annotations
@@ -146,11 +146,10 @@ def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
 
 
 class ScrapeFailed(Exception):
-    """The endpoint gave no usable answer (for a verdict: canaryd.judge.by_operator).
-    ``cause``: ``refused`` (nothing listens: the operator is starting, or gone),
-    ``unanswered`` (the port is held but no whole answer comes in time: a frozen JVM
-    still accepts into its listen backlog), or ``bad_answer`` (anything else: no sign
-    of a restart either)."""
+    """The endpoint gave no usable answer. ``cause``: ``refused`` (nothing listens),
+    ``unanswered`` (no whole answer in time: a frozen JVM still accepts into its listen
+    backlog), or ``bad_answer`` (anything else); canaryd.judge.by_operator says what each
+    means for a verdict."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
@@ -214,8 +213,6 @@ class OperatorMetrics:
                         raise ScrapeFailed(
                             "bad_answer", f"{self.url} answered more than {MAX_ANSWER} bytes"
                         )
-        except ScrapeFailed:
-            raise
         except aiohttp.ClientConnectorError as err:
             if err.os_error.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
                 self._refused_since_answer = True
