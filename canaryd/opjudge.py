@@ -41,11 +41,10 @@ class Read:
     started: float
     scrape: Scrape | None
     failed: ScrapeFailed | None
+    # Still unanswered after an interval: it judges only the canaries with a bump to
+    # judge (the others wait for it: it is their baseline).
     unanswered: bool = False
-    """Still unanswered after an interval: it judges only the canaries with a bump to
-    judge (the others wait for it: it is their baseline)."""
-    restarted: bool = False
-    """A new operator process answered it."""
+    restarted: bool = False  # a new operator process answered it
 
 
 class OperatorJudge:
@@ -124,20 +123,17 @@ class OperatorJudge:
             await asyncio.sleep(max(0.0, pause))
 
     def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> Read:
-        """What a read tells before any canary is judged on it: the episode, the problem,
-        a new operator process, the ``reconciled`` stages."""
+        """What a read tells before any canary is judged on it."""
         url, restarted = self.operator.url, False
+        metrics.OPERATOR_SCRAPES.labels("ok" if failed is None else failed.cause).inc()
+        self._answered = failed is None
         if failed is not None:
-            metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
             self.problem = str(failed)  # blind() names it; the log tells an episode
             self.failures.failed(url, failed.cause, str(failed))
-            self._answered = False
         else:
             assert scrape is not None
-            metrics.OPERATOR_SCRAPES.labels("ok").inc()
             self.problem = None
             self.failures.recovered(url)
-            self._answered = True
             if not scrape.has_operator_series:
                 self.problem = (
                     f"{url} answered without the operator's metrics (is Flink's "
@@ -165,10 +161,9 @@ class OperatorJudge:
         return Read(started, scrape, failed, restarted=restarted)
 
     def blind(self) -> dict[str, str]:
-        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind``
-        reason: no usable answer for a whole cycle (a start-up's grace: the operator's
-        reporter listens some seconds after its process starts), or an answer without
-        a canary's series."""
+        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind`` reason:
+        no usable answer for a whole cycle (a start-up's grace: the reporter listens some
+        seconds after the operator starts), or an answer without a canary's series."""
         blind: dict[str, str] = {}
         since = self._unusable_since
         if self.problem is not None and since is not None:
@@ -213,10 +208,9 @@ class OperatorJudge:
         return judgement
 
     def bump_at(self, canary: Canary, judged: bool, now: float) -> float | None:
-        """When a canary whose verdict is in is bumped next: its place in the cycle, once
-        the fresh check of an operator restart is ``judged`` (so that bumps stay spread:
-        DESIGN, never N writes at once), else None: now, from the baseline of the last
-        answer read (the canary's count before this bump)."""
+        """When a canary whose verdict is in is bumped next: back at its place in the
+        cycle once an operator restart's fresh check is ``judged`` (bumps stay spread),
+        else None: now, from the last answer's count as its baseline."""
         if judged and canary.key in self._realign:
             self._realign.discard(canary.key)
             timeout = self.settings.timeout
@@ -230,11 +224,9 @@ class OperatorJudge:
         return None
 
     def restart(self, started: float) -> list[tuple[float, Canary]]:
-        """A new operator process answers (to the leader): verdicts were about the one
-        that is gone. Every canary is checked afresh: ``pending``, and a bump from
-        ``started`` on, the first at once and the rest over half a cycle in their order
-        in the cycle (twice the steady rate, not N writes at once); each goes back to
-        its place once that is judged (``bump_at``). Returns when each is due."""
+        """A new operator process answers: every canary is checked afresh (``pending``),
+        bumped from ``started`` on over half a cycle in their order in the cycle (twice
+        the steady rate, not N writes at once). Returns when each is due."""
         at = wall_time(self.operator.instance_since)
         metrics.OPERATOR_RESTARTS.inc()
         log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))

@@ -18,13 +18,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
-MAX_ANSWER = 256 * 1024 * 1024
-"""Bytes read at most: read in chunks, never held whole, so this bounds time, not memory."""
-MAX_LINE = 1024 * 1024
-"""The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
+MAX_ANSWER = 256 * 1024 * 1024  # bytes read at most (in chunks: it bounds time, not memory)
+MAX_LINE = 1024 * 1024  # the longest line kept: a longer one is no Prometheus sample
 CHUNK = 256 * 1024
-MAX_KEYS = 200_000
-"""The most label sets one answer keeps parsed for the next (10,000 resources: 10,000)."""
+MAX_KEYS = 200_000  # label sets one answer keeps parsed for the next (one per resource)
 
 # A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
 # their bytes, not a Python loop each.
@@ -39,11 +36,10 @@ _PROCESS = re.compile(
 # A process start time, when a reporter exports one (Flink's Prometheus reporter does not).
 _START = re.compile(rb"(?m)^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
 
-ResourceKey = tuple[str, str, str]
-"""(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
+ResourceKey = tuple[str, str, str]  # (Kind, namespace, name): ``FlinkDeployment``
 _NOT_IN_LABELS = re.compile(r"[^a-zA-Z0-9:_]")
+# A process start time outside 2000-2100 (milliseconds, infinities) is not one.
 EARLIEST_START, LATEST_START = 946_684_800.0, 4_102_444_800.0
-"""A process start time outside 2000-2100 (milliseconds, infinities) is not one."""
 
 
 def reporter_label(value: str) -> str:

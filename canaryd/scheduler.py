@@ -418,11 +418,8 @@ class Scheduler:
         next_due: float | None = None
         try:
             async with self._slots:
-                metrics.BUMPS_IN_FLIGHT.inc()
-                try:
+                with metrics.BUMPS_IN_FLIGHT.track_inprogress():
                     outcome = await self.writer.bump(canary, due)
-                finally:
-                    metrics.BUMPS_IN_FLIGHT.dec()
             next_due = self._bumped(canary, due, outcome)
         except Exception:
             # A bug must not lose the canary: say so, count it, try next cycle.

@@ -43,8 +43,7 @@ class Written:
     """The bump was applied: the generation it produced, to be judged."""
 
     generation: int
-    sent: float
-    """When its PATCH was (first) sent, on the writer's clock: its stages run from it."""
+    sent: float  # when its PATCH was (first) sent: its stages run from it
     answered: float
 
 
@@ -68,8 +67,7 @@ class _Attempt:
     body: str
     nonce: int
     repairing: str | None
-    before: int
-    """The generation before it (the watch may deliver its event before its answer)."""
+    before: int  # the generation before it (its event may come before its answer)
     sent: float
 
 
@@ -217,11 +215,8 @@ class Writer:
             return self._written(canary, written, attempt)
 
     async def _answered_gone(self, canary: Canary, path: str, err: KubeError) -> Outcome:
-        """A 404 on a bump may be transient (a CRD being re-registered, an API server
-        replica briefly not serving it): re-read to tell. Still there, same uid: no
-        bump this cycle, retried next. Gone too: paused for a cycle, and only the watch
-        drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
-        never confirmation enough, since no DELETED may ever follow a transient one."""
+        """A 404 on a bump may be transient (a CRD being re-registered): re-read to tell.
+        Only the watch drops a canary: no DELETED may ever follow a transient 404."""
         try:
             fresh = await self._reread(canary, path)
         except KubeError as reread_err:
