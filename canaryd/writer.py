@@ -80,11 +80,10 @@ class Writer:
         *,
         permit: Callable[[float], Awaitable[float | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
-        self._rng = rng or random.Random()
+        self._rng = random.Random()
         # Awaited right before every write, for at most ``within`` seconds (else
         # TimeoutError): its client timeout, or None once this replica may write no more.
         self.permit = permit
