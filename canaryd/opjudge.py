@@ -75,7 +75,6 @@ class OperatorJudge:
         self.problem: str | None = None
         """Why the operator's metrics cannot judge canaries right now (``blind``)."""
         self._unusable_since: float | None = None  # every read since failed, or no series
-        self._answered = False  # the last read answered (blind, but not unreachable)
         self.failures = Episodes(
             "operator_metrics_failures", "url", lambda: settings.timeout, clock=clock
         )
@@ -126,7 +125,6 @@ class OperatorJudge:
         """What a read tells before any canary is judged on it."""
         url, restarted = self.operator.url, False
         metrics.OPERATOR_SCRAPES.labels("ok" if failed is None else failed.cause).inc()
-        self._answered = failed is None
         if failed is not None:
             self.problem = str(failed)  # blind() names it; the log tells an episode
             self.failures.failed(url, failed.cause, str(failed))
@@ -169,7 +167,8 @@ class OperatorJudge:
         if self.problem is not None and since is not None:
             if self._clock() - since < self.settings.timeout:
                 return blind  # within the start-up grace
-            reason = "no_series" if self._answered else "unreachable"
+            answered = self.failures.cause(self.operator.url) is None  # the last read
+            reason = "no_series" if answered else "unreachable"
             blind[f"operator_metrics_{reason}"] = self.problem
         if self._missing_series:
             missing = ", ".join(sorted(str(key) for key in self._missing_series)[:20])
