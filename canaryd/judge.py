@@ -1,19 +1,12 @@
 """The judge: what a canary's pending bump amounts to, as a value.
 
-Two pure functions, one per reconcile signal, read a canary, the sync model of the
-watch that covers it (canaryd.sync) and, for ``operator-metrics``, a read of the
-operator's metrics; they change nothing. They return what the scheduler then does:
-
-- ``Healthy`` / ``Unhealthy``: a verdict (the only way to become unhealthy: a bump
-  written and not reconciled in time);
-- ``NoVerdict``: no verdict either way (the API server away, the operator's metrics
-  unusable): ``fresh`` ones start the canary afresh (``pending``), the others leave it
-  ``unknown`` (an unhealthy verdict stands and ages);
-- ``Defer`` (the watch is not in sync: canaryd's own delay), ``Recheck`` (the judge ran
-  late), ``Suspect`` (the watch delivered nothing at all: canaryd's connection is the
-  suspect, replace it and judge again) and ``Wait`` (the operator's answer has not
-  come): not yet;
-- ``None``: nothing to judge (the last cycle wrote no bump).
+Two pure functions, one per reconcile signal (``by_watch``, ``by_operator``), read a
+canary, the sync model of its watch (canaryd.sync) and, for operator-metrics, a read of
+the operator's metrics; they change nothing. The scheduler acts on what they return: a
+verdict (``Healthy``, or ``Unhealthy``: only a bump written and not reconciled in time),
+``NoVerdict`` either way, not yet (``Defer``: the watch is behind; ``Recheck``: the judge
+ran late; ``Suspect``: canaryd's own connection may be dead; ``Wait``: the operator's
+answer has not come), or None: the last cycle wrote no bump.
 """
 
 from __future__ import annotations
@@ -34,32 +27,25 @@ class Healthy:
 @dataclass(frozen=True, slots=True)
 class Unhealthy:
     reason: str
-    cause: str
-    """Its class (a metric label): not_observed, not_reconciled, watch_not_resumed,
-    operator_unanswered."""
+    cause: str  # its class, a metric label (not_observed, not_reconciled, ...)
 
 
 @dataclass(frozen=True, slots=True)
 class NoVerdict:
     reason: str
-    counted: str
-    """The ``canaryd_verdicts_total`` label: unreachable, operator_unavailable."""
+    counted: str  # the canaryd_verdicts_total label
     fresh: bool = False
-    """Start the canary afresh (``pending``, no verdict kept): what was found was about
-    something that is gone (an operator process)."""
-    missing_series: str | None = None
-    """The operator's metrics lack this canary's series (warned once)."""
+    """Start the canary afresh (``pending``, no verdict kept): it was about something
+    that is gone (an operator process)."""
+    missing_series: str | None = None  # the operator's metrics lack it (warned once)
 
 
 @dataclass(frozen=True, slots=True)
 class Defer:
-    until: float
-    """By when it is judged whatever the watch does (one cycle past the deadline)."""
+    until: float  # judged by then whatever the watch does (a cycle past the deadline)
     why: str
-    first: bool
-    """The first deferral of this bump (counted and logged once)."""
-    at: float | None = None
-    """When to judge again, if sooner than ``until`` (the watch already resumed)."""
+    first: bool  # the first deferral of this bump (counted and logged once)
+    at: float | None = None  # when to judge again, if sooner (the watch resumed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +60,7 @@ class Suspect:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """The operator's answer has not come, for less than a cycle past the deadline: the
-    scheduler keeps the canary for the next read."""
+    """The operator's answer has not come (less than a cycle past the deadline)."""
 
 
 Judgement = Healthy | Unhealthy | NoVerdict | Defer | Recheck | Suspect | Wait | None
@@ -89,10 +74,9 @@ def scope_name(scope: ScopeKey) -> str:
 def api_server_away(
     canary: Canary, sync: ScopeSync | None, answered_since: float, now: float
 ) -> str | None:
-    """Why nothing could have been reconciled through the API server, if so: it has
-    answered no request sent since the watch covering the canary fell out of sync, or
-    stopped answering since (``answered_since``: the send time of the latest request
-    it answered, -inf while a later one went unanswered: KubeClient.answered_since)."""
+    """Why nothing could have been reconciled through the API server, if so: it answered
+    no request sent since the canary's watch fell out of sync, or stopped answering since
+    (``answered_since``: KubeClient.answered_since)."""
     since = sync.unsynced_since if sync is not None else None
     if since is None or answered_since >= since:
         return None
@@ -112,13 +96,11 @@ def by_watch(
     late: bool,
     api_last_answer: float,
 ) -> Judgement:
-    """Healthy if the watch has seen the bumped generation (or, with
-    ``observed-generation``, status.observedGeneration reached it) by the deadline,
-    else unhealthy — unless canaryd's own delay may be why: the watch covering the
-    canary is not in sync (not listed yet, dropped, or suspected: it delivered nothing
-    at all since this bump was answered; the verdict waits for it to resume, one more
-    cycle at most), or this judge runs ``late`` because canaryd stalled (events may sit
-    unread in its sockets: re-checked once, ``judge_slack`` later)."""
+    """Healthy if the watch saw the bumped generation (``observed-generation``: status.
+    observedGeneration reached it) by the deadline, else unhealthy, unless canaryd's own
+    delay may be why: its watch is not in sync or suspected (the verdict waits for it, a
+    cycle at most), or this judge runs ``late`` (events may sit unread in its sockets:
+    re-checked once, ``judge_slack`` later)."""
     bumped = canary.bumped_generation
     if bumped is None:
         return None
@@ -140,12 +122,10 @@ def by_watch(
         and answered < sync.resynced_at
         and now < sync.resynced_at + settings.resume_grace
     ):
-        # The watch resumed after this bump was answered and may still be replaying
-        # what it missed (over several reads): the bump's event may be next. Judged a
-        # quarter of the cycle after the resume, as a verdict deferred over it is.
-        deadline = canary.bump_deadline if canary.bump_deadline is not None else now
+        # The watch resumed after this bump was answered and may still be replaying what
+        # it missed (over several reads): judged ``resume_grace`` after the resume.
         return Defer(
-            deadline + settings.timeout,
+            (canary.bump_deadline or now) + settings.timeout,
             f"the watch of {scope} resumed {now - sync.resynced_at:.2f}s ago",
             True,
             at=sync.resynced_at + settings.resume_grace,
@@ -159,25 +139,20 @@ def by_watch(
             and canary.generation < bumped  # its own event not seen (any mode)
             and sync.silent_since(answered + settings.judge_slack)
         ):
-            # Nothing on the scope since this bump was answered (or since a resumed
-            # stream's first event, when the bump is in its replay), though the bump is
-            # a change it must deliver: canaryd's own connection is the suspect
-            # (half-open). A fresh stream tells; the verdict waits for it. What came
-            # within the judge's slack of the answer may be older events still in the
-            # pipe when the answer was read (a stream cut right after them is as dead).
+            # Nothing on the scope since the bump was answered (or since a resumed
+            # stream's first event), though the bump must deliver one: canaryd's own
+            # connection may be half-open; a fresh stream tells. What came within the
+            # judge's slack of the answer may be older events still in the pipe.
             since = "a bump" if answered >= sync.resynced_at else "the watch resumed"
             silent = now - max(sync.last_delivery, answered)
             return Suspect(f"nothing delivered in the {silent:.1f}s since {since}")
     if sync is not None and sync.unsynced_since is not None:
-        first = canary.deferred_until is None
-        if first:
-            deadline = canary.bump_deadline if canary.bump_deadline is not None else now
-            until = deadline + settings.timeout
-        else:
-            until = canary.deferred_until or now
+        until = canary.deferred_until
+        if until is None:  # its first deferral: a cycle past the deadline
+            until = (canary.bump_deadline or now) + settings.timeout
         if now < until:
             why = f"the watch of {scope} is not in sync: {sync.behind_because}"
-            return Defer(until, why, first)
+            return Defer(until, why, canary.deferred_until is None)
         away = api_server_away(canary, sync, api_last_answer, now)
         if away is not None:
             # Nobody (the operator neither) can reconcile through an API server that is
@@ -233,8 +208,7 @@ def by_operator(
         return None
     if failed is not None:
         if failed.cause == "unanswered":
-            deadline = canary.bump_deadline if canary.bump_deadline is not None else now
-            if now < deadline + settings.timeout:
+            if now < (canary.bump_deadline or now) + settings.timeout:
                 return Wait()
             silent = (
                 f"nothing since an answer {now - last_answer_at:.1f}s ago"

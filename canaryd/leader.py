@@ -1,31 +1,13 @@
-"""Leader election over a ``coordination.k8s.io/v1`` Lease, with client-go's rules.
+"""Leader election over a ``coordination.k8s.io/v1`` Lease, with client-go's rules
+(tools/leaderelection, tryAcquireOrRenew): a candidate takes the lease only once it has
+seen the holder's record unchanged for its lease duration on its own monotonic clock (or
+released); every write carries the resourceVersion it read, so two candidates cannot both
+win; the leader renews with one update from the copy it last wrote (a failure falls back
+to a read and an update) and stops leading at once when its renew deadline passes.
 
-client-go (tools/leaderelection/leaderelection.go, tryAcquireOrRenew) trusts no other
-clock: a candidate takes the lease only when it has itself seen the holder's record
-unchanged for the record's whole lease duration (measured on its own monotonic
-clock), or when the holder is empty (released). Every write is an update with the
-resourceVersion it read, so two candidates cannot both win: the second gets 409 and
-reads again next round (it never overwrites). A leader renews with one update from
-the copy it last wrote (client-go's optimistic update); a 409 or any failure falls
-back to a read and an update in the same round. The leader renews every retry period;
-if it has not renewed for ``renew_deadline`` it stops being leader at once — before
-any follower can have waited out ``lease_duration`` (greater by construction). On
-shutdown the leader releases the lease (holder cleared, duration 1 s), and a
-follower takes it at its next look.
-
-Kubernetes has no fencing token, so one writer at a time comes from time.
-``write_permit()`` is what the writer awaits right before each write: a write is
-sent only while at least ``MIN_WRITE_TIMEOUT`` (1 s, or the write timeout when that is
-less) of the renew deadline is left after the last successful renew (measured from
-when that renew was sent), and what is left, at most ``write_timeout``, is its client
-timeout. So every write is answered or abandoned (its connection closed, its late
-answer never read) by the renew deadline, ``lease_duration - renew_deadline`` (5 s
-at the defaults) before a follower may take over, whatever the elector task is
-doing. A renewal answered in time leaves the fence open (config's
-``check_lease_timings`` refuses timings that would not), and a write held back
-longer than its bump may wait is not sent (``fenced``). What stays possible is a
-write the API server received before canaryd gave up on it and applies later still:
-see docs/CONFIGURATION.md, "Replicas behind a Lease".
+Kubernetes has no fencing token, so one writer at a time comes from time: the writer
+awaits ``write_permit()`` before each write. docs/CONFIGURATION.md ("Replicas behind a
+Lease") gives the bound and what stays possible.
 """
 
 from __future__ import annotations
@@ -67,25 +49,18 @@ class LeaderElector:
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
         self._clock = clock
         self.leading = False
-        self.leader: str | None = None
-        """The holder this replica last saw (None: nobody)."""
+        self.leader: str | None = None  # the holder this replica last saw
+        # The record as last seen (None: none yet, so the first holder is no transition),
+        # and when (our clock) it last changed.
         self._observed_spec: Mapping[str, Any] | None = None
-        """The record as this replica last saw it (None: none seen yet, so the first
-        holder seen is no transition)."""
         self._observed_at = 0.0
-        """When (our clock) the record last changed as we saw it."""
-        self._expires_at = float("inf")
-        """When the other holder's lease runs out, as this replica last saw it."""
-        self._renewed_at = float("-inf")
-        """When the last successful acquire or renew started (our clock)."""
+        self._expires_at = float("inf")  # when the other holder's lease runs out
+        self._renewed_at = float("-inf")  # when the last acquire or renew was sent
+        # Set (and replaced) at every renewal, role change, and other holder seen.
         self._changed = asyncio.Event()
-        """Set (and replaced) at every successful renewal, when leading starts or ends,
-        and when another holder is seen."""
-        self._written: Mapping[str, Any] | None = None
-        """The Lease as this replica last wrote it: the optimistic update's base."""
+        self._written: Mapping[str, Any] | None = None  # the optimistic update's base
         self.problem: str | None = None
-        """Why the last round could not read or write the lease (not a lost race): a
-        warning episode, and /readyz names it."""
+        """Why the last round could not read or write the lease (not a lost race)."""
         self.failures = Episodes("lease_failures", "lease", lambda: settings.timeout, clock=clock)
         metrics.LEADER.set(0)
 
@@ -127,7 +102,10 @@ class LeaderElector:
         try:
             while True:
                 await self._acquire()
-                self._start_leading()
+                self.leading = True
+                metrics.LEADER.set(1)
+                log.info("leading", lease=str(self), identity=self.identity)
+                self._role_changed()
                 await self._renew()
                 self._stop_leading("it could not renew the lease within the renew deadline")
         except asyncio.CancelledError:
@@ -169,12 +147,6 @@ class LeaderElector:
                 except TimeoutError:
                     return
                 await asyncio.sleep(min(self._pause(), left))
-
-    def _start_leading(self) -> None:
-        self.leading = True
-        metrics.LEADER.set(1)
-        log.info("leading", lease=str(self), identity=self.identity)
-        self._role_changed()
 
     def _stop_leading(self, why: str) -> None:
         self.leading = False
@@ -324,12 +296,9 @@ class LeaderElector:
 
 def lease_timings_problem(settings: Settings) -> str | None:
     """What is wrong with the lease timings, checked together at start (the entry points
-    exit 2 with it), or None. A renewal is sent a retry period after the last one (or
-    sooner: a retry) and may be answered until its request timeout or its renew
-    deadline, whichever comes first; the fence then lets a write through only while
-    ``MIN_WRITE_TIMEOUT`` of the renew deadline is left (or the write timeout, when
-    less). Timings under which a renewal answered in time leaves less than that would
-    hold every write back while the leader renews."""
+    exit 2 with it), or None. A renewal answered within its request timeout must leave
+    the fence (``MIN_WRITE_TIMEOUT`` of the renew deadline) open, or every write would
+    be held back while the leader renews."""
     lease, renew, retry = settings.lease_duration, settings.renew_deadline, settings.retry_period
     # client-go's NewLeaderElector: LeaseDuration > RenewDeadline > JitterFactor (1.2) x
     # RetryPeriod, or a leader could lose its lease before it notices.

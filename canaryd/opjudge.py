@@ -1,12 +1,11 @@
 """--reconciled-by operator-metrics: the operator's own reconcile counts, for the scheduler.
 
-The operator's Prometheus endpoint (canaryd.opmetrics) is read every scrape interval,
-never per canary. ``reads`` yields every read, and a ``Read`` of its silence each
-interval a read stays unanswered (a frozen JVM holds a read that long). The scheduler
-keeps the canaries whose deadline passed until the next read (``judge.Wait``) and asks
-here what that read says of each (``judge``: canaryd.judge.by_operator), when its next
-bump is due (``bump_at``) and, after a new operator process (counters reset, a new
-start time), how to check every canary afresh (``restart``). Nothing here schedules.
+The operator's metrics (canaryd.opmetrics) are read every scrape interval, never per
+canary: ``reads`` yields each read, and one of its silence each interval it stays
+unanswered (a frozen JVM holds a read that long). The scheduler keeps the canaries past
+their deadline until the next read (``judge.Wait``) and asks here what it says of each
+(``judge``), when each is bumped next (``bump_at``) and, after a new operator process,
+how to check them all afresh (``restart``). Nothing here schedules.
 """
 
 from __future__ import annotations
@@ -42,11 +41,10 @@ class Read:
     started: float
     scrape: Scrape | None
     failed: ScrapeFailed | None
+    # Still unanswered after an interval: it judges only the canaries with a bump to
+    # judge (the others wait for it: it is their baseline).
     unanswered: bool = False
-    """Still unanswered after an interval: it judges only the canaries with a bump to
-    judge (the others wait for it: it is their baseline)."""
-    restarted: bool = False
-    """A new operator process answered it."""
+    restarted: bool = False  # a new operator process answered it
 
 
 class OperatorJudge:
@@ -68,21 +66,15 @@ class OperatorJudge:
             clock=clock,
         )
         metrics.operator_metrics_exported()
-        self._instance_judged = 0
-        """The operator instance (OperatorMetrics.instance) the verdicts are about."""
-        self._missing_series: set[CanaryKey] = set()
-        """Canaries whose counter the operator's metrics lack (warned once each)."""
+        self._instance_judged = 0  # the OperatorMetrics.instance the verdicts are about
+        self._missing_series: set[CanaryKey] = set()  # warned once each
+        # Bumped off their place in the cycle for a fresh check (an operator restart):
+        # once that bump is judged, the next goes back to its place (``bump_at``).
         self._realign: set[CanaryKey] = set()
-        """Canaries bumped off their place in the cycle for a fresh check (an operator
-        restart): once that bump is judged, the next one goes back to its place."""
-        self._epoch = clock()
-        """Where the cycle's places are counted from (``_place``)."""
+        self._epoch = clock()  # where the cycle's places are counted from
         self.problem: str | None = None
         """Why the operator's metrics cannot judge canaries right now (``blind``)."""
-        self._unusable_since: float | None = None
-        """Since when every read failed or answered without the operator's series."""
-        self._answered = False
-        """The last read answered (blind: without the series, not unreachable)."""
+        self._unusable_since: float | None = None  # every read since failed, or no series
         self.failures = Episodes(
             "operator_metrics_failures", "url", lambda: settings.timeout, clock=clock
         )
@@ -130,20 +122,16 @@ class OperatorJudge:
             await asyncio.sleep(max(0.0, pause))
 
     def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> Read:
-        """What a read tells before any canary is judged on it: the episode, the problem,
-        a new operator process, the ``reconciled`` stages."""
+        """What a read tells before any canary is judged on it."""
         url, restarted = self.operator.url, False
+        metrics.OPERATOR_SCRAPES.labels("ok" if failed is None else failed.cause).inc()
         if failed is not None:
-            metrics.OPERATOR_SCRAPES.labels(failed.cause).inc()
             self.problem = str(failed)  # blind() names it; the log tells an episode
             self.failures.failed(url, failed.cause, str(failed))
-            self._answered = False
         else:
             assert scrape is not None
-            metrics.OPERATOR_SCRAPES.labels("ok").inc()
             self.problem = None
             self.failures.recovered(url)
-            self._answered = True
             if not scrape.has_operator_series:
                 self.problem = (
                     f"{url} answered without the operator's metrics (is Flink's "
@@ -151,7 +139,19 @@ class OperatorJudge:
                 )
             restarted = self.operator.instance != self._instance_judged
             self._instance_judged = self.operator.instance
-            self._note_reconciles(scrape)
+            # The ``reconciled`` stage of bumps reconciled since the last read (its time
+            # an upper bound: the read's answer).
+            for canary in self.registry.tracked():
+                sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
+                if (
+                    sent is not None
+                    and canary.bumped_generation is not None
+                    and baseline is not None
+                    and baseline[0] == self._instance_judged
+                    and "reconciled" not in canary.stages
+                    and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
+                ):
+                    self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
         if self.problem is None:
             self._unusable_since = None
         elif self._unusable_since is None:
@@ -159,16 +159,16 @@ class OperatorJudge:
         return Read(started, scrape, failed, restarted=restarted)
 
     def blind(self) -> dict[str, str]:
-        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind``
-        reason: no usable answer for a whole cycle (a start-up's grace: the operator's
-        reporter listens some seconds after its process starts), or an answer without
-        a canary's series."""
+        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind`` reason:
+        no usable answer for a whole cycle (a start-up's grace: the reporter listens some
+        seconds after the operator starts), or an answer without a canary's series."""
         blind: dict[str, str] = {}
         since = self._unusable_since
         if self.problem is not None and since is not None:
             if self._clock() - since < self.settings.timeout:
                 return blind  # within the start-up grace
-            reason = "no_series" if self._answered else "unreachable"
+            answered = self.failures.cause(self.operator.url) is None  # the last read
+            reason = "no_series" if answered else "unreachable"
             blind[f"operator_metrics_{reason}"] = self.problem
         if self._missing_series:
             missing = ", ".join(sorted(str(key) for key in self._missing_series)[:20])
@@ -191,42 +191,6 @@ class OperatorJudge:
                 canary, self.registry.scopes.covering(canary.key), self._api_last_answer(), now
             ),
         )
-        self._warn_missing_series(canary, judgement)
-        return judgement
-
-    def bump_at(self, canary: Canary, judged: bool, now: float) -> float | None:
-        """When a canary whose verdict is in is bumped next: its place in the cycle, once
-        the fresh check of an operator restart is ``judged`` (so that bumps stay spread:
-        DESIGN, never N writes at once), else None: now, from the baseline of the last
-        answer read (the canary's count before this bump)."""
-        if judged and canary.key in self._realign:
-            self._realign.discard(canary.key)
-            place = self._place(canary, now)
-            if place - now > self.settings.scrape_interval:
-                return place
-        last = self.operator.last
-        count = None if last is None else last.count(self._resource(canary))
-        self.registry.baseline(canary, None if last is None else (self.operator.instance, count))
-        return None
-
-    def restart(self, started: float) -> list[tuple[float, Canary]]:
-        """A new operator process answers (to the leader): verdicts were about the one
-        that is gone. Every canary is checked afresh: ``pending``, and a bump from
-        ``started`` on, the first at once and the rest over half a cycle in their order
-        in the cycle (twice the steady rate, not N writes at once); each goes back to
-        its place once that is judged (``bump_at``). Returns when each is due."""
-        at = wall_time(self.operator.instance_since)
-        metrics.OPERATOR_RESTARTS.inc()
-        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
-        reason = f"operator restarted at {at}: re-checking"
-        canaries = sorted(self.registry.tracked(), key=phase)
-        step = self.settings.timeout / 2 / max(1, len(canaries))
-        for canary in canaries:
-            self.registry.fresh_check(canary, reason, "operator_restarted")
-            self._realign.add(canary.key)
-        return [(started + index * step, canary) for index, canary in enumerate(canaries)]
-
-    def _warn_missing_series(self, canary: Canary, judgement: Judgement) -> None:
         missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
         if missing is None:
             self._missing_series.discard(canary.key)  # warned again if it goes missing again
@@ -240,27 +204,38 @@ class OperatorJudge:
                 hint="the operator does not watch its namespace, or has not "
                 "reconciled it since it started",
             )
+        return judgement
 
-    def _place(self, canary: Canary, now: float) -> float:
-        """The first time from ``now`` at the canary's place in the cycle."""
-        timeout = self.settings.timeout
-        offset = self._epoch + phase(canary) * timeout
-        return offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
+    def bump_at(self, canary: Canary, judged: bool, now: float) -> float | None:
+        """When a canary whose verdict is in is bumped next: back at its place in the
+        cycle once an operator restart's fresh check is ``judged`` (bumps stay spread),
+        else None: now, from the last answer's count as its baseline."""
+        if judged and canary.key in self._realign:
+            self._realign.discard(canary.key)
+            timeout = self.settings.timeout
+            offset = self._epoch + phase(canary) * timeout
+            place = offset + math.ceil(max(0.0, now - offset) / timeout) * timeout
+            if place - now > self.settings.scrape_interval:
+                return place
+        last = self.operator.last
+        count = None if last is None else last.count(self._resource(canary))
+        self.registry.baseline(canary, None if last is None else (self.operator.instance, count))
+        return None
+
+    def restart(self, started: float) -> list[tuple[float, Canary]]:
+        """A new operator process answers: every canary is checked afresh (``pending``),
+        bumped from ``started`` on over half a cycle in their order in the cycle (twice
+        the steady rate, not N writes at once). Returns when each is due."""
+        at = wall_time(self.operator.instance_since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=self.operator.url, canaries=len(self.registry))
+        reason = f"operator restarted at {at}: re-checking"
+        canaries = sorted(self.registry.tracked(), key=phase)
+        step = self.settings.timeout / 2 / max(1, len(canaries))
+        for canary in canaries:
+            self.registry.fresh_check(canary, reason, "operator_restarted")
+            self._realign.add(canary.key)
+        return [(started + index * step, canary) for index, canary in enumerate(canaries)]
 
     def _resource(self, canary: Canary) -> ResourceKey:
         return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
-
-    def _note_reconciles(self, scrape: Scrape) -> None:
-        """The ``reconciled`` stage of bumps the operator reconciled since the last read
-        (its time is an upper bound: the read's answer)."""
-        for canary in self.registry.tracked():
-            sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
-            if (
-                sent is not None
-                and canary.bumped_generation is not None
-                and baseline is not None
-                and baseline[0] == self._instance_judged
-                and "reconciled" not in canary.stages
-                and judge.reconciled_since_bump(canary, scrape, self._resource(canary))[1]
-            ):
-                self.registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))

@@ -1,10 +1,10 @@
 """The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``
-(docs/DESIGN.md; docs/CONFIGURATION.md says what each answer means).
+(docs/CONFIGURATION.md says what each answer means).
 
-A scrape of an operator with thousands of resources is tens of thousands of lines: regular
-expressions find the few canaryd needs in the bytes, matching metric names by their
-suffix (a reporter scope format of the user's own keeps working), and prometheus_client's
-parser reads each label set not seen before (whole answers through it take seconds).
+Regular expressions find the few series canaryd needs in the bytes, by their name's suffix
+(a reporter scope format of the user's own keeps working), and prometheus_client's parser
+reads each label set not seen before: whole answers of tens of thousands of lines through
+it take seconds.
 """
 
 from __future__ import annotations
@@ -18,13 +18,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
-MAX_ANSWER = 256 * 1024 * 1024
-"""Bytes read at most: read in chunks, never held whole, so this bounds time, not memory."""
-MAX_LINE = 1024 * 1024
-"""The longest line kept while reading (bytes): a longer one is no Prometheus sample."""
+MAX_ANSWER = 256 * 1024 * 1024  # bytes read at most (in chunks: it bounds time, not memory)
+MAX_LINE = 1024 * 1024  # the longest line kept: a longer one is no Prometheus sample
 CHUNK = 256 * 1024
-MAX_KEYS = 200_000
-"""The most label sets one answer keeps parsed for the next (10,000 resources: 10,000)."""
+MAX_KEYS = 200_000  # label sets one answer keeps parsed for the next (one per resource)
 
 # A literal the regex engine finds fast: the lines canaryd does not need cost a scan of
 # their bytes, not a Python loop each.
@@ -39,11 +36,10 @@ _PROCESS = re.compile(
 # A process start time, when a reporter exports one (Flink's Prometheus reporter does not).
 _START = re.compile(rb"(?m)^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+([^ \t\n]+)")
 
-ResourceKey = tuple[str, str, str]
-"""(Kind, namespace, name) as the operator names a resource: ``FlinkDeployment``."""
+ResourceKey = tuple[str, str, str]  # (Kind, namespace, name): ``FlinkDeployment``
 _NOT_IN_LABELS = re.compile(r"[^a-zA-Z0-9:_]")
+# A process start time outside 2000-2100 (milliseconds, infinities) is not one.
 EARLIEST_START, LATEST_START = 946_684_800.0, 4_102_444_800.0
-"""A process start time outside 2000-2100 (milliseconds, infinities) is not one."""
 
 
 def reporter_label(value: str) -> str:
@@ -146,11 +142,10 @@ def parse(text: str | bytes, answered_at: float = 0.0) -> Scrape:
 
 
 class ScrapeFailed(Exception):
-    """The endpoint gave no usable answer (for a verdict: canaryd.judge.by_operator).
-    ``cause``: ``refused`` (nothing listens: the operator is starting, or gone),
-    ``unanswered`` (the port is held but no whole answer comes in time: a frozen JVM
-    still accepts into its listen backlog), or ``bad_answer`` (anything else: no sign
-    of a restart either)."""
+    """The endpoint gave no usable answer. ``cause``: ``refused`` (nothing listens),
+    ``unanswered`` (no whole answer in time: a frozen JVM still accepts into its listen
+    backlog), or ``bad_answer`` (anything else); canaryd.judge.by_operator says what each
+    means for a verdict."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
@@ -214,8 +209,6 @@ class OperatorMetrics:
                         raise ScrapeFailed(
                             "bad_answer", f"{self.url} answered more than {MAX_ANSWER} bytes"
                         )
-        except ScrapeFailed:
-            raise
         except aiohttp.ClientConnectorError as err:
             if err.os_error.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
                 self._refused_since_answer = True

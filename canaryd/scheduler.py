@@ -1,21 +1,16 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next.
 
-One task walks a deadline heap (not a task per canary). At a canary's deadline it
-judges the previous bump there and then — judging never queues behind writes — and
-starts the next bump: a task of its own (canaryd.writer writes), at most
-``max_bumps_in_flight`` writing at once. A first bump is placed at a stable offset
-within the cycle (a hash of the canary's identity): N canaries spread over the cycle.
-The watch judges by default; with --reconciled-by operator-metrics a canary past its
-deadline waits for the next read of the operator's metrics (``judge.Wait``). Under
---leader-elect it follows the elector it was given: its role, and its write fence.
+One task walks a deadline heap (not a task per canary). At a canary's deadline it judges
+the previous bump there and then (judging never queues behind writes) and starts the next
+bump as a task of its own (canaryd.writer), at most ``max_bumps_in_flight`` at once; first
+bumps are spread over the cycle by a hash of the canary's identity. With --reconciled-by
+operator-metrics a canary past its deadline waits for the next read (``judge.Wait``).
+Under --leader-elect it follows the elector it was given: its role, and its write fence.
 
-The invariant (``unscheduled``): while this replica bumps, every tracked canary is
-either due (one live heap entry) or in flight (a bump task, or a judge waiting for the
-operator's metrics), exactly once. Nothing takes a canary out of the schedule but the
-watch (it drops the canary) and stepping down (``activate`` schedules them all again).
-
-Every write to the registry after an ``await`` first checks that the record is still
-the one tracked (``Registry.owns``): a late answer about a dropped canary changes nothing.
+The invariant (``unscheduled``): while this replica bumps, every tracked canary is due
+(one live heap entry) or in flight (a bump task, or waiting for a read), exactly once.
+Every registry write after an ``await`` first checks ``Registry.owns``: a late answer
+about a dropped canary changes nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +19,9 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -40,7 +34,7 @@ from canaryd.kube import KubeClient
 from canaryd.leader import LeaderElector
 from canaryd.opjudge import OperatorJudge, phase
 from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
-from canaryd.sync import ScopeKey, ScopeSync
+from canaryd.sync import ScopeKey
 from canaryd.writer import NotWritten, Outcome, Writer, Written
 
 log = structlog.get_logger("canaryd.scheduler")
@@ -53,12 +47,11 @@ EVENT_REASONS = {
 
 
 class Role:
-    """This replica's role, and what becomes of its verdicts: a replica bumps
-    (``active``: single, or the leader) or stands by (a follower: no bumps, no new
-    verdicts). A leader that stepped down without seeing another holder (a lease hiccup)
-    keeps its verdicts: nobody else has checked since. Whatever the role, an unhealthy
-    verdict no bump re-tested for two cycles turns ``unknown``: one nobody can re-test
-    must not restart the operator forever (failing bumps, the fence, a stand-by)."""
+    """This replica's role (``active``: single or the leader; else a follower, with no
+    bumps and no new verdicts) and its verdicts: the registry's transitions, counted,
+    logged and told as Events. A leader that stepped down without seeing another holder
+    keeps its verdicts (nobody else has checked since); an unhealthy verdict no bump
+    re-tested for two cycles turns ``unknown`` (docs/DESIGN.md, the semantics table)."""
 
     def __init__(
         self,
@@ -74,8 +67,7 @@ class Role:
         self.failures = Episodes(
             "bump_failures", "canary", lambda: settings.timeout, "canaries", clock=clock
         )
-        self.standby_reason: str | None = None
-        """Why this replica does not bump (a follower under --leader-elect); None: it does."""
+        self.standby_reason: str | None = None  # why this replica does not bump
         self._verdicts_kept = False
         self._aging: asyncio.TimerHandle | None = None
 
@@ -107,16 +99,9 @@ class Role:
                 self.registry.set_state(canary, CanaryState.PENDING, why, "first_bump")
 
     def verdict_ttl(self) -> float:
-        """How long an unhealthy verdict stands without a bump to re-test it: two cycles
-        (the second one's write falls due then), less the judge's slack, by which either
-        judge may run late (else it would age a cycle late whenever the judge did)."""
+        """How long an unhealthy verdict stands without a bump to re-test it: two cycles,
+        less the judge's slack by which the judge may run late (else it ages a cycle late)."""
         return 2 * self.settings.timeout - self.settings.judge_slack
-
-    def bump_failed(self, canary: Canary, cause: str, reason: str) -> None:
-        """A cycle without a bump to judge: counted, told in the failure episode."""
-        metrics.BUMPS.labels(cause).inc()
-        self.failures.failed(canary.key, cause, reason)
-        self.no_bump(canary, reason, cause)
 
     def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
         """Nothing to judge this cycle: a failed write is no verdict either way; an
@@ -218,7 +203,6 @@ class Scheduler:
         # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         self.role = Role(settings, registry, self.events, clock=clock)
-        self.failures = self.role.failures
         self.operator = (
             OperatorJudge(settings, registry, lambda: kube.answered_since, clock=clock)
             if settings.reconciled_by == "operator-metrics"
@@ -228,10 +212,6 @@ class Scheduler:
         self._waiting: list[tuple[float, Canary]] = []
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
-
-    @property
-    def active(self) -> bool:
-        return self.role.active
 
     def standby(self, leader: str | None) -> None:
         """Not the leader: no bumps, no new verdicts. The registry stays warm (the
@@ -253,9 +233,9 @@ class Scheduler:
         """Bump while this replica leads; stand by, saying who leads, otherwise."""
         seen: tuple[bool, str | None] | None = None
         async for leading, leader in lease.roles():
-            if leading and not self.active:
+            if leading and not self.role.active:
                 self.activate()
-            elif not leading and (self.active or seen != (leading, leader)):
+            elif not leading and (self.role.active or seen != (leading, leader)):
                 self.standby(leader)
             seen = leading, leader
 
@@ -270,7 +250,7 @@ class Scheduler:
         """The canaries that break the invariant (above): empty when all is well, and
         for a follower, which schedules nothing. A canary whose news the loop has not
         taken yet may be neither: it is scheduled at the loop's next turn."""
-        if not self.active:
+        if not self.role.active:
             return []
         waiting = Counter(canary.key for _, canary in self._waiting)
         new = {news.canary.key for news in self.registry.pending if isinstance(news, Added)}
@@ -282,9 +262,8 @@ class Scheduler:
         ]
 
     def take_news(self) -> None:
-        """Act on what the registry tells, in order: a canary added is scheduled, one
-        forgotten leaves nothing here, a resumed scope's deferred verdicts are judged.
-        The loop reads it; nothing calls the scheduler back."""
+        """Act on the registry's news, in order (the loop reads it; nothing calls the
+        scheduler back)."""
         for news in self.registry.take_news():
             match news:
                 case Added(canary=canary):
@@ -305,7 +284,7 @@ class Scheduler:
 
     def push(self, due: float, canary: Canary) -> None:
         """(Re)schedule a canary; any earlier entry of it in the heap becomes void."""
-        if not self.active:
+        if not self.role.active:
             return  # a follower schedules nothing; activate() schedules every canary
         seq = next(self._order)
         self._due_seq[canary.key] = seq
@@ -350,14 +329,8 @@ class Scheduler:
                     group.create_task(self._follow(self._lease), name="leader role")
                 while True:
                     due, canary = await self._next_due()
-                    try:
+                    with self._guard("judge_failed_unexpectedly", canary):
                         self._on_due(due, canary)
-                    except Exception:
-                        # A bug must not stop the scheduler: say so, count it, go on.
-                        metrics.ERRORS.labels("scheduler").inc()
-                        log.exception("judge_failed_unexpectedly", canary=str(canary.key))
-                        if self.registry.owns(canary) and not self.flying(canary):
-                            self.push(self._clock() + self.settings.timeout, canary)
         except asyncio.CancelledError:
             log.info("scheduler_stopped", why="cancelled")
             raise
@@ -369,22 +342,33 @@ class Scheduler:
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
-        if not self.registry.owns(canary) or not self.active:
+        if not self.registry.owns(canary) or not self.role.active:
             return  # dropped since it was scheduled, or no longer the leader
-        lateness = max(0.0, self._clock() - due)
-        metrics.VERDICT_LATENESS.observe(lateness)
+        now = self._clock()
+        metrics.VERDICT_LATENESS.observe(max(0.0, now - due))
         if self.operator is not None:
             self._waiting.append((due, canary))  # judged at the next read of its metrics
             return
-        if not self.judge_previous_bump(canary, late=lateness > self.settings.judge_slack):
-            return  # the verdict waits for the watch; it was rescheduled
-        self.start_bump(due, canary)
+        sync = self.registry.scopes.covering(canary.key)
+        late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
+        judgement = judge.by_watch(
+            canary, sync, now, self.settings, late=late, api_last_answer=answered
+        )
+        if isinstance(judgement, Suspect) and sync is not None:
+            # canaryd's own connection is the suspect: the verdict waits for a fresh stream.
+            metrics.VERDICTS.labels("suspected").inc()
+            sync.suspect(now, judgement.why)
+            judgement = judge.by_watch(
+                canary, sync, now, self.settings, late=late, api_last_answer=answered
+            )
+        if self.apply(canary, judgement, now):  # else it waits, rescheduled
+            self.start_bump(due, canary)
 
     async def _judge_reads(self, operator: OperatorJudge) -> None:
         """operator-metrics: every read judges the canaries that fell due before it."""
         async with contextlib.aclosing(operator.reads()) as reads:
             async for read in reads:
-                if not self.active:
+                if not self.role.active:
                     continue  # a follower judges nothing; it starts fresh when it leads
                 if read.restarted:
                     self._waiting.clear()
@@ -400,19 +384,25 @@ class Scheduler:
                         continue
                     if not self.registry.owns(canary):
                         continue
-                    try:
+                    with self._guard("operator_judge_failed_unexpectedly", canary):
                         if not self.apply(canary, operator.judge(canary, read, now), now):
                             self._waiting.append((due, canary))  # Wait: at the next read
                         elif (place := operator.bump_at(canary, judged, now)) is not None:
                             self.push(place, canary)
                         else:  # its retry window runs from now: the verdict may have waited
                             self.start_bump(now, canary)
-                    except Exception:
-                        # A bug must not lose the canary: say so, count it, try next cycle.
-                        metrics.ERRORS.labels("scheduler").inc()
-                        log.exception("operator_judge_failed_unexpectedly", canary=str(canary.key))
-                        if self.registry.owns(canary) and not self.flying(canary):
-                            self.push(now + self.settings.timeout, canary)
+
+    @contextlib.contextmanager
+    def _guard(self, event: str, canary: Canary) -> Iterator[None]:
+        """A bug must not stop the scheduler nor lose the canary: say so, count it, and
+        judge it a cycle on."""
+        try:
+            yield
+        except Exception:
+            metrics.ERRORS.labels("scheduler").inc()
+            log.exception(event, canary=str(canary.key))
+            if self.registry.owns(canary) and not self.flying(canary):
+                self.push(self._clock() + self.settings.timeout, canary)
 
     def start_bump(self, due: float, canary: Canary) -> None:
         """The canary's next bump, a task of its own: in flight until it is due again."""
@@ -428,11 +418,8 @@ class Scheduler:
         next_due: float | None = None
         try:
             async with self._slots:
-                metrics.BUMPS_IN_FLIGHT.inc()
-                try:
+                with metrics.BUMPS_IN_FLIGHT.track_inprogress():
                     outcome = await self.writer.bump(canary, due)
-                finally:
-                    metrics.BUMPS_IN_FLIGHT.dec()
             next_due = self._bumped(canary, due, outcome)
         except Exception:
             # A bug must not lose the canary: say so, count it, try next cycle.
@@ -443,16 +430,18 @@ class Scheduler:
         finally:
             if self.flying(canary):
                 del self._in_flight[canary.key]
-            if self.registry.owns(canary) and self.active and not self.writer.stopping:
+            if self.registry.owns(canary) and self.role.active and not self.writer.stopping:
                 # Due again at its next deadline, or a cycle on: never out of the schedule.
                 self.push(next_due if next_due is not None else self._after_failure(due), canary)
 
     def _bumped(self, canary: Canary, due: float, outcome: Outcome) -> float | None:
         """What came of a bump, into the registry; returns when the canary is next due."""
-        if not self.registry.owns(canary) or not self.active:
+        if not self.registry.owns(canary) or not self.role.active:
             return None
         if isinstance(outcome, NotWritten):
-            self.role.bump_failed(canary, outcome.cause, outcome.reason)
+            metrics.BUMPS.labels(outcome.cause).inc()
+            self.role.failures.failed(canary.key, outcome.cause, outcome.reason)
+            self.role.no_bump(canary, outcome.reason, outcome.cause)
             return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
@@ -461,30 +450,9 @@ class Scheduler:
         self.registry.bumped(
             canary, outcome.generation, outcome.sent, outcome.answered, deadline, time.time()
         )
-        self.failures.recovered(canary.key)
+        self.role.failures.recovered(canary.key)
         log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
         return deadline
-
-    def judge_previous_bump(self, canary: Canary, *, late: bool = False) -> bool:
-        """Judge the pending bump on the watch (canaryd.judge.by_watch) and act on it.
-        Returns False when the verdict waits (deferred, re-checked: rescheduled)."""
-        now = self._clock()
-        sync = self.registry.scopes.covering(canary.key)
-        judgement = judge.by_watch(
-            canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
-        )
-        if isinstance(judgement, Suspect) and sync is not None:
-            # canaryd's own connection is the suspect: the verdict waits for a fresh stream.
-            metrics.VERDICTS.labels("suspected").inc()
-            sync.suspect(now, judgement.why)
-            judgement = judge.by_watch(
-                canary, sync, now, self.settings, late=late, api_last_answer=self._last_answer(sync)
-            )
-        return self.apply(canary, judgement, now)
-
-    def _last_answer(self, sync: ScopeSync | None) -> float:
-        """When the API server last answered (a send time), read only while out of sync."""
-        return self.kube.answered_since if sync is not None and not sync.in_sync else math.inf
 
     def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
         """Do what a judgement says: a verdict to the role (counted, logged, the registry's
@@ -535,7 +503,7 @@ class Scheduler:
     def _forget(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
         self._due_seq.pop(key, None)
-        self.failures.recovered(key)
+        self.role.failures.recovered(key)
         if self.operator is not None:
             self.operator.forget(key)
 

@@ -1,23 +1,12 @@
 """The writer: one bump of a canary's ``spec.restartNonce``, applied at most once.
 
-A bump is a merge patch of ``spec.restartNonce`` only, with an optimistic
-precondition on ``metadata.resourceVersion`` (DESIGN.md, the semantics table):
-
-- 409 Conflict: re-read (GET), re-check that it is still a canary this replica owns,
-  and write again on the fresh copy; bounded; never a stale body.
-- 5xx, 429 (Retry-After honoured), a timeout, a reset: retried with backoff within
-  half a cycle. The write may have landed (the connection failed after the request
-  was sent), so the retry is the identical request: the same body, the same
-  precondition, applied at most once (RFC 9110 §9.2.2: a PATCH is not idempotent;
-  the precondition makes this one so). A 409 to it means "applied, or overtaken":
-  the re-read tells which, by the nonce.
-- 404: re-read to tell a transient answer from a canary that is gone; only the
-  watch drops a canary.
-- Under --leader-elect every write waits for ``permit()``: its client timeout, within
-  the leader's fence (canaryd.leader), or None once this replica no longer leads. A
-  bump the fence holds past its retry window is not written (``fenced``).
-
-``bump`` returns what came of it; the scheduler acts on that. Nothing here schedules.
+A bump is a merge patch of ``spec.restartNonce`` with a ``metadata.resourceVersion``
+precondition; what each answer means is docs/DESIGN.md's semantics table. A write whose
+outcome is unknown (the connection failed after it was sent) is resent identical: a PATCH
+is not idempotent (RFC 9110 §9.2.2), the precondition makes this one so, and a 409 to it
+means "applied, or overtaken", which a re-read tells by the nonce. Under --leader-elect
+every write first awaits ``permit()`` (canaryd.leader's fence). ``bump`` returns what came
+of it; the scheduler acts on that.
 """
 
 from __future__ import annotations
@@ -54,8 +43,7 @@ class Written:
     """The bump was applied: the generation it produced, to be judged."""
 
     generation: int
-    sent: float
-    """When its PATCH was (first) sent, on the writer's clock: its stages run from it."""
+    sent: float  # when its PATCH was (first) sent: its stages run from it
     answered: float
 
 
@@ -79,8 +67,7 @@ class _Attempt:
     body: str
     nonce: int
     repairing: str | None
-    before: int
-    """The generation before it (the watch may deliver its event before its answer)."""
+    before: int  # the generation before it (its event may come before its answer)
     sent: float
 
 
@@ -93,23 +80,17 @@ class Writer:
         *,
         permit: Callable[[float], Awaitable[float | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
     ) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
         self._clock = clock
-        self._rng = rng or random.Random()
-        self.permit = permit or self._always_permitted
-        """Awaited right before every write, for at most ``within`` seconds (else
-        TimeoutError): its client timeout, or None when this replica may write no more
-        (the leader elector's ``write_permit``, given at construction)."""
+        self._rng = random.Random()
+        # Awaited right before every write, for at most ``within`` seconds (else
+        # TimeoutError): its client timeout, or None once this replica may write no more.
+        self.permit = permit
         self.stopping = False
-        self.in_flight = 0
-        """Writes sent and not answered yet."""
+        self.in_flight = 0  # writes sent and not answered yet
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
-
-    async def _always_permitted(self, within: float) -> float | None:
-        return self.settings.write_timeout
 
     async def finished(self) -> None:
         """Stopping: no write is sent any more; returns once the ones in flight were
@@ -174,7 +155,9 @@ class Writer:
                             return self._written(canary, fresh, landed)
                 try:
                     within = max(0.0, give_up_at - self._clock())
-                    time_limit = None if self.stopping else await self.permit(within)
+                    time_limit: float | None = self.settings.write_timeout
+                    if self.permit is not None and not self.stopping:
+                        time_limit = await self.permit(within)
                 except TimeoutError:
                     return NotWritten(
                         "fenced",
@@ -231,11 +214,8 @@ class Writer:
             return self._written(canary, written, attempt)
 
     async def _answered_gone(self, canary: Canary, path: str, err: KubeError) -> Outcome:
-        """A 404 on a bump may be transient (a CRD being re-registered, an API server
-        replica briefly not serving it): re-read to tell. Still there, same uid: no
-        bump this cycle, retried next. Gone too: paused for a cycle, and only the watch
-        drops it (DELETED, its label gone, a relist without it); a write-side "gone" is
-        never confirmation enough, since no DELETED may ever follow a transient one."""
+        """A 404 on a bump may be transient (a CRD being re-registered): re-read to tell.
+        Only the watch drops a canary: no DELETED may ever follow a transient 404."""
         try:
             fresh = await self._reread(canary, path)
         except KubeError as reread_err:
