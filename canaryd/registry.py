@@ -1,10 +1,9 @@
 """The registry: what canaryd knows of each canary, and the aggregate health.
 
-Only the watcher (what the API server says) and the scheduler (the results of its
-own writes) change it; the health server reads it. The scheduler learns what it must
-act on (canaries added and forgotten, scopes in sync again) from its news
-(``take_news``), woken by ``news``: nothing here calls the scheduler. The counts by state are kept
-as states change, so ``healthy`` is O(1) however many canaries there are.
+Only the watcher (what the API server says) and the scheduler (the results of its own
+writes) change it; the health server reads it. The scheduler learns what it must act on
+from ``take_news``: nothing here calls it. Counts by state are kept as states change, so
+``healthy`` is O(1) however many canaries there are.
 """
 
 from __future__ import annotations
@@ -242,8 +241,7 @@ class Registry:
         if not self.owns(canary):
             return
         canary.bumped_generation = None  # not judged: no verdict of this replica's on it
-        canary.deferred_until = None
-        canary.late_recheck = False
+        self._judged(canary)
         if reason is not None:
             self.set_state(canary, CanaryState.PENDING, reason, "standby")
 
@@ -297,11 +295,11 @@ class Registry:
         if self.owns(canary):
             _stage(canary, "reconciled", seconds)
 
-    def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
-        """A copy from a list or an ADDED/MODIFIED event."""
+    def observe(self, kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
+        """A copy from a list or an ADDED/MODIFIED event; returns the canary it is of."""
         key = _key_of(kind, obj)
         if key is None:
-            return
+            return None
         metadata: Mapping[str, Any] = obj["metadata"]
         uid, generation = str(metadata.get("uid") or ""), generation_of(metadata)
         existing = self._canaries.get(key)
@@ -310,13 +308,13 @@ class Registry:
             # proxy): generation never goes backwards within one uid.
             metrics.ERRORS.labels("stale_copy").inc()
             log.debug("stale_copy_ignored", canary=str(key), generation=generation)
-            return
+            return key
         why_not = self._why_not(key.namespace, obj)
         if why_not is not None:
             if why_not[0] == "namespace_closed":
                 self.ignored.add(key.namespace)
             self.forget(key, *why_not)
-            return
+            return key
         nonce, problem = read_nonce(obj)
         if problem is not None:
             log.warning(
@@ -344,6 +342,7 @@ class Registry:
             if existing.bump_sent_at is not None:
                 _stages_reached(existing, existing.generation_seen_at)
         self._changed()
+        return key
 
     def _why_not(self, namespace: str, obj: Mapping[str, Any]) -> tuple[str, str] | None:
         """Why a copy is not (or no longer) a canary canaryd tracks: (cause, detail)."""
@@ -412,19 +411,18 @@ class Registry:
 
     def forget(
         self, key: CanaryKey, cause: str, detail: str = "", *, announce: bool = True
-    ) -> Canary | None:
+    ) -> None:
         """Stop tracking a canary. ``cause`` is a short fixed word (a metric label),
         ``detail`` says why in the log. ``announce=False``: dropped now, told later
         (``announce_drop``) once the cause is known."""
         canary = self._canaries.pop(key, None)
         if canary is None:
-            return None
+            return
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
         self._tell(Forgotten(key))
         self._changed()
-        return canary
 
     def announce_drop(self, key: CanaryKey, cause: str, detail: str = "") -> None:
         """Log and count a drop (listeners hear of it: a told drop is news too)."""
@@ -434,22 +432,15 @@ class Registry:
 
     def forget_where(
         self, predicate: Callable[[CanaryKey], bool], cause: str, detail: str = ""
-    ) -> int:
-        keys = [key for key in self._canaries if predicate(key)]
-        for key in keys:
+    ) -> None:
+        for key in [key for key in self._canaries if predicate(key)]:
             self.forget(key, cause, detail)
-        return len(keys)
 
     def replace_scope(
         self, kind: str, namespace: str | None, objects: Iterable[Mapping[str, Any]]
     ) -> None:
         """A full list of one watch scope: observe each, drop what the list lacks."""
-        seen: set[CanaryKey] = set()
-        for obj in objects:
-            self.observe(kind, obj)
-            metadata = obj.get("metadata")
-            if isinstance(metadata, Mapping):
-                seen.add(CanaryKey(kind, str(metadata.get("namespace")), str(metadata.get("name"))))
+        seen = {self.observe(kind, obj) for obj in objects}
         self.forget_where(
             lambda key: (
                 key.kind == kind
