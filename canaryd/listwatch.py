@@ -1,12 +1,9 @@
 """One scope's list/watch loop, as a stream of changes it does not apply itself.
 
-kubernetes-asyncio's ``Watch`` does not do what a watch that must not miss a change
-needs: list, watch from the list's resourceVersion with bookmarks, resume from the
-last event's resourceVersion when a stream ends, relist on 410 Expired, back off on
-errors. ``ListWatch`` does, and puts what it learns on a queue it is given, as
-client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``): a full
-list, each event, and each change of where the scope stands (a stream answered, a
-bookmark, a drop, a denial). The watcher applies them to the registry.
+kubernetes-asyncio's ``Watch`` does not list, resume from the last resourceVersion,
+relist on 410 or back off. ``ListWatch`` does, and puts what it learns on a queue it is
+given, as client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``):
+lists, events and where the scope stands. The watcher applies them to the registry.
 """
 
 from __future__ import annotations
