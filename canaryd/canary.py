@@ -1,9 +1,5 @@
-"""One canary: its identity, the record canaryd keeps of it, and what a copy says.
-
-The registry (canaryd.registry) keeps one ``Canary`` per tracked object and is the
-only writer of its state; these are the types and the readings of an object's copy
-that every layer above shares.
-"""
+"""One canary: its identity, the record canaryd keeps of it (the registry is its only
+writer), and the readings of an object's copy that every layer above shares."""
 
 from __future__ import annotations
 
@@ -83,13 +79,11 @@ class Canary:
     last_bump_at: float | None = None
     """Wall-clock time of the last successful bump."""
     deferred_until: float | None = None
-    """Set while the verdict on ``bumped_generation`` waits for its watch to resume:
-    the monotonic time by which it is judged whatever the watch does."""
+    """While the verdict waits for its watch to resume: when it is judged anyway."""
     late_recheck: bool = False
     """An unhealthy verdict found by a late judge waits for one re-check."""
     status_observed: int | None = None
-    """status.observedGeneration as the watch last delivered it (--reconciled-by
-    observed-generation)."""
+    """status.observedGeneration as the watch last delivered it."""
     generation_seen_at: float = 0.0
     """Monotonic time the watch last delivered a higher generation."""
     bump_sent_at: float | None = None
@@ -102,9 +96,8 @@ class Canary:
     verdict: Verdict | None = None
     """The last unhealthy verdict, while it may stand (see Registry.no_verdict)."""
     reconcile_baseline: tuple[int, float | None] | None = None
-    """--reconciled-by operator-metrics: the operator instance and its count of finished
-    reconciles of this canary (None: no such series yet) as last read before the
-    pending bump was sent; None when the operator's metrics had never answered."""
+    """--reconciled-by operator-metrics: (operator instance, its count of finished
+    reconciles of this canary or None) read before the pending bump was sent."""
     warned: bool = False
     """A Warning Event (Unhealthy, Unknown) told, no Recovered since (scheduler.Role)."""
 

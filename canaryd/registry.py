@@ -119,16 +119,10 @@ class Registry:
         self._counts: Counter[CanaryState] = Counter()
         self.closed: set[str] = set()  # being deleted (the watcher keeps it): not tracked
         self.ignored: set[str] = set()  # closed ones a copy was ignored in: relisted at open
-        self.scopes = Scopes()
-        """Where each canary watch scope stands (canaryd.sync): the watcher's to write."""
-        self.pending: list[News] = []
-        """News not taken yet (``take_news``), oldest first."""
-        self.news = asyncio.Event()
-        """Set when news waits in ``take_news`` (the scheduler's loop waits for it)."""
-        self.listeners: list[Callable[[], None]] = []
-        """Called after every change of what is tracked or of a state."""
-
-    # ------------------------------------------------------------------ reads
+        self.scopes = Scopes()  # where each canary watch scope stands: the watcher writes it
+        self.pending: list[News] = []  # not taken yet (take_news), oldest first
+        self.news = asyncio.Event()  # set while news waits: the scheduler's loop waits for it
+        self.listeners: list[Callable[[], None]] = []  # called after every change
 
     def __len__(self) -> int:
         return len(self._canaries)
@@ -157,11 +151,8 @@ class Registry:
             for key in sorted(self._canaries, key=lambda k: (k.namespace, k.kind, k.name))
         ]
 
-    # ----------------------------------------------------------------- writes
-
     def take_news(self) -> list[News]:
-        """What changed in what is tracked since the last call, in order: the one way
-        the scheduler learns of it (data flows watch -> registry -> scheduler)."""
+        """What changed in what is tracked since the last call, in order."""
         news, self.pending = self.pending, []
         self.news.clear()
         return news
@@ -210,9 +201,8 @@ class Registry:
     def judged(
         self, canary: Canary, state: CanaryState, reason: str, cause: str, now: float
     ) -> None:
-        """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (a written bump
-        not reconciled in time: the one way to become unhealthy; the verdict is kept so
-        that it can age, see ``no_verdict``)."""
+        """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (the one way to
+        become unhealthy; the verdict is kept so that it can age, see ``no_verdict``)."""
         if not self.owns(canary):
             return
         assert state in (CanaryState.HEALTHY, CanaryState.UNHEALTHY), state
@@ -248,13 +238,10 @@ class Registry:
     def no_verdict(
         self, canary: Canary, reason: str, cause: str, now: float, verdict_ttl: float
     ) -> None:
-        """No bump to judge this cycle (it could not be written, or what would judge it
-        could not be read). A failed write is no verdict either way: it
-        neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
-        replaces only ``pending`` or ``healthy``. But an ``unhealthy`` verdict that no
-        bump has re-tested for ``verdict_ttl`` (bumps failing for good: the patch
-        permission revoked, a webhook rejecting) turns ``unknown``: a verdict nobody
-        can re-test must not restart the operator forever."""
+        """No bump to judge this cycle (not written, or what would judge it not read): no
+        verdict either way, so ``unknown`` replaces only ``pending`` or ``healthy``. But an
+        ``unhealthy`` verdict no bump has re-tested for ``verdict_ttl`` (bumps failing for
+        good) turns ``unknown``: it must not restart the operator forever."""
         if not self.owns(canary):
             return
         self._judged(canary)
@@ -336,9 +323,8 @@ class Registry:
         else:
             if generation > existing.generation:
                 existing.generation_seen_at = time.monotonic()
-            existing.resource_version, existing.generation = rv, generation
-            existing.status_observed = observed
-            existing.nonce, existing.nonce_problem = nonce, problem
+            existing.generation, existing.status_observed = generation, observed
+            self.refresh(existing, obj)
             if existing.bump_sent_at is not None:
                 _stages_reached(existing, existing.generation_seen_at)
         self._changed()
@@ -356,10 +342,8 @@ class Registry:
 
     def reread(self, canary: Canary, obj: Mapping[str, Any]) -> str | None:
         """A fresh copy the scheduler read (after a 409 or a 404). None: still the canary
-        it owns, refreshed; else why this record is no longer the one tracked (a
-        ``canaryd_canaries_dropped_total`` reason). A new object of the same name that
-        is a canary is tracked at once (no watch event may ever announce it); one that
-        is not, or a copy that stopped being a canary, drops the record."""
+        it owns, refreshed; else the drop's cause. A new object of the same name that is
+        a canary is tracked at once (no watch event may ever announce it)."""
         if not self.owns(canary):
             return "replaced"
         metadata = obj.get("metadata")
@@ -397,8 +381,8 @@ class Registry:
         if not self.owns(canary):
             return
         canary.bump_sent_at = sent_at
-        canary.stages = {"answered": max(0.0, answered_at - sent_at)}
-        metrics.bump_stage(canary.key.kind, "answered", canary.stages["answered"])
+        canary.stages = {}
+        _stage(canary, "answered", max(0.0, answered_at - sent_at))
         canary.bump_answered_at = answered_at
         canary.deferred_until = None
         canary.bumped_generation = generation
