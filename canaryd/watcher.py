@@ -49,9 +49,8 @@ SCOPE_STATES = (
 )
 """A canary scope's states, ``canaryd_watch_scopes`` (docs/CONFIGURATION.md)."""
 DROP_READS_AT_ONCE = 8
-"""GETs in flight at once that tell a dropped canary's deletion from a label removal:
-a mass deletion takes no more of the request pool's connections beyond the bumps'
-(kube.RESERVED_CONNECTIONS), which lists and the lease need."""
+"""GETs in flight at once that tell a deletion from a label removal: a mass deletion
+leaves the request pool's connections to lists and the lease."""
 
 
 def _name(obj: Mapping[str, Any]) -> str:
@@ -62,8 +61,7 @@ def _name(obj: Mapping[str, Any]) -> str:
 class _Watch:
     lw: ListWatch
     task: asyncio.Task[None]
-    sync: ScopeSync
-    """Where the scope stands; the watcher is its only writer (and the judge's mark)."""
+    sync: ScopeSync  # where the scope stands: the watcher writes it, the judge marks it
 
 
 async def _tell_drop(
@@ -107,18 +105,15 @@ def _terminating(obj: Mapping[str, Any]) -> bool:
 
 
 class Namespaces:
-    """What the Namespaces watch tells: which namespaces exist (a watched one that does
-    not is ``namespace_missing``) and which are being deleted (closed in the registry:
-    their canaries dropped, their scopes not watched until they are gone or back)."""
+    """What the Namespaces watch tells: which namespaces exist and which are being
+    deleted (closed: their canaries dropped, their scopes not watched until they are
+    gone or back)."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self.seen: set[str] = set()
-        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
-        self.relist = False
-        """A namespace left ``closed`` after canary copies in it were ignored meanwhile."""
-        self.known = False
-        """The Namespaces watch has listed (and may be read): missing ones are known."""
+        self.seen: set[str] = set()  # every namespace that exists
+        self.relist = False  # a namespace reopened after copies in it were ignored
+        self.known = False  # listed (and may be read): missing ones are known
 
     def listed(self, items: list[Mapping[str, Any]]) -> bool:
         """A full list. True when a namespace closed or reopened (the scopes change)."""
@@ -171,8 +166,8 @@ class Namespaces:
 
 
 class Watcher:
-    """Owns every list/watch task, applies what they tell, and keeps them matched to
-    the watched namespaces."""
+    """Owns every list/watch task, applies what they tell, and keeps them matched to the
+    watched namespaces."""
 
     def __init__(
         self,
@@ -214,8 +209,8 @@ class Watcher:
         return self._group is not None and all(w.sync.ready for w in self._watches.values())
 
     def coverage(self) -> dict[str, int]:
-        """Watch scopes by state (``SCOPE_STATES``), each once: one in a missing namespace
-        (its list answers an empty 200) is ``namespace_missing`` only."""
+        """Watch scopes by state, each once: one in a missing namespace (its list answers
+        an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces.missing(self.namespaces)
         for scope, state in self._scope_states().items():
@@ -251,9 +246,7 @@ class Watcher:
         return blind
 
     def _scope_states(self) -> dict[Scope, str]:
-        """Each canary scope's state: forbidden or kind_not_served (its list or watch was
-        refused), patch_forbidden (a bump there answered 403, none written since), else
-        listed or waiting."""
+        """Each canary scope's state (patch_forbidden: a bump answered 403, none since)."""
         refused = {
             (c.key.kind, c.key.namespace if self.namespaces is not None else None)
             for c in self.registry.tracked()
@@ -273,9 +266,8 @@ class Watcher:
         return states
 
     def not_ready(self) -> list[str]:
-        """Why the watches are not ready, each a phrase: not started, an open-files limit
-        too low, the scopes not listed or not connected with why the first failed (one
-        answered 403/404 counts as done: nothing there is ours)."""
+        """Why the watches are not ready, each a phrase (a scope answered 403/404 is
+        ready: nothing there is ours)."""
         if self._group is None:
             return ["the watches are not started"]
         waiting = sorted(
@@ -368,9 +360,8 @@ class Watcher:
             self.registry.scope_resumed((scope.kind.key, scope.namespace))
 
     async def _follow_requests(self) -> None:
-        """Replace the streams the judge suspects (``ScopeSync.suspect`` marks the scope,
-        a request to the watcher, which owns the ListWatches); say the coverage at least
-        once a cycle (a scope whose bumps are answered 403 is learned from the registry)."""
+        """Replace the streams the judge suspects (``ScopeSync.suspect``); say the coverage
+        at least once a cycle (patch_forbidden is learned from the registry)."""
         suspects = self.registry.scopes.suspects
         while True:
             with contextlib.suppress(TimeoutError):
@@ -398,14 +389,8 @@ class Watcher:
         self._reconcile()
 
     def _desired(self) -> set[Scope]:
-        if self.namespaces is None:
-            return {Scope(kind, None) for kind in self._kinds}
-        return {
-            Scope(kind, ns)
-            for kind in self._kinds
-            for ns in self.namespaces
-            if ns not in self.registry.closed
-        }
+        wanted = [None] if self.namespaces is None else self.namespaces - self.registry.closed
+        return {Scope(kind, namespace) for kind in self._kinds for namespace in wanted}
 
     def _reconcile(self) -> None:
         if self._group is None:
@@ -443,7 +428,7 @@ class Watcher:
 
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can
-        check everything again (a 403 scope is also its own watch failure episode)."""
+        check everything again."""
         phrases = [
             f"{reason}: {what}"
             for reason, what in self.blind().items()
