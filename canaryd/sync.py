@@ -24,25 +24,17 @@ ScopeKey = tuple[str, str | None]
 
 @dataclass(slots=True, eq=False)
 class ScopeSync:
-    unsynced_since: float | None
-    """Monotonic time since which the registry may be behind this scope; None: in sync.
-    A new scope is not in sync from its start until its first list."""
-    behind_because: str = "its first list is not done"
-    """Why it is out of sync, for a verdict's reason."""
-    connected: bool = False
-    """A list finished or a stream is open (a stream opens only after its list)."""
-    denied: str | None = None
-    """Why nothing in this scope is ours for now (a 403 or 404 on its list or watch)."""
-    last_delivery: float = -math.inf
-    """Monotonic time of the last list, event or bookmark of this scope."""
+    unsynced_since: float | None  # since when the registry may be behind; None: in sync
+    behind_because: str = "its first list is not done"  # for a verdict's reason
+    connected: bool = False  # a list finished or a stream is open (opened after its list)
+    denied: str | None = None  # a 403 or 404 on its list or watch: nothing is ours for now
+    last_delivery: float = -math.inf  # monotonic time of the last list, event or bookmark
     resynced_at: float = -math.inf
     """Monotonic time it last came back in sync (its first list, or the first delivery
     of a resumed stream). A resumed stream replays what was missed over several reads:
     a bump answered before that may still be on its way."""
-    suspected: str | None = None
-    """Why canaryd suspects the open stream, until the watcher replaces it."""
-    suspects: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set by ``suspect``: the watcher waits for it (``Scopes.suspects``, shared)."""
+    suspected: str | None = None  # why canaryd suspects the open stream, until replaced
+    suspects: asyncio.Event = field(default_factory=asyncio.Event)  # Scopes.suspects
 
     @property
     def ready(self) -> bool:
@@ -115,8 +107,7 @@ class Scopes:
 
     def __init__(self) -> None:
         self._scopes: dict[ScopeKey, ScopeSync] = {}
-        self.suspects = asyncio.Event()
-        """Set when a scope is suspected: the watcher replaces its stream."""
+        self.suspects = asyncio.Event()  # set when a scope is suspected: the watcher waits
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""
