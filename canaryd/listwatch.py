@@ -77,23 +77,18 @@ class Listed:
     """A full list: the scope's objects replace what was known of it."""
 
     items: list[Mapping[str, Any]]
-    kind: str
-    """The Kind the list answer names (``FlinkDeployment`` of ``FlinkDeploymentList``)."""
+    kind: str  # the Kind the list answer names (FlinkDeployment of FlinkDeploymentList)
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """An ADDED, MODIFIED or DELETED event."""
-
-    type: str
+    type: str  # ADDED, MODIFIED or DELETED
     obj: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """403, or a 404 believed: nothing in the scope is ours for now (retried later)."""
-
-    error: KubeError
+    error: KubeError  # 403, or a 404 believed: nothing in the scope is ours for now
 
 
 Change = Listed | Event | Refused | Sync
@@ -264,9 +259,8 @@ class ListWatch:
             self._stream.reschedule(self._loop.time())
 
     def start_over(self) -> None:
-        """End the stream, back off, list again (the list replaces whatever was missed):
-        what this loop told could not be applied (a bug), or was ignored (a namespace
-        closed meanwhile)."""
+        """End the stream, back off, list again: what this loop told could not be applied
+        (a bug), or was ignored (a namespace closed meanwhile)."""
         self._start_over = True
         if self._stream is not None and not self._stream.expired():
             self._stream.reschedule(self._loop.time())

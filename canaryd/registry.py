@@ -86,23 +86,17 @@ def _stages_reached(canary: Canary, observed_at: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Added:
-    """A canary started being tracked: its first bump is to be scheduled."""
-
-    canary: Canary
+    canary: Canary  # started being tracked: its first bump is to be scheduled
 
 
 @dataclass(frozen=True, slots=True)
 class Forgotten:
-    """A canary is no longer tracked: nothing of it is to be kept."""
-
-    key: CanaryKey
+    key: CanaryKey  # no longer tracked: nothing of it is to be kept
 
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """A canary watch scope is in sync again: what waited for it can be judged."""
-
-    scope: ScopeKey
+    scope: ScopeKey  # in sync again: what waited for it can be judged
 
 
 News = Added | Forgotten | Resumed
