@@ -203,7 +203,6 @@ class ListWatch:
         settings: Settings,
         scope: Scope,
         *,
-        selector: str | None,
         out: asyncio.Queue[tuple[ListWatch, Change]],
         failures: Episodes | None = None,
         list_slots: asyncio.Semaphore | None = None,
@@ -211,7 +210,7 @@ class ListWatch:
         self.kube, self.settings, self.scope, self._out = kube, settings, scope, out
         self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
         self.failures = failures or watch_failures(settings)  # an outage is one episode
-        self.params = {"labelSelector": selector} if selector else {}
+        self.params = {"labelSelector": settings.label} if scope.kind else {}
         metrics.watching(scope.resource)
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()

@@ -418,7 +418,6 @@ class Watcher:
             self.kube,
             self.settings,
             scope,
-            selector=self.settings.label if scope.kind is not None else None,
             out=self._changes,
             failures=self.failures,
             list_slots=self._list_slots,
