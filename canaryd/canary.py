@@ -1,9 +1,5 @@
-"""One canary: its identity, the record canaryd keeps of it, and what a copy says.
-
-The registry (canaryd.registry) keeps one ``Canary`` per tracked object and is the
-only writer of its state; these are the types and the readings of an object's copy
-that every layer above shares.
-"""
+"""One canary: its identity, the record canaryd keeps of it (the registry is its only
+writer), and the readings of an object's copy that every layer above shares."""
 
 from __future__ import annotations
 
@@ -62,51 +58,31 @@ class Canary:
     key: CanaryKey
     uid: str
     resource_version: str
-    generation: int
-    """The latest generation seen through the watch: what "reconciled" is judged on."""
-    nonce: int
-    """spec.restartNonce of the latest copy (0 when absent or not a valid integer)."""
-    nonce_problem: str | None = None
-    """Why spec.restartNonce is not usable, when it is not; the next bump repairs it."""
+    generation: int  # the latest seen through the watch: what "reconciled" is judged on
+    nonce: int  # spec.restartNonce of the latest copy (0: absent or not a valid integer)
+    nonce_problem: str | None = None  # why spec.restartNonce is not usable (a bump repairs it)
     state: CanaryState = CanaryState.PENDING
     reason: str = "waiting for the first bump to be judged"
-    cause: str = "first_bump"
-    """The reason's class, one of a few fixed words (a metric label; docs/OPERATIONS.md)."""
-    bumped_generation: int | None = None
-    """The generation our last successful bump produced, until it is judged."""
-    last_bumped_generation: int | None = None
-    """The generation of the last successful bump, judged or not (for display)."""
-    judged_generation: int | None = None
-    """The generation the last verdict (the state's reason) was about."""
-    bump_deadline: float | None = None
-    """Monotonic time at which that bump is judged."""
-    last_bump_at: float | None = None
-    """Wall-clock time of the last successful bump."""
-    deferred_until: float | None = None
-    """Set while the verdict on ``bumped_generation`` waits for its watch to resume:
-    the monotonic time by which it is judged whatever the watch does."""
-    late_recheck: bool = False
-    """An unhealthy verdict found by a late judge waits for one re-check."""
-    status_observed: int | None = None
-    """status.observedGeneration as the watch last delivered it (--reconciled-by
-    observed-generation)."""
-    generation_seen_at: float = 0.0
-    """Monotonic time the watch last delivered a higher generation."""
-    bump_sent_at: float | None = None
-    """Monotonic time the last written bump's PATCH was sent (its stages run from it)."""
+    cause: str = "first_bump"  # the reason's class: a metric label (docs/OPERATIONS.md)
+    bumped_generation: int | None = None  # what our last bump produced, until judged
+    last_bumped_generation: int | None = None  # the same, judged or not (for display)
+    judged_generation: int | None = None  # what the last verdict (the reason) was about
+    bump_deadline: float | None = None  # monotonic time at which that bump is judged
+    last_bump_at: float | None = None  # wall-clock time of the last successful bump
+    deferred_until: float | None = None  # the verdict waits for the watch to resume until
+    late_recheck: bool = False  # an unhealthy verdict by a late judge waits for a re-check
+    status_observed: int | None = None  # status.observedGeneration as the watch delivered it
+    generation_seen_at: float = 0.0  # monotonic time the watch delivered a higher generation
+    bump_sent_at: float | None = None  # monotonic time the last bump's PATCH was sent
     bump_answered_at: float | None = None
     """Scheduler-clock time that bump was answered: its scope's stream must deliver
     something after it, or canaryd suspects its own connection (canaryd.sync)."""
-    stages: dict[str, float] = field(default_factory=dict)
-    """The last written bump's time to each stage reached so far (seconds)."""
-    verdict: Verdict | None = None
-    """The last unhealthy verdict, while it may stand (see Registry.no_verdict)."""
+    stages: dict[str, float] = field(default_factory=dict)  # that bump's seconds to each stage
+    verdict: Verdict | None = None  # the last unhealthy one, while it may stand (no_verdict)
     reconcile_baseline: tuple[int, float | None] | None = None
-    """--reconciled-by operator-metrics: the operator instance and its count of finished
-    reconciles of this canary (None: no such series yet) as last read before the
-    pending bump was sent; None when the operator's metrics had never answered."""
-    warned: bool = False
-    """A Warning Event (Unhealthy, Unknown) told, no Recovered since (scheduler.Role)."""
+    """--reconciled-by operator-metrics: (operator instance, its count of finished
+    reconciles of this canary or None) read before the pending bump was sent."""
+    warned: bool = False  # a Warning Event told, no Recovered since (scheduler.Role)
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:

@@ -1,12 +1,9 @@
 """One scope's list/watch loop, as a stream of changes it does not apply itself.
 
-kubernetes-asyncio's ``Watch`` does not do what a watch that must not miss a change
-needs: list, watch from the list's resourceVersion with bookmarks, resume from the
-last event's resourceVersion when a stream ends, relist on 410 Expired, back off on
-errors. ``ListWatch`` does, and puts what it learns on a queue it is given, as
-client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``): a full
-list, each event, and each change of where the scope stands (a stream answered, a
-bookmark, a drop, a denial). The watcher applies them to the registry.
+kubernetes-asyncio's ``Watch`` does not list, resume from the last resourceVersion,
+relist on 410 or back off. ``ListWatch`` does, and puts what it learns on a queue it is
+given, as client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``):
+lists, events and where the scope stands. The watcher applies them to the registry.
 """
 
 from __future__ import annotations
@@ -39,9 +36,8 @@ log = structlog.get_logger("canaryd.watcher")
 LIST_PAGE = 500
 """Objects per list page (client-go's pager default)."""
 LISTS_AT_ONCE = 16
-"""Lists in flight at once across all scopes (each one page of at most ``LIST_PAGE``):
-600 namespaces starting together list a few dozen at a time, not 1,200 at once (the
-health server, the bumps and the watches already open keep their turns of the loop)."""
+"""Lists in flight at once across all scopes: 600 namespaces starting together do not
+list 1,200 at once (the health server, the bumps and the open watches keep their turns)."""
 
 
 def watch_failures(settings: Settings) -> Episodes:
@@ -68,9 +64,6 @@ class Scope:
         return self.kind.collection_path(self.namespace) if self.kind else NAMESPACES_PATH
 
 
-# ------------------------------------------------------------- what it tells
-
-
 class Sync(enum.Enum):
     """A change of where the scope stands (canaryd.sync's transitions)."""
 
@@ -84,29 +77,21 @@ class Listed:
     """A full list: the scope's objects replace what was known of it."""
 
     items: list[Mapping[str, Any]]
-    kind: str
-    """The Kind the list answer names (``FlinkDeployment`` of ``FlinkDeploymentList``)."""
+    kind: str  # the Kind the list answer names (FlinkDeployment of FlinkDeploymentList)
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """An ADDED, MODIFIED or DELETED event."""
-
-    type: str
+    type: str  # ADDED, MODIFIED or DELETED
     obj: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """403, or a 404 believed: nothing in the scope is ours for now (retried later)."""
-
-    error: KubeError
+    error: KubeError  # 403, or a 404 believed: nothing in the scope is ours for now
 
 
 Change = Listed | Event | Refused | Sync
-
-
-# ------------------------------------------------------------------ the loop
 
 
 class State(enum.Enum):
@@ -138,11 +123,9 @@ def _rv(obj: Mapping[str, Any]) -> str:
 async def list_all(
     kube: KubeClient, path: str, params: Mapping[str, str], time_limit: float
 ) -> tuple[list[Mapping[str, Any]], str, str]:
-    """One consistent list, in pages of ``LIST_PAGE`` (client-go's pager): no answer
-    grows with the number of canaries past a few hundred objects. A continue token
-    that expired (410: the snapshot was compacted) falls back to one whole list, as
-    client-go's pager does (FullListIfExpired). Returns the items, the list's
-    resourceVersion and the Kind its answer names."""
+    """One consistent list, in pages of ``LIST_PAGE`` as client-go's pager (an expired
+    continue token falls back to one whole list, FullListIfExpired). Returns the items,
+    the list's resourceVersion and the Kind its answer names."""
     items: list[Mapping[str, Any]] = []
     page_params, rv = {**params, "limit": str(LIST_PAGE)}, ""
     while True:
@@ -169,12 +152,10 @@ async def list_all(
 
 
 async def not_served(kube: KubeClient, kind: Kind) -> str | None:
-    """Why the API server does not serve ``kind`` as a canary kind, when it says so;
-    None when it does not say (it serves it, or an outage: a gateway answers Go's
-    ``404 page not found`` for every path, which confirms nothing). Its group
-    version's APIResourceList lacks it or has it cluster-scoped; or that 404s too and
-    ``/apis``, which kube-apiserver always answers with an APIGroupList, lacks the
-    group version. Raises the KubeError of a group version that does not answer."""
+    """Why the API server does not serve ``kind`` as a canary kind, when it says so
+    (its group version's APIResourceList lacks it or has it cluster-scoped, or /apis
+    lacks the group version); None when it does not say (it serves it, or a gateway's
+    ``404 page not found`` for every path). Raises a group version's other KubeError."""
     where = f"{kind.plural}.{kind.group}"
     group_version = f"{kind.group}/{kind.version}"
     try:
@@ -222,35 +203,27 @@ class ListWatch:
         settings: Settings,
         scope: Scope,
         *,
-        selector: str | None,
         out: asyncio.Queue[tuple[ListWatch, Change]],
         failures: Episodes | None = None,
         list_slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.kube, self.settings, self.scope, self._out = kube, settings, scope, out
         self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
-        self.failures = failures or watch_failures(settings)
-        """Where failures are told: an outage is an episode, not a line per retry."""
-        self.params = {"labelSelector": selector} if selector else {}
+        self.failures = failures or watch_failures(settings)  # an outage is one episode
+        self.params = {"labelSelector": settings.label} if scope.kind else {}
         metrics.watching(scope.resource)
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()
-        self._stream: asyncio.Timeout | None = None
-        """The open stream's cancel scope: rescheduled to now, it replaces the stream."""
-        self._opened_at: float | None = None
-        """Loop time the open stream was answered 200; None before (a connect counts
-        as nothing: a connect timeout is a failure, not an established stream)."""
-        self.problem: str | None = None
-        """Why the last list or watch failed ("refused: ..."), until one is answered."""
+        self._stream: asyncio.Timeout | None = None  # rescheduled to now: the stream ends
+        self._opened_at: float | None = None  # answered 200 at (a connect alone: not open)
+        self.problem: str | None = None  # why the last list or watch failed, until one works
         self._start_over = False
 
     def _tell(self, change: Change) -> None:
         self._out.put_nowait((self, change))
 
     async def run(self) -> None:
-        """The state machine: listing -> watching (resumed from each stream's last
-        resourceVersion) -> backing off after failures in a row -> watching, or listing
-        again after a 410 or a denial. Each transition is the ``Next`` a step returns."""
+        """The state machine: each step returns the ``Next`` state."""
         step = Next(State.LISTING)
         log.info("watch_started", scope=str(self.scope))
         try:
@@ -285,9 +258,8 @@ class ListWatch:
             self._stream.reschedule(self._loop.time())
 
     def start_over(self) -> None:
-        """End the stream, back off, list again (the list replaces whatever was missed):
-        what this loop told could not be applied (a bug), or was ignored (a namespace
-        closed meanwhile)."""
+        """End the stream, back off, list again: what this loop told could not be applied
+        (a bug), or was ignored (a namespace closed meanwhile)."""
         self._start_over = True
         if self._stream is not None and not self._stream.expired():
             self._stream.reschedule(self._loop.time())
@@ -426,10 +398,8 @@ class ListWatch:
         )
 
     async def _confirmed(self, err: KubeError) -> KubeError:
-        """A 404 stands as a kube-apiserver ``Status`` (its reason set), or as Go's plain
-        ``404 page not found`` once the API server confirms it does not serve the kind
-        (``not_served``): a Go gateway with no API server behind it answers the same
-        page, and then the 404 is transient (canaries kept, no verdict)."""
+        """A 404 stands as a kube-apiserver ``Status`` (its reason set), or once
+        ``not_served`` confirms it; else it is transient (a gateway's 404 page)."""
         if err.kind is not ErrorKind.GONE or err.reason:
             return err
         try:
@@ -442,9 +412,8 @@ class ListWatch:
         return KubeError(ErrorKind.TRANSIENT, note, status=err.status, reason=err.reason)
 
     def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
-        """Log a failed list or watch, count it, and back off before ``then`` (before a
-        list after a denial: a 403 once a cycle, a kind not served once every config
-        check interval, as often as discovery used to look again at 250 namespaces)."""
+        """Log a failed list or watch, count it, and back off before ``then`` (after a
+        denial, a list once a cycle for a 403, every config check interval for a 404)."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
             retry = self.settings.forbidden_retry

@@ -1,10 +1,9 @@
 """The registry: what canaryd knows of each canary, and the aggregate health.
 
-Only the watcher (what the API server says) and the scheduler (the results of its
-own writes) change it; the health server reads it. The scheduler learns what it must
-act on (canaries added and forgotten, scopes in sync again) from its news
-(``take_news``), woken by ``news``: nothing here calls the scheduler. The counts by state are kept
-as states change, so ``healthy`` is O(1) however many canaries there are.
+Only the watcher (what the API server says) and the scheduler (the results of its own
+writes) change it; the health server reads it. The scheduler learns what it must act on
+from ``take_news``: nothing here calls it. Counts by state are kept as states change, so
+``healthy`` is O(1) however many canaries there are.
 """
 
 from __future__ import annotations
@@ -87,23 +86,17 @@ def _stages_reached(canary: Canary, observed_at: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Added:
-    """A canary started being tracked: its first bump is to be scheduled."""
-
-    canary: Canary
+    canary: Canary  # started being tracked: its first bump is to be scheduled
 
 
 @dataclass(frozen=True, slots=True)
 class Forgotten:
-    """A canary is no longer tracked: nothing of it is to be kept."""
-
-    key: CanaryKey
+    key: CanaryKey  # no longer tracked: nothing of it is to be kept
 
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """A canary watch scope is in sync again: what waited for it can be judged."""
-
-    scope: ScopeKey
+    scope: ScopeKey  # in sync again: what waited for it can be judged
 
 
 News = Added | Forgotten | Resumed
@@ -120,16 +113,10 @@ class Registry:
         self._counts: Counter[CanaryState] = Counter()
         self.closed: set[str] = set()  # being deleted (the watcher keeps it): not tracked
         self.ignored: set[str] = set()  # closed ones a copy was ignored in: relisted at open
-        self.scopes = Scopes()
-        """Where each canary watch scope stands (canaryd.sync): the watcher's to write."""
-        self.pending: list[News] = []
-        """News not taken yet (``take_news``), oldest first."""
-        self.news = asyncio.Event()
-        """Set when news waits in ``take_news`` (the scheduler's loop waits for it)."""
-        self.listeners: list[Callable[[], None]] = []
-        """Called after every change of what is tracked or of a state."""
-
-    # ------------------------------------------------------------------ reads
+        self.scopes = Scopes()  # where each canary watch scope stands: the watcher writes it
+        self.pending: list[News] = []  # not taken yet (take_news), oldest first
+        self.news = asyncio.Event()  # set while news waits: the scheduler's loop waits for it
+        self.listeners: list[Callable[[], None]] = []  # called after every change
 
     def __len__(self) -> int:
         return len(self._canaries)
@@ -158,11 +145,8 @@ class Registry:
             for key in sorted(self._canaries, key=lambda k: (k.namespace, k.kind, k.name))
         ]
 
-    # ----------------------------------------------------------------- writes
-
     def take_news(self) -> list[News]:
-        """What changed in what is tracked since the last call, in order: the one way
-        the scheduler learns of it (data flows watch -> registry -> scheduler)."""
+        """What changed in what is tracked since the last call, in order."""
         news, self.pending = self.pending, []
         self.news.clear()
         return news
@@ -211,9 +195,8 @@ class Registry:
     def judged(
         self, canary: Canary, state: CanaryState, reason: str, cause: str, now: float
     ) -> None:
-        """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (a written bump
-        not reconciled in time: the one way to become unhealthy; the verdict is kept so
-        that it can age, see ``no_verdict``)."""
+        """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (the one way to
+        become unhealthy; the verdict is kept so that it can age, see ``no_verdict``)."""
         if not self.owns(canary):
             return
         assert state in (CanaryState.HEALTHY, CanaryState.UNHEALTHY), state
@@ -242,21 +225,17 @@ class Registry:
         if not self.owns(canary):
             return
         canary.bumped_generation = None  # not judged: no verdict of this replica's on it
-        canary.deferred_until = None
-        canary.late_recheck = False
+        self._judged(canary)
         if reason is not None:
             self.set_state(canary, CanaryState.PENDING, reason, "standby")
 
     def no_verdict(
         self, canary: Canary, reason: str, cause: str, now: float, verdict_ttl: float
     ) -> None:
-        """No bump to judge this cycle (it could not be written, or what would judge it
-        could not be read). A failed write is no verdict either way: it
-        neither makes a canary unhealthy nor clears an ``unhealthy`` verdict; ``unknown``
-        replaces only ``pending`` or ``healthy``. But an ``unhealthy`` verdict that no
-        bump has re-tested for ``verdict_ttl`` (bumps failing for good: the patch
-        permission revoked, a webhook rejecting) turns ``unknown``: a verdict nobody
-        can re-test must not restart the operator forever."""
+        """No bump to judge this cycle (not written, or what would judge it not read): no
+        verdict either way, so ``unknown`` replaces only ``pending`` or ``healthy``. But an
+        ``unhealthy`` verdict no bump has re-tested for ``verdict_ttl`` (bumps failing for
+        good) turns ``unknown``: it must not restart the operator forever."""
         if not self.owns(canary):
             return
         self._judged(canary)
@@ -297,11 +276,11 @@ class Registry:
         if self.owns(canary):
             _stage(canary, "reconciled", seconds)
 
-    def observe(self, kind: str, obj: Mapping[str, Any]) -> None:
-        """A copy from a list or an ADDED/MODIFIED event."""
+    def observe(self, kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
+        """A copy from a list or an ADDED/MODIFIED event; returns the canary it is of."""
         key = _key_of(kind, obj)
         if key is None:
-            return
+            return None
         metadata: Mapping[str, Any] = obj["metadata"]
         uid, generation = str(metadata.get("uid") or ""), generation_of(metadata)
         existing = self._canaries.get(key)
@@ -310,13 +289,13 @@ class Registry:
             # proxy): generation never goes backwards within one uid.
             metrics.ERRORS.labels("stale_copy").inc()
             log.debug("stale_copy_ignored", canary=str(key), generation=generation)
-            return
+            return key
         why_not = self._why_not(key.namespace, obj)
         if why_not is not None:
             if why_not[0] == "namespace_closed":
                 self.ignored.add(key.namespace)
             self.forget(key, *why_not)
-            return
+            return key
         nonce, problem = read_nonce(obj)
         if problem is not None:
             log.warning(
@@ -338,12 +317,12 @@ class Registry:
         else:
             if generation > existing.generation:
                 existing.generation_seen_at = time.monotonic()
-            existing.resource_version, existing.generation = rv, generation
-            existing.status_observed = observed
-            existing.nonce, existing.nonce_problem = nonce, problem
+            existing.generation, existing.status_observed = generation, observed
+            self.refresh(existing, obj)
             if existing.bump_sent_at is not None:
                 _stages_reached(existing, existing.generation_seen_at)
         self._changed()
+        return key
 
     def _why_not(self, namespace: str, obj: Mapping[str, Any]) -> tuple[str, str] | None:
         """Why a copy is not (or no longer) a canary canaryd tracks: (cause, detail)."""
@@ -357,10 +336,8 @@ class Registry:
 
     def reread(self, canary: Canary, obj: Mapping[str, Any]) -> str | None:
         """A fresh copy the scheduler read (after a 409 or a 404). None: still the canary
-        it owns, refreshed; else why this record is no longer the one tracked (a
-        ``canaryd_canaries_dropped_total`` reason). A new object of the same name that
-        is a canary is tracked at once (no watch event may ever announce it); one that
-        is not, or a copy that stopped being a canary, drops the record."""
+        it owns, refreshed; else the drop's cause. A new object of the same name that is
+        a canary is tracked at once (no watch event may ever announce it)."""
         if not self.owns(canary):
             return "replaced"
         metadata = obj.get("metadata")
@@ -398,8 +375,8 @@ class Registry:
         if not self.owns(canary):
             return
         canary.bump_sent_at = sent_at
-        canary.stages = {"answered": max(0.0, answered_at - sent_at)}
-        metrics.bump_stage(canary.key.kind, "answered", canary.stages["answered"])
+        canary.stages = {}
+        _stage(canary, "answered", max(0.0, answered_at - sent_at))
         canary.bump_answered_at = answered_at
         canary.deferred_until = None
         canary.bumped_generation = generation
@@ -412,19 +389,18 @@ class Registry:
 
     def forget(
         self, key: CanaryKey, cause: str, detail: str = "", *, announce: bool = True
-    ) -> Canary | None:
+    ) -> None:
         """Stop tracking a canary. ``cause`` is a short fixed word (a metric label),
         ``detail`` says why in the log. ``announce=False``: dropped now, told later
         (``announce_drop``) once the cause is known."""
         canary = self._canaries.pop(key, None)
         if canary is None:
-            return None
+            return
         self._counts[canary.state] -= 1
         if announce:
             self.announce_drop(key, cause, detail)
         self._tell(Forgotten(key))
         self._changed()
-        return canary
 
     def announce_drop(self, key: CanaryKey, cause: str, detail: str = "") -> None:
         """Log and count a drop (listeners hear of it: a told drop is news too)."""
@@ -434,22 +410,15 @@ class Registry:
 
     def forget_where(
         self, predicate: Callable[[CanaryKey], bool], cause: str, detail: str = ""
-    ) -> int:
-        keys = [key for key in self._canaries if predicate(key)]
-        for key in keys:
+    ) -> None:
+        for key in [key for key in self._canaries if predicate(key)]:
             self.forget(key, cause, detail)
-        return len(keys)
 
     def replace_scope(
         self, kind: str, namespace: str | None, objects: Iterable[Mapping[str, Any]]
     ) -> None:
         """A full list of one watch scope: observe each, drop what the list lacks."""
-        seen: set[CanaryKey] = set()
-        for obj in objects:
-            self.observe(kind, obj)
-            metadata = obj.get("metadata")
-            if isinstance(metadata, Mapping):
-                seen.add(CanaryKey(kind, str(metadata.get("namespace")), str(metadata.get("name"))))
+        seen = {self.observe(kind, obj) for obj in objects}
         self.forget_where(
             lambda key: (
                 key.kind == kind

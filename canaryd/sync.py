@@ -8,7 +8,7 @@ the moment canaryd suspects its own connection (half-open: a bump answered 2xx w
 the stream delivered nothing at all) until the replacement delivers. While a scope is
 not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
 
-Only the watcher changes it, as its ``ListWatch`` tells; the judge marks it suspected.
+Only the watcher changes it; the judge marks it suspected.
 """
 
 from __future__ import annotations
@@ -24,32 +24,22 @@ ScopeKey = tuple[str, str | None]
 
 @dataclass(slots=True, eq=False)
 class ScopeSync:
-    unsynced_since: float | None
-    """Monotonic time since which the registry may be behind this scope; None: in sync.
-    A new scope is not in sync from its start until its first list."""
-    behind_because: str = "its first list is not done"
-    """Why it is out of sync, for a verdict's reason."""
-    listed: bool = False
-    """The first list is done (or answered 403/404)."""
-    connected: bool = False
-    """A list finished or a stream is open: the server answered 200."""
-    denied: str | None = None
-    """Why nothing in this scope is ours for now (a 403 or 404 on its list or watch)."""
-    last_delivery: float = -math.inf
-    """Monotonic time of the last list, event or bookmark of this scope."""
+    unsynced_since: float | None  # since when the registry may be behind; None: in sync
+    behind_because: str = "its first list is not done"  # for a verdict's reason
+    connected: bool = False  # a list finished or a stream is open (opened after its list)
+    denied: str | None = None  # a 403 or 404 on its list or watch: nothing is ours for now
+    last_delivery: float = -math.inf  # monotonic time of the last list, event or bookmark
     resynced_at: float = -math.inf
     """Monotonic time it last came back in sync (its first list, or the first delivery
     of a resumed stream). A resumed stream replays what was missed over several reads:
     a bump answered before that may still be on its way."""
-    suspected: str | None = None
-    """Why canaryd suspects the open stream, until the watcher replaces it."""
-    suspects: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set by ``suspect``: the watcher waits for it (``Scopes.suspects``, shared)."""
+    suspected: str | None = None  # why canaryd suspects the open stream, until replaced
+    suspects: asyncio.Event = field(default_factory=asyncio.Event)  # Scopes.suspects
 
     @property
     def ready(self) -> bool:
         """/readyz: listed and connected, or answered with a denial (nothing is ours)."""
-        return self.denied is not None or (self.listed and self.connected)
+        return self.denied is not None or self.connected
 
     @property
     def in_sync(self) -> bool:
@@ -57,8 +47,7 @@ class ScopeSync:
 
     def listed_at(self, now: float) -> bool:
         """A full list is in the registry. True when that ends a time out of sync."""
-        self.listed = self.connected = True
-        self.denied = None
+        self.connected, self.denied = True, None
         self.last_delivery = now
         return self._resync()
 
@@ -90,7 +79,7 @@ class ScopeSync:
 
     def refused(self, why: str) -> None:
         """403 or 404: nothing in this scope is ours, so no verdict waits for it."""
-        self.listed, self.connected, self.denied = True, False, why
+        self.connected, self.denied = False, why
         self.unsynced_since = None
 
     def suspect(self, now: float, why: str) -> None:
@@ -118,12 +107,7 @@ class Scopes:
 
     def __init__(self) -> None:
         self._scopes: dict[ScopeKey, ScopeSync] = {}
-        self.suspects = asyncio.Event()
-        """Set when a scope is suspected: the watcher replaces its stream."""
-
-    def get(self, scope: ScopeKey, now: float) -> ScopeSync:
-        """One scope's model, made (out of sync since ``now``) when first asked for."""
-        return self._scopes.setdefault(scope, ScopeSync(now, suspects=self.suspects))
+        self.suspects = asyncio.Event()  # set when a scope is suspected: the watcher waits
 
     def add(self, scope: ScopeKey, now: float) -> ScopeSync:
         """A new watch of this scope starts: out of sync until its first list."""

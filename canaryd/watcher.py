@@ -1,17 +1,11 @@
 """The watcher: keeps the registry true to the cluster.
 
-One ``ListWatch`` (canaryd.listwatch) per wanted scope — a canary kind in one
-namespace, or cluster-wide when all namespaces are watched — and one on Namespaces.
-They put what they learn on one queue, and the watcher alone applies it: to the
-registry (canaries observed and dropped, each scope's sync model, scopes in sync
-again) and to the set of scopes (namespaces that come, terminate or go). A stream the
-judge suspects is marked on its ScopeSync (canaryd.sync); the watcher replaces it.
-
-No discovery: every wanted kind is listed, and a list answered 404 that the API
-server confirms (canaryd.listwatch.not_served) means the kind is not served, listed
-again every config check interval (a CRD installed later is picked up). No access
-reviews: a scope where canaryd may not list is learned from its list's 403, one where
-it may not patch from its bumps' 403s.
+One ``ListWatch`` (canaryd.listwatch) per wanted scope (a canary kind in one namespace,
+or cluster-wide) and one on Namespaces put what they learn on one queue; the watcher
+alone applies it to the registry and to the set of scopes. A stream the judge suspects
+is marked on its ScopeSync (canaryd.sync); the watcher replaces it. No discovery and no
+access reviews: a kind not served is learned from its list's confirmed 404, a scope
+canaryd may not list from its 403, one it may not patch from its bumps' 403s.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +47,10 @@ SCOPE_STATES = (
     "kind_not_served",
     "patch_forbidden",
 )
-"""A canary scope's states: ``listed`` (in sync or resuming), ``waiting``, ``forbidden``
-(403), ``namespace_missing`` (the Namespaces watch does not know it), ``kind_not_served``
-(404, confirmed), ``patch_forbidden`` (its bumps are answered 403)."""
+"""A canary scope's states, ``canaryd_watch_scopes`` (docs/CONFIGURATION.md)."""
 DROP_READS_AT_ONCE = 8
-"""GETs in flight at once that tell a dropped canary's deletion from a label removal:
-a mass deletion takes no more of the request pool's connections beyond the bumps'
-(kube.RESERVED_CONNECTIONS), which lists and the lease need."""
+"""GETs in flight at once that tell a deletion from a label removal: a mass deletion
+leaves the request pool's connections to lists and the lease."""
 
 
 def _name(obj: Mapping[str, Any]) -> str:
@@ -70,11 +61,10 @@ def _name(obj: Mapping[str, Any]) -> str:
 class _Watch:
     lw: ListWatch
     task: asyncio.Task[None]
-    sync: ScopeSync
-    """Where the scope stands; the watcher is its only writer (and the judge's mark)."""
+    sync: ScopeSync  # where the scope stands: the watcher writes it, the judge marks it
 
 
-async def tell_drop(
+async def _tell_drop(
     kube: KubeClient,
     registry: Registry,
     kind: Kind,
@@ -83,40 +73,27 @@ async def tell_drop(
     reads: asyncio.Semaphore,
 ) -> None:
     """Tell a canary dropped on a DELETED event as what it was, once a GET says (at
-    most ``DROP_READS_AT_ONCE`` at a time): a label-selector watch sends DELETED alike
-    when the object is deleted and when its label is removed."""
+    most ``DROP_READS_AT_ONCE`` at a time)."""
+    cause, why = "deleted", "deleted, or its label removed"
     try:
         async with reads:
-            await _classify_drop(kube, registry, kind, key, label)
+            found = await kube.request("get", "GET", kind.object_path(key.namespace, key.name))
+        if is_canary(found, label):
+            # Labelled again by now, or a new object of that name: the watch's next
+            # event tracks it; this one was not a label removal.
+            why = "the object was deleted or replaced"
+        else:
+            cause, why = "not_canary", f"label {label} was removed"
+    except KubeError as err:
+        why = f"deleted, or label {label} removed (could not tell: {err})"
+        if err.kind is ErrorKind.GONE:
+            why = "the object was deleted"
     except Exception:
         # A bug here must not cancel the watches that share this task group.
         metrics.ERRORS.labels("watch").inc()
         log.exception("drop_classification_failed", canary=str(key))
-        registry.announce_drop(key, "deleted", "deleted, or its label removed")
-
-
-async def _classify_drop(
-    kube: KubeClient, registry: Registry, kind: Kind, key: CanaryKey, label: str
-) -> None:
-    try:
-        found = await kube.request("get", "GET", kind.object_path(key.namespace, key.name))
-    except KubeError as err:
-        if err.kind is ErrorKind.GONE:
-            registry.announce_drop(key, "deleted", "the object was deleted")
-        else:
-            registry.announce_drop(
-                key, "deleted", f"deleted, or label {label} removed (could not tell: {err})"
-            )
-        return
-    except asyncio.CancelledError:
-        registry.announce_drop(key, "deleted", "deleted, or its label removed")
-        raise
-    if is_canary(found, label):
-        # Labelled again by now, or a new object of that name: the watch's next
-        # event tracks it; this one was not a label removal.
-        registry.announce_drop(key, "deleted", "the object was deleted or replaced")
-    else:
-        registry.announce_drop(key, "not_canary", f"label {label} was removed")
+    finally:
+        registry.announce_drop(key, cause, why)  # cancelled too: told as unknown
 
 
 def _terminating(obj: Mapping[str, Any]) -> bool:
@@ -128,18 +105,15 @@ def _terminating(obj: Mapping[str, Any]) -> bool:
 
 
 class Namespaces:
-    """What the Namespaces watch tells: which namespaces exist (a watched one that does
-    not is ``namespace_missing``) and which are being deleted (closed in the registry:
-    their canaries dropped, their scopes not watched until they are gone or back)."""
+    """What the Namespaces watch tells: which namespaces exist and which are being
+    deleted (closed: their canaries dropped, their scopes not watched until they are
+    gone or back)."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self.seen: set[str] = set()
-        """Every namespace the Namespaces watch knows: the gauge when all are watched."""
-        self.relist = False
-        """A namespace left ``closed`` after canary copies in it were ignored meanwhile."""
-        self.known = False
-        """The Namespaces watch has listed (and may be read): missing ones are known."""
+        self.seen: set[str] = set()  # every namespace that exists
+        self.relist = False  # a namespace reopened after copies in it were ignored
+        self.known = False  # listed (and may be read): missing ones are known
 
     def listed(self, items: list[Mapping[str, Any]]) -> bool:
         """A full list. True when a namespace closed or reopened (the scopes change)."""
@@ -190,18 +164,10 @@ class Namespaces:
     def _forget(self, namespace: str, why: str) -> None:
         self.registry.forget_where(lambda key: key.namespace == namespace, "namespace_closed", why)
 
-    def denied(self, err: KubeError) -> None:
-        self.known = False
-        log.warning(
-            "namespaces_not_watchable",
-            error=str(err),
-            consequence="a deleted namespace is noticed only through canary watches",
-        )
-
 
 class Watcher:
-    """Owns every list/watch task, applies what they tell, and keeps them matched to
-    the watched namespaces."""
+    """Owns every list/watch task, applies what they tell, and keeps them matched to the
+    watched namespaces."""
 
     def __init__(
         self,
@@ -224,8 +190,6 @@ class Watcher:
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
 
-    # ------------------------------------------------------------------ reads
-
     @property
     def kinds(self) -> list[Kind]:
         """The wanted kinds, less those the API server said it does not serve."""
@@ -245,8 +209,8 @@ class Watcher:
         return self._group is not None and all(w.sync.ready for w in self._watches.values())
 
     def coverage(self) -> dict[str, int]:
-        """Watch scopes by state (``SCOPE_STATES``), each once: one in a missing namespace
-        (its list answers an empty 200) is ``namespace_missing`` only."""
+        """Watch scopes by state, each once: one in a missing namespace (its list answers
+        an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
         missing = self._namespaces.missing(self.namespaces)
         for scope, state in self._scope_states().items():
@@ -257,27 +221,22 @@ class Watcher:
 
     def blind(self) -> dict[str, str]:
         """What canaryd cannot check, by ``canaryd_blind`` reason, each with what (for
-        /readyz and /healthz?verbose): scopes answered 403, not patchable, or refused
-        the credentials (401), watched namespaces that do not exist, wanted kinds not
-        served, and no canary at all once every scope has listed."""
+        /readyz and /healthz?verbose); ``no_canaries`` once every scope has listed."""
         states = self._scope_states()
-
-        def scopes(wanted: str) -> list[str]:
-            return sorted(str(scope) for scope, state in states.items() if state == wanted)
-
-        unauthorized = sorted(
-            str(scope)
-            for scope in self._watches
-            if (self.failures.cause(scope) or "").endswith("_unauthorized")
-        )
-        found = {
-            "list_forbidden": scopes("forbidden"),
-            "unauthorized": unauthorized,
-            "namespace_missing": sorted(self._namespaces.missing(self.namespaces)),
-            "kind_not_served": sorted(self._not_served()),
-            "patch_forbidden": scopes("patch_forbidden"),
+        found: dict[str, Collection[object]] = {
+            "list_forbidden": [scope for scope, state in states.items() if state == "forbidden"],
+            "unauthorized": [
+                scope
+                for scope in self._watches
+                if (self.failures.cause(scope) or "").endswith("_unauthorized")
+            ],
+            "namespace_missing": self._namespaces.missing(self.namespaces),
+            "kind_not_served": self._not_served(),
+            "patch_forbidden": [s for s, state in states.items() if state == "patch_forbidden"],
         }
-        blind = {reason: ", ".join(what[:20]) for reason, what in found.items() if what}
+        blind = {
+            reason: ", ".join(sorted(map(str, what))[:20]) for reason, what in found.items() if what
+        }
         if self.ready and not len(self.registry):
             where = ", ".join(sorted(self.namespaces)) if self.namespaces else "any namespace"
             blind["no_canaries"] = (
@@ -287,9 +246,7 @@ class Watcher:
         return blind
 
     def _scope_states(self) -> dict[Scope, str]:
-        """Each canary scope's state: forbidden or kind_not_served (its list or watch was
-        refused), patch_forbidden (a bump there answered 403, none written since), else
-        listed or waiting."""
+        """Each canary scope's state (patch_forbidden: a bump answered 403, none since)."""
         refused = {
             (c.key.kind, c.key.namespace if self.namespaces is not None else None)
             for c in self.registry.tracked()
@@ -309,9 +266,8 @@ class Watcher:
         return states
 
     def not_ready(self) -> list[str]:
-        """Why the watches are not ready, each a phrase: not started, an open-files limit
-        too low, the scopes not listed or not connected with why the first failed (one
-        answered 403/404 counts as done: nothing there is ours)."""
+        """Why the watches are not ready, each a phrase (a scope answered 403/404 is
+        ready: nothing there is ours)."""
         if self._group is None:
             return ["the watches are not started"]
         waiting = sorted(
@@ -404,9 +360,8 @@ class Watcher:
             self.registry.scope_resumed((scope.kind.key, scope.namespace))
 
     async def _follow_requests(self) -> None:
-        """Replace the streams the judge suspects (``ScopeSync.suspect`` marks the scope,
-        a request to the watcher, which owns the ListWatches); say the coverage at least
-        once a cycle (a scope whose bumps are answered 403 is learned from the registry)."""
+        """Replace the streams the judge suspects (``ScopeSync.suspect``); say the coverage
+        at least once a cycle (patch_forbidden is learned from the registry)."""
         suspects = self.registry.scopes.suspects
         while True:
             with contextlib.suppress(TimeoutError):
@@ -418,8 +373,6 @@ class Watcher:
                     watch.lw.replace(watch.sync.suspected)
                     watch.sync.suspected = None
             self.check_coverage()
-
-    # ----------------------------------------------------------------- scopes
 
     def set_namespaces(self, namespaces: frozenset[str] | None) -> None:
         """Follow a new watched set: removed namespaces lose their canaries at once."""
@@ -436,14 +389,8 @@ class Watcher:
         self._reconcile()
 
     def _desired(self) -> set[Scope]:
-        if self.namespaces is None:
-            return {Scope(kind, None) for kind in self._kinds}
-        return {
-            Scope(kind, ns)
-            for kind in self._kinds
-            for ns in self.namespaces
-            if ns not in self.registry.closed
-        }
+        wanted = [None] if self.namespaces is None else self.namespaces - self.registry.closed
+        return {Scope(kind, namespace) for kind in self._kinds for namespace in wanted}
 
     def _reconcile(self) -> None:
         if self._group is None:
@@ -471,7 +418,6 @@ class Watcher:
             self.kube,
             self.settings,
             scope,
-            selector=self.settings.label if scope.kind is not None else None,
             out=self._changes,
             failures=self.failures,
             list_slots=self._list_slots,
@@ -481,7 +427,7 @@ class Watcher:
 
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can
-        check everything again (a 403 scope is also its own watch failure episode)."""
+        check everything again."""
         phrases = [
             f"{reason}: {what}"
             for reason, what in self.blind().items()
@@ -504,8 +450,6 @@ class Watcher:
                 log.info("open_files_limit_enough", watches=len(self._watches))
             self._files_problem = problem
 
-    # ------------------------------------------------------------- canaries
-
     def _canary_event(self, kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
         if event != "DELETED":
             self.registry.observe(kind.key, obj)
@@ -527,7 +471,7 @@ class Watcher:
             # object leaves the selector (its label removed or changed) as when it is
             # deleted: dropped now (never written again), told once a GET says which.
             self.registry.forget(key, "deleted", announce=False)
-            told = tell_drop(self.kube, self.registry, kind, key, label, self._drop_reads)
+            told = _tell_drop(self.kube, self.registry, kind, key, label, self._drop_reads)
             self._group.create_task(told, name=f"drop {key}")
 
     def _refused(self, watch: _Watch, err: KubeError) -> None:
@@ -535,7 +479,12 @@ class Watcher:
         scope, told = watch.lw.scope, watch.lw.scope.kind not in self.kinds
         watch.sync.refused(err.kind.value)
         if scope.kind is None:
-            self._namespaces.denied(err)
+            self._namespaces.known = False
+            log.warning(
+                "namespaces_not_watchable",
+                error=str(err),
+                consequence="a deleted namespace is noticed only through canary watches",
+            )
             return
         kind = scope.kind.key
         if err.kind is ErrorKind.GONE and not told:

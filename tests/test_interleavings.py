@@ -29,6 +29,7 @@ from canaryd.config import Settings
 from canaryd.kube import ErrorKind, KubeError, classify_status
 from canaryd.registry import CanaryKey, CanaryState, Registry
 from canaryd.scheduler import Scheduler
+from canaryd.sync import ScopeSync
 from canaryd.watcher import Watcher
 from canaryd.writer import Writer
 
@@ -174,9 +175,14 @@ class Run:
         self.watcher._canary_event(self.watcher_kind, event, obj)
         self.scope_delivered()
 
+    def scope(self) -> ScopeSync:
+        """The scope's model, made (out of sync since now) when first asked for."""
+        found = self.registry.scopes.covering(CanaryKey(KIND, "", ""))
+        return found if found is not None else self.registry.scopes.add(SCOPE, self.now)
+
     def scope_delivered(self) -> None:
         """An event or a bookmark arrived on the scope (as ListWatch tells it)."""
-        if self.registry.scopes.get(SCOPE, self.now).delivered(self.now):
+        if self.scope().delivered(self.now):
             self.registry.scope_resumed(SCOPE)
 
     @property
@@ -313,7 +319,7 @@ async def play(steps: list[tuple[Any, ...]]) -> list[str]:
                 case ("label", name, value):
                     run.relabel(name, value)
                 case ("watch_down",):
-                    run.registry.scopes.get(SCOPE, run.now).dropped(run.now)
+                    run.scope().dropped(run.now)
                 case ("watch_resumed",):
                     run.scope_delivered()
             for _ in range(5):

@@ -834,7 +834,7 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
 
         def confirmed(err: KubeError, scope: Scope) -> Awaitable[KubeError]:
             out: asyncio.Queue[Any] = asyncio.Queue()
-            lw = ListWatch(client, Settings(timeout=CYCLE), scope, selector=None, out=out)
+            lw = ListWatch(client, Settings(timeout=CYCLE), scope, out=out)
             return lw._confirmed(err)
 
         plain = KubeError(ErrorKind.GONE, "404 page not found", status=404)
@@ -898,7 +898,7 @@ async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
 
     out: asyncio.Queue[Any] = asyncio.Queue()
     scope = Scope(KINDS["flinkdeployments"], None)
-    lw = ListWatch(SlowConfirmation(), Settings(timeout=CYCLE), scope, selector=None, out=out)  # type: ignore[arg-type]
+    lw = ListWatch(SlowConfirmation(), Settings(timeout=CYCLE), scope, out=out)  # type: ignore[arg-type]
     task = asyncio.create_task(lw.run())
     try:
         async with asyncio.timeout(10):

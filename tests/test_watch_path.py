@@ -202,7 +202,6 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
                 kube,
                 settings,
                 scope,
-                selector=None,
                 out=(told := asyncio.Queue()),
             )
             idle = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle")
