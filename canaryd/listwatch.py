@@ -151,6 +151,10 @@ async def list_all(
         page_params = {**page_params, "continue": token}
 
 
+def _mappings(value: Any) -> list[Mapping[str, Any]]:
+    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+
+
 async def not_served(kube: KubeClient, kind: Kind) -> str | None:
     """Why the API server does not serve ``kind`` as a canary kind, when it says so
     (its group version's APIResourceList lacks it or has it cluster-scoped, or /apis
@@ -169,17 +173,16 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
             return None
         offered = {
             version.get("groupVersion")
-            for group in listed.get("groups") or []
-            if isinstance(group, Mapping)
-            for version in group.get("versions") or []
-            if isinstance(version, Mapping)
+            for group in _mappings(listed.get("groups"))
+            for version in _mappings(group.get("versions"))
         }
-        if listed.get("kind") != "APIGroupList" or group_version in offered:
+        malformed = not isinstance(listed.get("groups"), list)  # confirms nothing
+        if listed.get("kind") != "APIGroupList" or malformed or group_version in offered:
             return None
         return f"{where} is not served: no {group_version} in /apis"
-    if found.get("kind") != "APIResourceList":
+    if found.get("kind") != "APIResourceList" or not isinstance(found.get("resources"), list):
         return None
-    resources = [r for r in found.get("resources") or [] if isinstance(r, Mapping)]
+    resources = _mappings(found.get("resources"))
     resource = next((r for r in resources if r.get("name") == kind.plural), None)
     if resource is None:
         return f"{where} is not served in {group_version}"

@@ -855,6 +855,38 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
         await client.close()
 
 
+async def test_a_malformed_discovery_answer_confirms_nothing():
+    """The lists that confirm a 404 answering with the right kind but not a list where
+    one belongs (a broken aggregated API server, a gateway's rewrite) confirm nothing;
+    they raised TypeError, and the scope's watch started over as a bug each time."""
+    from canaryd.kube import kind_of
+    from canaryd.listwatch import not_served
+
+    answers = {
+        b"/apis/a.example/v1": (404, {"kind": "Status", "code": 404}),
+        b"/apis": (200, {"kind": "APIGroupList", "groups": 5}),
+        b"/apis/b.example/v1": (200, {"kind": "APIResourceList", "resources": {"x": 1}}),
+    }
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                await answer(head.split(b" ")[1].split(b"?")[0], writer)
+
+    async def answer(path: bytes, writer: asyncio.StreamWriter) -> None:
+        code, body = answers[path]
+        data = json.dumps(body).encode()
+        writer.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (code, len(data), data)
+        )
+        await writer.drain()
+
+    async with _raw_server(handle, request_timeout=2.0) as (client, _):
+        assert await not_served(client, kind_of("things.a.example/v1")) is None
+        assert await not_served(client, kind_of("things.b.example/v1")) is None
+
+
 async def test_a_gateways_403_page_drops_no_canary(kube, kubeconfig):
     """kube-apiserver refuses with a Status; a 403 that is a page (an auth proxy's, a
     WAF's) is no sign of RBAC: an outage, transient. The canary stays tracked and
