@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -285,6 +286,7 @@ async def leases(tmp: Path, results: Results, seconds: float) -> None:
         )
 
 
+HEALTHZ_ROUNDS = 5
 BARE = """
 import asyncio
 import sys
@@ -314,19 +316,26 @@ async def healthz_latency(url: str, results: Results, label: str) -> None:
                             break
                 await asyncio.sleep(0.05)
         bare_url = f"http://127.0.0.1:{port}/healthz"
-        latencies, _ = await hammer(url + "/healthz", 20, 5.0, every=0.01)
-        bare_latencies, _ = await hammer(bare_url, 20, 5.0, every=0.01)
+        # Interleaved rounds, their medians compared: one 5 s window's p99 moves 1-4 ms
+        # from run to run on a 2-core machine, either side's.
+        rounds: list[tuple[float, float]] = []
+        bare_rounds: list[tuple[float, float]] = []
+        for _ in range(HEALTHZ_ROUNDS):
+            rounds.append(percentiles((await hammer(url + "/healthz", 20, 3.0, every=0.01))[0]))
+            bare_rounds.append(percentiles((await hammer(bare_url, 20, 3.0, every=0.01))[0]))
         _, rate = await hammer(url + "/healthz", 20, 3.0)
         _, bare_rate = await hammer(bare_url, 20, 3.0)
     finally:
         bare.send_signal(signal.SIGTERM)
         await bare.wait()
-    p50, p99 = percentiles(latencies)
-    bare_p50, bare_p99 = percentiles(bare_latencies)
+    p50, p99 = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+    bare_p50, bare_p99 = (statistics.median(r[i] for r in bare_rounds) for i in (0, 1))
     results.add(
-        f"{label}: /healthz latency, 20 clients at 100 requests/s each",
+        f"{label}: /healthz latency, 20 clients at 100 requests/s each, median of"
+        f" {HEALTHZ_ROUNDS} interleaved 3 s rounds",
         f"p50 {p50:.2f} ms, p99 {p99:.2f} ms (bare handler: p50 {bare_p50:.2f}, "
-        f"p99 {bare_p99:.2f})",
+        f"p99 {bare_p99:.2f}; rounds' p99 {', '.join(f'{r[1]:.1f}' for r in rounds)} vs "
+        f"{', '.join(f'{r[1]:.1f}' for r in bare_rounds)})",
         "p99 <= 2x the bare handler's",
         p99 <= 2 * bare_p99,
     )

@@ -115,11 +115,30 @@ The /healthz latency is measured with paced clients (each sends a request every
 10 ms), so it shows the server's response time while canaryd works, not queueing
 in the benchmark's own client; throughput is measured back to back. Both are
 compared with a bare aiohttp handler (`OK`, in a process of its own that does
-nothing else), measured in the same run by the same client.
+nothing else), measured in the same run by the same client: five 3 s rounds of
+each, interleaved, and their medians compared (one window's p99 moves 1-4 ms from run
+to run on two cores, either side's).
 
 {peer}
 
 {history}
+
+The runs of 2026-12-07 15:43-16:17 UTC (`bench/bench.py --scale-only`, load 0.4-0.6)
+read the /healthz tail again. One 5 s window each, the same code gave 2.49 ms against
+the bare handler's 2.26 (1.10x) and 4.24 against 1.20 (3.5x): the bare p99 moves as
+much as canaryd's. Five interleaved 3 s rounds of each, their medians compared (the row
+since), show the gap is real: 4.28 ms against 1.74 (rounds 3.5-5.3 against 1.6-2.0),
+2.5x. Two levers measured, neither kept:
+
+| change | CPU against the floor | canaryd p99 | bare p99 | ratio |
+| --- | --- | --- | --- | --- |
+| none (shipped: 25 ms tick) | 1.57x | 4.28 ms | 1.74 ms | 2.5x |
+| `gc.freeze()` once every scope is listed (a full collection: 69 ms, 9 after) | 1.48x | 4.24 ms | 1.20 ms | 3.5x (one window) |
+| a 10 ms tick | 2.21x | 2.32 ms | 0.92 ms | 2.5x |
+
+Freezing the heap takes the full collections' pauses away but not the tail (the
+answered stage's p99 stayed at 17 ms), and a finer tick costs CPU beyond its budget
+without narrowing the ratio on this machine. The tail stays the tick's burst (above).
 
 ## Reading the /healthz rows
 
