@@ -9,8 +9,9 @@ JSON decoded), and one watch of every canary (aiohttp, as canaryd's, lines
 split from each read and decoded) keeps each canary's resourceVersion. The canaries are
 bumped in the order the first list gave them, each once a cycle, on uvloop.
 
-Run: ``python bench/floor.py URL CYCLE`` (the fake API server's URL, seconds); it runs
-until it is stopped. It is a measuring stick, not a prober: a failed bump is dropped.
+Run: ``python bench/floor.py URL CYCLE [PORT]`` (the fake API server's URL, seconds;
+with PORT it also serves bench.py's bare /healthz handler on 127.0.0.1 in the same loop);
+it runs until it is stopped. It is a measuring stick, not a prober: a failed bump is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from canaryd.kube import decode_json
 
@@ -108,10 +110,22 @@ def main() -> None:
 
     url, cycle = sys.argv[1], float(sys.argv[2])
 
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await bump(url, cycle, stop)
+        app = web.Application()
+        app.router.add_get("/healthz", ok)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        if len(sys.argv) > 3:
+            await web.TCPSite(runner, "127.0.0.1", int(sys.argv[3])).start()
+        try:
+            await bump(url, cycle, stop)
+        finally:
+            await runner.cleanup()
 
     uvloop.run(run())
 

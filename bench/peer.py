@@ -420,13 +420,21 @@ async def profile_canaryd(
         await proc.stop()
 
 
-async def measure_floor(fake: Proc, canaries: int, cycle: float, cycles: int) -> Figures:
-    """bench/floor.py's CPU per bump, measured as the contenders' is (no health endpoint)."""
+async def measure_floor(
+    fake: Proc,
+    canaries: int,
+    cycle: float,
+    cycles: int,
+    health: Callable[[str], Awaitable[None]] | None = None,
+) -> Figures:
+    """bench/floor.py's CPU per bump, measured as the contenders' is (no health requests
+    in the window); ``health`` is then given its /healthz URL, before it stops."""
     figures = Figures("floor")
     base = await generations(fake.url)
     spawned = time.monotonic()
+    port = [str(free_port())] if health is not None else []
     process = await asyncio.create_subprocess_exec(
-        sys.executable, str(FLOOR), fake.url, f"{cycle}", cwd=ROOT
+        sys.executable, str(FLOOR), fake.url, f"{cycle}", *port, cwd=ROOT
     )
     proc = Proc(process)
     try:
@@ -442,6 +450,8 @@ async def measure_floor(fake: Proc, canaries: int, cycle: float, cycles: int) ->
         figures.window_bumps, figures.total_bumps = gen1 - gen0, gen1 - base
         figures.total_cpu = cpu1
         figures.rss_mb = peak_rss_mb(proc.pid)
+        if health is not None:
+            await health(f"http://127.0.0.1:{port[0]}/healthz")
     finally:
         await proc.stop()
     print(
