@@ -146,7 +146,7 @@ else) and measures it as canaryd's, against the same bare process. In that run (
 0.0): the floor 2.49 ms against 1.45 (1.7x), canaryd 3.79 against 2.77 (1.4x; the bare
 rounds 1.3-4.1 ms). So a bumper on this stack with this tick already costs about 1.7x
 in the tail; canaryd adds about a millisecond to it, and the 2x budget is met in some
-runs and missed in others (2 of the 4 runs of this day).
+runs and missed in others (2 of the 3 runs of the shipped code this day).
 
 ## Reading the /healthz rows
 
