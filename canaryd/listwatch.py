@@ -171,19 +171,21 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
             listed = await kube.request("get", "GET", "/apis")
         except KubeError:
             return None
+        groups = listed.get("groups")
+        if listed.get("kind") != "APIGroupList" or not isinstance(groups, list):
+            return None  # not the API server's list, or a malformed one: confirms nothing
         offered = {
             version.get("groupVersion")
-            for group in _mappings(listed.get("groups"))
+            for group in _mappings(groups)
             for version in _mappings(group.get("versions"))
         }
-        malformed = not isinstance(listed.get("groups"), list)  # confirms nothing
-        if listed.get("kind") != "APIGroupList" or malformed or group_version in offered:
+        if group_version in offered:
             return None
         return f"{where} is not served: no {group_version} in /apis"
-    if found.get("kind") != "APIResourceList" or not isinstance(found.get("resources"), list):
+    resources = found.get("resources")
+    if found.get("kind") != "APIResourceList" or not isinstance(resources, list):
         return None
-    resources = _mappings(found.get("resources"))
-    resource = next((r for r in resources if r.get("name") == kind.plural), None)
+    resource = next((r for r in _mappings(resources) if r.get("name") == kind.plural), None)
     if resource is None:
         return f"{where} is not served in {group_version}"
     if resource.get("namespaced") is not True:
