@@ -171,7 +171,7 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
             listed = await kube.request("get", "GET", "/apis")
         except KubeError:
             return None
-        groups = listed.get("groups")
+        groups = listed.get("groups") or []  # Go writes an empty list as null
         if listed.get("kind") != "APIGroupList" or not isinstance(groups, list):
             return None  # not the API server's list, or a malformed one: confirms nothing
         offered = {
@@ -182,7 +182,7 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
         if group_version in offered:
             return None
         return f"{where} is not served: no {group_version} in /apis"
-    resources = found.get("resources")
+    resources = found.get("resources") or []
     if found.get("kind") != "APIResourceList" or not isinstance(resources, list):
         return None
     resource = next((r for r in _mappings(resources) if r.get("name") == kind.plural), None)

@@ -866,6 +866,7 @@ async def test_a_malformed_discovery_answer_confirms_nothing():
         b"/apis/a.example/v1": (404, {"kind": "Status", "code": 404}),
         b"/apis": (200, {"kind": "APIGroupList", "groups": 5}),
         b"/apis/b.example/v1": (200, {"kind": "APIResourceList", "resources": {"x": 1}}),
+        b"/apis/c.example/v1": (200, {"kind": "APIResourceList", "resources": None}),
     }
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -885,6 +886,9 @@ async def test_a_malformed_discovery_answer_confirms_nothing():
     async with _raw_server(handle, request_timeout=2.0) as (client, _):
         assert await not_served(client, kind_of("things.a.example/v1")) is None
         assert await not_served(client, kind_of("things.b.example/v1")) is None
+        # Go writes an empty list as null: a group version that serves nothing, said.
+        empty = await not_served(client, kind_of("things.c.example/v1"))
+        assert empty == "things.c.example is not served in c.example/v1"
 
 
 async def test_a_gateways_403_page_drops_no_canary(kube, kubeconfig):
