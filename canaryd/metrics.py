@@ -162,10 +162,6 @@ BLIND_REASONS = (
 ).split()
 
 
-def bump_stage(kind: str, stage: str, seconds: float) -> None:
-    BUMP_DURATION.labels(kind, stage).observe(seconds)
-
-
 def bump_stages_exported(kind: str) -> None:
     """A kind's stage histograms exist (empty) from the moment it is watched."""
     for stage in ("answered", "observed", "reconciled"):

@@ -1,4 +1,5 @@
-"""The registry: what canaryd knows of each canary, and the aggregate health.
+"""The registry: what canaryd knows of each canary (its record, the readings of an
+object's copy that every layer above shares), and the aggregate health.
 
 Only the watcher (what the API server says) and the scheduler (the results of its own
 writes) change it; the health server reads it. The scheduler learns what it must act on
@@ -9,44 +10,121 @@ from ``take_news``: nothing here calls it. Counts by state are kept as states ch
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import structlog
 
 from canaryd import metrics
-from canaryd.canary import (
-    INT64_MAX,
-    Canary,
-    CanaryKey,
-    CanaryState,
-    Verdict,
-    generation_of,
-    is_canary,
-    one_line,
-    read_nonce,
-    status_observed_generation,
-)
 from canaryd.logs import wall_time
 from canaryd.sync import ScopeKey, Scopes
 
-__all__ = [
-    "INT64_MAX",
-    "Added",
-    "Canary",
-    "CanaryKey",
-    "CanaryState",
-    "Forgotten",
-    "News",
-    "Registry",
-    "Resumed",
-    "is_canary",
-    "one_line",
-    "read_nonce",
-]
+INT64_MAX = 2**63 - 1
+
+
+def is_canary(obj: Mapping[str, Any], label: str) -> bool:
+    """The upstream test: the label's value equals ``true``, ignoring case."""
+    metadata = obj.get("metadata")
+    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
+    value = labels.get(label) if isinstance(labels, Mapping) else None
+    return isinstance(value, str) and value.lower() == "true"
+
+
+def one_line(text: str) -> str:
+    """A reason as one line (an API error's message may hold newlines)."""
+    return " ".join(text.split())
+
+
+class CanaryState(enum.Enum):
+    PENDING = "pending"  # tracked, no bump judged yet
+    HEALTHY = "healthy"  # the last bump was observed in time
+    UNHEALTHY = "unhealthy"  # the last bump was written but not observed in time
+    UNKNOWN = "unknown"  # the last bump could not be written: nothing to judge
+
+
+class CanaryKey(NamedTuple):
+    """A canary's identity. A tuple: hashed in C, several times per bump."""
+
+    kind: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The last unhealthy verdict: when (monotonic and wall clock) and why."""
+
+    at: float
+    wall_time: float
+    reason: str
+
+
+@dataclass(slots=True, eq=False)
+class Canary:
+    """One tracked canary: identity, the latest copy's few fields, and its health."""
+
+    key: CanaryKey
+    uid: str
+    resource_version: str
+    generation: int  # the latest seen through the watch: what "reconciled" is judged on
+    nonce: int  # spec.restartNonce of the latest copy (0: absent or not a valid integer)
+    nonce_problem: str | None = None  # why spec.restartNonce is not usable (a bump repairs it)
+    state: CanaryState = CanaryState.PENDING
+    reason: str = "waiting for the first bump to be judged"
+    cause: str = "first_bump"  # the reason's class: a metric label (docs/OPERATIONS.md)
+    bumped_generation: int | None = None  # what our last bump produced, until judged
+    last_bumped_generation: int | None = None  # the same, judged or not (for display)
+    judged_generation: int | None = None  # what the last verdict (the reason) was about
+    bump_deadline: float | None = None  # monotonic time at which that bump is judged
+    last_bump_at: float | None = None  # wall-clock time of the last successful bump
+    deferred_until: float | None = None  # the verdict waits for the watch to resume until
+    late_recheck: bool = False  # an unhealthy verdict by a late judge waits for a re-check
+    status_observed: int | None = None  # status.observedGeneration as the watch delivered it
+    generation_seen_at: float = 0.0  # monotonic time the watch delivered a higher generation
+    bump_sent_at: float | None = None  # monotonic time the last bump's PATCH was sent
+    bump_answered_at: float | None = None
+    """Scheduler-clock time that bump was answered: its scope's stream must deliver
+    something after it, or canaryd suspects its own connection (canaryd.sync)."""
+    stages: dict[str, float] = field(default_factory=dict)  # that bump's seconds to each stage
+    verdict: Verdict | None = None  # the last unhealthy one, while it may stand (no_verdict)
+    reconcile_baseline: tuple[int, float | None] | None = None
+    """--reconciled-by operator-metrics: (operator instance, its count of finished
+    reconciles of this canary or None) read before the pending bump was sent."""
+    warned: bool = False  # a Warning Event told, no Recovered since (scheduler.Role)
+
+
+def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
+    """spec.restartNonce as the bump base, and what is wrong with it if anything."""
+    spec = obj.get("spec")
+    if spec is None:
+        return 0, None
+    if not isinstance(spec, Mapping):
+        return 0, f"spec is a {type(spec).__name__}, not an object"
+    value = spec.get("restartNonce")
+    if value is None:
+        return 0, None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0, f"spec.restartNonce is {value!r}, not an integer"
+    if value == INT64_MAX:
+        return 0, f"spec.restartNonce {value} is the largest 64-bit integer; it cannot grow"
+    if not -INT64_MAX - 1 <= value < INT64_MAX:
+        return 0, f"spec.restartNonce {value} does not fit in a 64-bit integer"
+    return value, None
+
+
+def _integer(value: Any) -> int | None:
+    """An integer field's value (metadata.generation, status.observedGeneration), or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
 
 log = structlog.get_logger("canaryd.registry")
 
@@ -54,32 +132,30 @@ log = structlog.get_logger("canaryd.registry")
 def _key_of(kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
     """The canary a copy is of; None (counted, warned) when it names none."""
     metadata = obj.get("metadata")
-    if not isinstance(metadata, Mapping):
-        metrics.ERRORS.labels("malformed_object").inc()
-        log.warning("object_without_metadata", kind=kind)
-        return None
-    name, namespace = metadata.get("name"), metadata.get("namespace")
-    if not isinstance(name, str) or not isinstance(namespace, str):
-        metrics.ERRORS.labels("malformed_object").inc()
-        log.warning("object_without_name", kind=kind)
-        return None
-    return CanaryKey(kind, namespace, name)
+    if isinstance(metadata, Mapping):
+        name, namespace = metadata.get("name"), metadata.get("namespace")
+        if isinstance(name, str) and isinstance(namespace, str):
+            return CanaryKey(kind, namespace, name)
+    metrics.ERRORS.labels("malformed_object").inc()
+    named = isinstance(metadata, Mapping)
+    log.warning("object_without_name" if named else "object_without_metadata", kind=kind)
+    return None
 
 
 def _stage(canary: Canary, stage: str, seconds: float) -> None:
     """The last written bump reached ``stage``, ``seconds`` after it was sent (once)."""
     if stage not in canary.stages:
         canary.stages[stage] = seconds
-        metrics.bump_stage(canary.key.kind, stage, seconds)
+        metrics.BUMP_DURATION.labels(canary.key.kind, stage).observe(seconds)
 
 
-def _stages_reached(canary: Canary, observed_at: float) -> None:
+def _stages_reached(canary: Canary) -> None:
     """Record the last bump's stages its copy now shows."""
     bumped, sent = canary.last_bumped_generation, canary.bump_sent_at
     if bumped is None or sent is None:
         return
     if canary.generation >= bumped:
-        _stage(canary, "observed", max(0.0, observed_at - sent))
+        _stage(canary, "observed", max(0.0, canary.generation_seen_at - sent))
     if (canary.status_observed or 0) >= bumped:
         _stage(canary, "reconciled", max(0.0, time.monotonic() - sent))
 
@@ -282,7 +358,7 @@ class Registry:
         if key is None:
             return None
         metadata: Mapping[str, Any] = obj["metadata"]
-        uid, generation = str(metadata.get("uid") or ""), generation_of(metadata)
+        uid, generation = str(metadata.get("uid") or ""), _integer(metadata.get("generation")) or 0
         existing = self._canaries.get(key)
         if existing is not None and existing.uid == uid and generation < existing.generation:
             # An older copy of the same object (a relist racing a bump, a replaying
@@ -296,7 +372,7 @@ class Registry:
                 self.ignored.add(key.namespace)
             self.forget(key, *why_not)
             return key
-        nonce, problem = read_nonce(obj)
+        _, problem = read_nonce(obj)
         if problem is not None:
             log.warning(
                 "canary_malformed",
@@ -304,23 +380,20 @@ class Registry:
                 problem=problem,
                 action="the next bump writes a valid nonce",
             )
-        if existing is not None and existing.uid != uid:
-            self.forget(key, "replaced", "a new object of the same name replaced it")
-            existing = None
-        rv, observed = str(metadata.get("resourceVersion") or ""), status_observed_generation(obj)
-        if existing is None:
-            canary = Canary(key, uid, rv, generation, nonce, problem, status_observed=observed)
-            self._canaries[key] = canary
-            self._counts[canary.state] += 1
+        if existing is None or existing.uid != uid:
+            if existing is not None:
+                self.forget(key, "replaced", "a new object of the same name replaced it")
+            existing = self._canaries[key] = Canary(key, uid, "", generation, 0)
+            self._counts[existing.state] += 1
             log.info("canary_tracked", canary=str(key), generation=generation)
-            self._tell(Added(canary))
-        else:
-            if generation > existing.generation:
-                existing.generation_seen_at = time.monotonic()
-            existing.generation, existing.status_observed = generation, observed
-            self.refresh(existing, obj)
-            if existing.bump_sent_at is not None:
-                _stages_reached(existing, existing.generation_seen_at)
+            self._tell(Added(existing))
+        elif generation > existing.generation:
+            existing.generation_seen_at = time.monotonic()
+        status = obj.get("status")
+        observed = status.get("observedGeneration") if isinstance(status, Mapping) else None
+        existing.generation, existing.status_observed = generation, _integer(observed)
+        self.refresh(existing, obj)
+        _stages_reached(existing)
         self._changed()
         return key
 
@@ -384,7 +457,7 @@ class Registry:
         canary.bump_deadline = deadline
         canary.last_bump_at = wall_time
         # The watch can deliver the bump's event before its answer arrives.
-        _stages_reached(canary, canary.generation_seen_at)
+        _stages_reached(canary)
         self._changed()
 
     def forget(
