@@ -15,8 +15,6 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_request import BaseRequest
-from aiohttp.web_response import StreamResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client import Counter as PrometheusCounter
 from prometheus_client.core import GaugeMetricFamily
@@ -88,18 +86,18 @@ class Connection(web.RequestHandler):
         super().connection_lost(exc)
 
     async def finish_response(
-        self, request: BaseRequest, resp: StreamResponse, start_time: float | None
-    ) -> tuple[StreamResponse, bool]:
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
         self.cap.active(self)  # as its answer starts, not ends (a slow reader may end late)
         return await super().finish_response(request, resp, start_time)
 
     def handle_error(
         self,
-        request: BaseRequest,
+        request: web.BaseRequest,
         status: int = 500,
         exc: BaseException | None = None,
         message: str | None = None,
-    ) -> StreamResponse:
+    ) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError):  # a bug in a handler: as aiohttp logs it
             return super().handle_error(request, status, exc, message)
         kind = type(exc).__name__
