@@ -1,11 +1,7 @@
 """The registry: what canaryd knows of each canary (its record, the readings of an
-object's copy that every layer above shares), and the aggregate health.
-
-Only the watcher (what the API server says) and the scheduler (the results of its own
-writes) change it; the health server reads it. The scheduler learns what it must act on
-from ``take_news``: nothing here calls it. Counts by state are kept as states change, so
-``healthy`` is O(1) however many canaries there are.
-"""
+object's copy that every layer above shares), and the aggregate health, kept as states
+change (O(1) for a probe). The watcher and the scheduler write it; the scheduler learns
+what it must act on from ``take_news``: nothing here calls it (docs/DEVELOPMENT.md)."""
 
 from __future__ import annotations
 
@@ -180,8 +176,7 @@ News = Added | Forgotten | Resumed
 
 class Registry:
     """What canaryd knows of each canary, and the only writer of it: every change of a
-    canary's state goes through one of the transitions below (observed, bumped,
-    deferred, rechecking, judged, no_verdict, fresh_check, standing_by, forgotten)."""
+    canary's state goes through one of the named transitions below."""
 
     def __init__(self, label: str) -> None:
         self.label = label
