@@ -47,8 +47,10 @@ def option(
     """A ``Settings`` field (its ``default``) and its row. Its environment variable is
     CANARYD_ and the flag's name (as click's auto_envvar_prefix), unless ``env``."""
     env = env or "CANARYD_" + flag.split()[0].removeprefix("--").upper().replace("-", "_")
-    row = Option(flag, env, parse, help, str(default) if shown is None else shown, key, many)
-    return field(default=default, metadata={"option": row})
+    shown = shown or ("none" if default is None else str(default))
+    return field(
+        default=default, metadata={"option": Option(flag, env, parse, help, shown, key, many)}
+    )
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -57,13 +59,14 @@ KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything canaryd runs with, typed; durations are float seconds."""
+    """Everything canaryd runs with, typed; durations are float seconds. Each option's
+    row is one line of ``--help``; docs/CONFIGURATION.md tells each in full."""
 
     kubeconfig: str | None = option(
         None,
         "--kubeconfig PATH",
         str,
-        "kubeconfig file",
+        "kubeconfig file(s), separated by ':' as in KUBECONFIG",
         "in-cluster when KUBERNETES_SERVICE_HOST is set, else ~/.kube/config",
         env="KUBECONFIG",
     )
@@ -81,27 +84,16 @@ class Settings:
         env="WATCH_NAMESPACES",
     )
     operator_config: Path | None = option(  # noqa: RUF009 -- option() is a field()
-        None,
-        "--operator-config PATH",
-        lambda path: Path(path) if path else None,  # empty: none
-        "the operator's flink-conf.yaml or config.yaml, or its conf directory",
-        "none",
+        None, "--operator-config PATH", parse.path, "the operator's config file or conf directory"
     )
     label: str = option(
-        "flink.apache.org/canary",
-        "--label KEY",
-        parse.matching(
-            "label key",
-            r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
-        ),
-        "canary label, value true in any case",
+        "flink.apache.org/canary", "--label KEY", parse.label, "canary label, true in any case"
     )
     kinds: tuple[str, ...] = option(
         parse.FLINK_KINDS,
         "--kind PLURAL",
         parse.kinds,
-        "canary kinds, repeatable or comma-separated: Flink's plurals, or any namespaced "
-        "custom resource as PLURAL.GROUP/VERSION",
+        "canary kinds, repeatable or comma-separated: Flink's, or any as PLURAL.GROUP/VERSION",
         ",".join(parse.FLINK_KINDS),
         many=True,
         env="CANARYD_KINDS",
@@ -110,35 +102,27 @@ class Settings:
         "watch",
         "--reconciled-by watch|observed-generation|operator-metrics",
         parse.choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
-        "a bump is reconciled when its generation is seen through the watch, when the "
-        "canary's status.observedGeneration reaches it, or when the operator's own count "
-        "of finished reconciles of the canary rose after it",
+        "a bump is reconciled when seen in the watch, in status, or in the operator's metrics",
     )
     operator_metrics_url: str = option(
         "http://127.0.0.1:9249/metrics",
         "--operator-metrics-url URL",
         parse.metrics_url,
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
-        "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets for its "
-        "Prometheus reporter, else 9249",
+        "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets, else 9249",
         key="kubernetes.operator.metrics.reporter.<name>.port",
     )
     operator_account: tuple[str, str] | None = option(
         None,
         "--operator-account NS/NAME",
         parse.account,
-        "the operator's service account, whose stale writes of canaries the admission "
-        "policy refuses (config/admission): canaryd check and the start-up log say when "
-        "it does not exist",
-        "none",
+        "the operator's service account, whose stale writes the admission policy refuses",
     )
     timeout: float = option(
         60.0,
         "--timeout DURATION",
         parse.duration(0.1, bare_floor=1.0),
-        "canary cycle: bump every DURATION, judge each bump one DURATION later; e.g. "
-        "'30 s', '1 min', 'PT1M', a bare number is milliseconds (below a second refused: "
-        "give a unit)",
+        "canary cycle: bump every DURATION, judge each bump one DURATION later",
         "1 min; at least 100 ms",
         key="kubernetes.operator.health.canary.resource.timeout",
     )
@@ -173,12 +157,7 @@ class Settings:
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
-        False,
-        "--leader-elect",
-        parse.parse_bool,
-        "run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, the "
-        "others keep their registry warm",
-        "off",
+        False, "--leader-elect", parse.parse_bool, "run replicated behind a Lease", "off"
     )
     lease_name: str = option(
         "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
@@ -201,7 +180,7 @@ class Settings:
         15.0,
         "--lease-duration DURATION",
         parse.duration(1.0),
-        "followers wait this long after the lease last changed before they take it",
+        "followers take the lease after seeing it unchanged this long",
         "15 s",
     )
     renew_deadline: float = option(
@@ -319,18 +298,19 @@ CHECK = (
     "checks the configuration and asks the API server whether canaryd may do what it "
     "needs with it (exit 0 when all is granted, 2 naming what is not)"
 )
+EPILOG = (
+    "Precedence: flag > environment > operator config file > default. DURATION: e.g. "
+    "'30 s', '1 min', 'PT1M'; a bare number is milliseconds. Each option in full: "
+    "docs/CONFIGURATION.md."
+)
 
 
 def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
     """The daemon's parser, or ``canaryd check``'s: the same flags, its own usage."""
-    parser = _Parser(
-        prog=prog,
-        description=f"canaryd check {CHECK}."
-        if prog == "canaryd check"
-        else "Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default."
-        + ("" if prog == "canaryd check" else f" `canaryd check [FLAGS]` {CHECK}."),
-    )
+    parser = _Parser(prog=prog, description=f"canaryd check {CHECK}.", epilog=EPILOG)
+    if prog == "canaryd":
+        parser.description = "Canary health checks for the Apache Flink Kubernetes Operator."
+        parser.epilog = f"{EPILOG} `canaryd check [FLAGS]` {CHECK}."
     for name, row in OPTIONS.items():
         flag, _, metavar = row.flag.partition(" ")
         key = f" [{row.key}]" if row.key else ""
