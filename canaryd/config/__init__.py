@@ -4,6 +4,7 @@ option one row (a ``Settings`` field) that ``--help`` and the readers are made f
 from __future__ import annotations
 
 import argparse
+import math
 import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,16 @@ def option(
     return field(
         default=default, metadata={"option": Option(flag, env, parse, help, shown, key, many)}
     )
+
+
+class Cycle:
+    """A timing derived from the cycle: ``cap`` seconds, at most 1/``part`` of --timeout."""
+
+    def __init__(self, cap: float, part: float) -> None:
+        self.cap, self.part = cap, part
+
+    def __get__(self, settings: Settings, owner: type[Settings] | None = None) -> float:
+        return min(self.cap, settings.timeout / self.part)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -212,13 +223,28 @@ class Settings:
     """Bumps writing at once (each holds a connection): 10,000 canaries on a 60 s cycle
     with 1 s writes need about 170."""
 
-    # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
-    # of the cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get
-    # these exactly as a user would.
-
-    @property
-    def request_timeout(self) -> float:
-        return min(10.0, self.timeout / 2)
+    # Timings derived from the cycle: client-go's value (or kube's), at most a part of the
+    # cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get these
+    # exactly as a user would.
+    request_timeout = Cycle(10.0, 2)
+    connect_timeout = Cycle(5.0, 2)  # at most the request timeout
+    keepalive_timeout = Cycle(15.0, 4)
+    """A bump seldom goes over a pooled connection gone half-open between bumps."""
+    backoff_initial = Cycle(0.8, 20)
+    backoff_max = Cycle(30.0, 4)
+    forbidden_retry = Cycle(60.0, 1)
+    short_watch = Cycle(1.0, 4)
+    resume_grace = Cycle(math.inf, 4)
+    judge_slack = Cycle(1.0, 10)
+    """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
+    events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
+    scheduler_tick = Cycle(0.025, 80)  # at most an eighth of the judge slack
+    """Deadlines due within a tick are taken in one wake (a wake per canary was a third
+    of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
+    scrape_interval = Cycle(2.0, 10)
+    scrape_connect_timeout = Cycle(2.5, 8)
+    """A port held but accepting nothing (a frozen JVM's full listen backlog) fails here;
+    an answer may take the whole cycle (a slow operator is not a frozen one)."""
 
     @property
     def write_timeout(self) -> float:
@@ -229,59 +255,8 @@ class Settings:
         return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
     @property
-    def keepalive_timeout(self) -> float:
-        """A bump seldom goes over a pooled connection gone half-open between bumps."""
-        return min(15.0, self.timeout / 4)
-
-    @property
-    def connect_timeout(self) -> float:
-        return min(5.0, self.request_timeout)
-
-    @property
-    def backoff_initial(self) -> float:
-        return min(0.8, self.timeout / 20)
-
-    @property
-    def backoff_max(self) -> float:
-        return min(30.0, self.timeout / 4)
-
-    @property
     def namespaces_from_file(self) -> bool:
         return "namespaces" in self.from_file
-
-    @property
-    def forbidden_retry(self) -> float:
-        return min(60.0, self.timeout)
-
-    @property
-    def short_watch(self) -> float:
-        return min(1.0, self.timeout / 4)
-
-    @property
-    def judge_slack(self) -> float:
-        """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
-        events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
-        return min(1.0, self.timeout / 10)
-
-    @property
-    def scheduler_tick(self) -> float:
-        """Deadlines due within a tick are taken in one wake (a wake per canary was a
-        third of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
-        return min(0.025, self.judge_slack / 8)
-
-    @property
-    def resume_grace(self) -> float:
-        return self.timeout / 4
-
-    @property
-    def scrape_interval(self) -> float:
-        return min(2.0, self.timeout / 10)
-
-    @property
-    def scrape_connect_timeout(self) -> float:
-        """A port held but accepting nothing (a frozen JVM's full listen backlog) fails
-        here; an answer may take the whole cycle (a slow operator is not a frozen one)."""
-        return min(2.5, self.timeout / 8)
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings) if f.metadata}
