@@ -145,7 +145,14 @@ _STATUS_KINDS = {
 }
 
 
-def classify_status(status: int) -> ErrorKind:
+def classify_answer(status: int, answer: Mapping[str, Any] | None = None) -> ErrorKind:
+    """What an answer's code means, reading its Status where the code does not tell: a
+    504 "Too large resource version" (kube-apiserver's message, its cause
+    ResourceVersionTooLarge or not) is an API server behind canaryd's resourceVersion:
+    EXPIRED, a relist, as in client-go."""
+    message = str((answer or {}).get("message") or "").lower()
+    if status == 504 and "too large resource version" in message:
+        return ErrorKind.EXPIRED
     if status >= 500 or status in (401, 408, 429):
         return ErrorKind.TRANSIENT
     return _STATUS_KINDS.get(status, ErrorKind.INVALID)
@@ -163,16 +170,6 @@ def serving(status: int, body: bytes) -> bool:
     if 400 <= status < 500 and status != 429:
         return (_json_object(body) or {}).get("kind") == "Status"
     return 200 <= status < 300
-
-
-def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
-    """classify_status, reading the Status where the code does not tell: a 504 "Too large
-    resource version" (kube-apiserver's message, its cause ResourceVersionTooLarge or not)
-    is an API server behind canaryd's resourceVersion: EXPIRED, a relist, as in client-go."""
-    message = str(decoded.get("message") or "").lower()
-    if status == 504 and "too large resource version" in message:
-        return ErrorKind.EXPIRED
-    return classify_status(status)
 
 
 def error_from_response(
