@@ -172,13 +172,11 @@ def serving(status: int, body: bytes) -> bool:
     return 200 <= status < 300
 
 
-def error_from_response(
-    status: int, body: bytes, retry_after: str | None, note: str = ""
-) -> KubeError:
-    answer = _json_object(body) or {}
+def error_from_response(response: aiohttp.ClientResponse, body: bytes, note: str = "") -> KubeError:
+    status, answer = response.status, _json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
-        seconds: float | None = float(retry_after or "")
+        seconds: float | None = float(response.headers.get("Retry-After") or "")
     except ValueError:
         seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
     kind = classify_answer(status, answer)
@@ -373,19 +371,19 @@ class KubeClient:
             async with self._exchange(
                 verb, method, path, deadline, self._timeout, content, params=params, data=data
             ) as (reply, payload):
-                status, retry_after = reply.status, reply.headers.get("Retry-After")
+                status = reply.status
             if status == 401 and not retried:
                 reloaded = await self.credentials.reload(version, deadline)
                 if loop.time() >= deadline:
                     # A slow or hung reload (an exec plugin) used the call's time: not
                     # sent again (a leader's write could land past its fence).
                     note = " (reloading the credentials took the call's time: not sent again)"
-                    raise error_from_response(status, payload, retry_after, note)
+                    raise error_from_response(reply, payload, note)
                 if reloaded:
                     continue
             note = self.credentials.answered(status, version, retried)
             if status >= 300:
-                raise error_from_response(status, payload, retry_after, note)
+                raise error_from_response(reply, payload, note)
             decoded = _json_object(payload)
             if decoded is None:
                 not_json = "the API server sent a body that is not a JSON object"
@@ -417,9 +415,7 @@ class KubeClient:
             if response.status == 401:
                 await self.credentials.reload(version)  # the retry uses fresh ones
             if response.status >= 300:
-                raise error_from_response(
-                    response.status, body, response.headers.get("Retry-After")
-                )
+                raise error_from_response(response, body)
             if on_connected is not None:
                 on_connected()
             while True:
