@@ -60,7 +60,9 @@ class Cycle:
     def __init__(self, cap: float, part: float) -> None:
         self.cap, self.part = cap, part
 
-    def __get__(self, settings: Settings, owner: type[Settings] | None = None) -> float:
+    def __get__(self, settings: Settings | None, owner: object = None) -> float:
+        if settings is None:  # read on the class: the value the cycle caps
+            return self.cap
         return min(self.cap, settings.timeout / self.part)
 
 
