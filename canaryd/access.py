@@ -15,7 +15,7 @@ ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 KIND_VERBS = ("list", "watch", "patch")
 """What canaryd does to its canaries: a list and a watch per scope, a merge patch per
 bump (the GET after a 409 or 404 is a repair path, not needed to run)."""
-LEASES = "coordination.k8s.io"
+LEASE_GROUP = "coordination.k8s.io"
 CONCURRENT_REVIEWS = 8
 
 
@@ -31,9 +31,10 @@ class Permission(NamedTuple):
     name: str | None = None
 
     def __str__(self) -> str:
-        plain = self.group in ("", FLINK_GROUP, LEASES)  # their plurals say which
+        plain = self.group in ("", FLINK_GROUP, LEASE_GROUP)  # their plurals say which
         what = self.resource if plain else f"{self.resource}.{self.group}"
-        what += "" if self.name is None else f"/{self.name}"
+        if self.name is not None:
+            what += f"/{self.name}"
         if self.resource == "namespaces":
             return f"{self.verb} {what} (cluster-scoped)"
         return f"{self.verb} {what} in {self.namespace or 'all namespaces'}"
@@ -54,9 +55,9 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
     if settings.leader_elect:
         namespace, lease = lease_namespace(settings), settings.lease_name
         wanted += [
-            Permission("get", "leases", LEASES, namespace, lease),
-            Permission("create", "leases", LEASES, namespace),  # RBAC: no name yet
-            Permission("update", "leases", LEASES, namespace, lease),
+            Permission("get", "leases", LEASE_GROUP, namespace, lease),
+            Permission("create", "leases", LEASE_GROUP, namespace),  # RBAC: no name yet
+            Permission("update", "leases", LEASE_GROUP, namespace, lease),
         ]
     if settings.operator_account is not None:
         wanted.append(Permission("get", "serviceaccounts", "", *settings.operator_account))

@@ -170,7 +170,7 @@ class Settings:
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
-        False, "--leader-elect", parse.parse_bool, "run replicated behind a Lease", "off"
+        False, "--leader-elect", parse.parse_bool, "replicas: the Lease's holder bumps", "off"
     )
     lease_name: str = option(
         "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
