@@ -1,21 +1,40 @@
-"""``canaryd`` and ``python -m canaryd``: the daemon, exit 0 on SIGTERM/SIGINT;
-``canaryd check [FLAGS]``: the pre-flight check (canaryd.check) with the same flags,
-its exit status its own. Both exit 2 on bad configuration, naming it in one line."""
+"""``canaryd`` (``python -m canaryd``): the daemon, exit 0 on SIGTERM/SIGINT.
+``canaryd check [FLAGS]`` (and ``helm test``): access reviews of every permission canaryd
+will use, whether the operator's account exists, then, all granted, what the daemon
+would meet; a line per finding, exit 2 naming what is missing, 1 naming why canaryd would
+be blind (a ``canaryd_blind`` reason each), else 0 (docs/OPERATIONS.md). Both exit 2 on
+bad configuration (checking, also on an API server unreached or refusing), in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
 
 import structlog
 
 from canaryd import logs
-from canaryd.check import check
-from canaryd.config import ConfigError, load_settings
+from canaryd.access import account_exists, reviews, wanted_permissions
+from canaryd.config import ConfigError, Settings, load_settings
+from canaryd.config.operator_config import nested_keys_why, nested_operator_keys
 from canaryd.daemon import Daemon
+from canaryd.kube import (
+    NAMESPACES_PATH,
+    ErrorKind,
+    Kind,
+    KubeClient,
+    KubeError,
+    connect,
+    failure_cause,
+    kind_of,
+)
 from canaryd.leader import lease_timings_problem
+from canaryd.listwatch import list_all, not_served
+from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
+from canaryd.registry import is_canary
 
 try:  # less CPU per request and watch event than asyncio's own loop
     from uvloop import run
@@ -53,6 +72,155 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.exception("canaryd_failed")
         sys.exit(1)
     sys.exit(0)
+
+
+Say = Callable[[str | None, str], None]
+"""A finding: its ``canaryd_blind`` reason (None: fine) and its line."""
+
+
+async def check(settings: Settings, out: TextIO) -> int:
+    if settings.operator_config is not None:
+        read, nested = nested_operator_keys(settings.operator_config)
+        for key in nested:
+            print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
+    wanted, account = wanted_permissions(settings), settings.operator_account
+    blind: list[str] = []
+
+    def say(reason: str | None, line: str) -> None:
+        print(f"{'BLIND' if reason else 'ok  '} {line}", file=out)
+        if reason is not None:
+            blind.append(f"{reason}: {line}")
+
+    kube = await connect(settings)
+    try:
+        granted = await reviews(kube, wanted)
+        for permission, ok in zip(wanted, granted, strict=True):
+            print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
+        gone = (
+            account if account and granted[-1] and not await account_exists(kube, account) else None
+        )
+        if all(granted):
+            await would_see(settings, kube, say, out)
+    except KubeError as err:
+        raise ConfigError(unanswered(kube.host, err)) from err
+    finally:
+        await kube.close()
+    missing = [str(p) for p, ok in zip(wanted, granted, strict=True) if not ok]
+    if gone:
+        print(
+            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy judges "
+            "the operator's writes by this account, and refuses nothing while it does not exist",
+            file=out,
+        )
+    if missing:
+        print(
+            f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
+            f"{kube.host}: {', '.join(missing)}",
+            file=out,
+        )
+        return 2
+    summary = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
+    if gone:
+        summary += f", but the operator's service account {'/'.join(gone)} does not exist"
+    elif blind:
+        summary += f", but canaryd would be blind: {'; '.join(blind)}"
+    print(summary, file=out)
+    return 2 if gone else 1 if blind else 0
+
+
+async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO) -> None:
+    """What the daemon would meet: each kind served, each watched namespace there, the
+    canaries per namespace and, with operator-metrics, their series."""
+    served: list[Kind] = []
+    for key in settings.kinds:
+        if await not_served(kube, kind_of(key)) is None:
+            say(None, f"kind {key} is served")
+            served.append(kind_of(key))
+        else:
+            say("kind_not_served", f"kind {key} is not served (its CRD is not installed)")
+    scopes: Sequence[str | None] = [None]
+    existing: list[str] = []  # the watched namespaces that exist
+    if settings.namespaces is not None:
+        listed, _, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
+        there = {names(item)[1] for item in listed}
+        for watched in sorted(settings.namespaces):
+            exists = watched in there
+            line = f"namespace {watched} {'exists' if exists else 'does not exist'}"
+            say(None if exists else "namespace_missing", line)
+        scopes = existing = sorted(settings.namespaces & there)
+    canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
+    for kind in served:
+        for namespace in scopes:
+            path, params = kind.collection_path(namespace), {"labelSelector": settings.label}
+            try:
+                items, _, _ = await list_all(kube, path, params, settings.list_timeout)
+            except KubeError as err:
+                if err.kind is not ErrorKind.FORBIDDEN and err.status != 401:
+                    raise
+                reason = "unauthorized" if err.status == 401 else "list_forbidden"
+                say(reason, f"list {kind.plural} in {namespace or 'all namespaces'}: {err}")
+                continue
+            canaries += [
+                (kind.plural, str(item.get("kind") or kind.kind), *names(item))
+                for item in items
+                if is_canary(item, settings.label)
+            ]
+    per_namespace = Counter(namespace for _, _, namespace, _ in canaries)
+    for where in sorted({*per_namespace, *existing}):
+        count = per_namespace[where]
+        print(f"{'ok  ' if count else 'warn'} {count} canaries in {where}", file=out)
+    if not canaries:
+        inside = ", ".join(existing) or "the watched namespaces: none exist"
+        if settings.namespaces is None:
+            inside = "any namespace"
+        say("no_canaries", f"no canary labelled {settings.label}=true in {inside}")
+    if settings.reconciled_by == "operator-metrics":
+        await operator_series(settings, canaries, say)
+
+
+def names(item: Mapping[str, Any]) -> tuple[str, str]:
+    metadata = item.get("metadata") or {}
+    return str(metadata.get("namespace")), str(metadata.get("name"))
+
+
+async def operator_series(
+    settings: Settings, canaries: list[tuple[str, str, str, str]], say: Say
+) -> None:
+    """The operator's metrics answer with each canary's count of finished reconciles."""
+    url = settings.operator_metrics_url
+    operator = OperatorMetrics(
+        url, connect_timeout=settings.scrape_connect_timeout, read_timeout=settings.timeout
+    )
+    try:
+        scrape = await operator.scrape()
+    except ScrapeFailed as err:
+        say("operator_metrics_unreachable", f"the operator's metrics: {err}")
+        return
+    finally:
+        await operator.close()
+    if not scrape.has_operator_series:
+        say("operator_metrics_no_series", f"{url} answered without the operator's metrics")
+        return
+    missing = [
+        f"{plural}/{namespace}/{name}"
+        for plural, kind, namespace, name in canaries
+        if scrape.count((kind, namespace, name)) is None
+    ]
+    seen = f"{url} has the series of {len(canaries) - len(missing)} of {len(canaries)} canaries"
+    if missing:
+        say("operator_metrics_no_series", f"{seen}, not of {', '.join(missing[:10])}")
+    else:
+        say(None, seen)
+
+
+def unanswered(host: str, err: KubeError) -> str:
+    """One line for an API server that did not answer, or refused what it had allowed."""
+    cause, said = failure_cause(err), logs.scrub(str(err))
+    if cause == "unauthorized":
+        return f"the API server at {host} refused the credentials (401): {said}"
+    if err.status is not None:
+        return f"the API server at {host} answered {err.status}: {said}"
+    return f"cannot reach the API server at {host} ({cause}): {said}"
 
 
 if __name__ == "__main__":

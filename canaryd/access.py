@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 from canaryd.config import Settings, lease_namespace
 from canaryd.kube import FLINK_GROUP, KubeClient, KubeError, kind_of
@@ -20,29 +19,23 @@ LEASE_GROUP = "coordination.k8s.io"
 CONCURRENT_REVIEWS = 8
 
 
-@dataclass(frozen=True)
-class Permission:
-    """One thing canaryd will ask the API server to let it do. ``namespace`` None: in
-    every namespace, or of a ``cluster_scoped`` resource."""
+class Permission(NamedTuple):
+    """One thing canaryd will ask the API server to let it do, as a review's
+    resourceAttributes. ``namespace`` None: in every namespace (namespaces themselves
+    are cluster-scoped)."""
 
     verb: str
     resource: str
     group: str = ""
     namespace: str | None = None
     name: str | None = None
-    cluster_scoped: bool = False
-
-    def attributes(self) -> dict[str, str]:
-        asked = {"verb": self.verb, "group": self.group, "resource": self.resource}
-        named = {"namespace": self.namespace, "name": self.name}
-        return asked | {key: value for key, value in named.items() if value is not None}
 
     def __str__(self) -> str:
         plain = self.group in ("", FLINK_GROUP, LEASE_GROUP)  # their plurals say which
         what = self.resource if plain else f"{self.resource}.{self.group}"
         if self.name is not None:
             what += f"/{self.name}"
-        if self.cluster_scoped:
+        if self.resource == "namespaces":
             return f"{self.verb} {what} (cluster-scoped)"
         return f"{self.verb} {what} in {self.namespace or 'all namespaces'}"
 
@@ -57,8 +50,8 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
         for namespace in scopes
         for verb in KIND_VERBS
     ]
-    # Namespaces are listed and watched whatever is watched: one that goes drops its canaries.
-    wanted += [Permission(verb, "namespaces", cluster_scoped=True) for verb in ("list", "watch")]
+    # Listed and watched whatever is watched: a namespace that goes drops its canaries.
+    wanted += [Permission("list", "namespaces"), Permission("watch", "namespaces")]
     if settings.leader_elect:
         namespace, lease = lease_namespace(settings), settings.lease_name
         wanted += [
@@ -90,15 +83,14 @@ async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[b
     gate = asyncio.Semaphore(CONCURRENT_REVIEWS)
 
     async def allowed(permission: Permission) -> bool:
+        asked = {key: value for key, value in permission._asdict().items() if value is not None}
         review = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": permission.attributes()},
+            "spec": {"resourceAttributes": asked},
         }
         async with gate:
-            answer: dict[str, Any] = await kube.request(
-                "create", "POST", ACCESS_REVIEWS, body=review
-            )
+            answer = await kube.request("create", "POST", ACCESS_REVIEWS, body=review)
         status = answer.get("status")
         return isinstance(status, dict) and status.get("allowed") is True
 

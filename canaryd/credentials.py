@@ -70,11 +70,9 @@ def source(settings: Settings) -> Source:
             f"no kubeconfig at {' or '.join(files) or repr(where)}: pass --kubeconfig or "
             "set KUBECONFIG (in a pod, canaryd uses its service account)"
         )
-    current = None
+    current = next((str(d["current-context"]) for d in loaded if d.get("current-context")), None)
     named: dict[str, dict[str, dict[str, Any]]] = {"contexts": {}, "users": {}}
     for data in loaded:
-        if current is None and data.get("current-context"):
-            current = str(data["current-context"])
         for section, found in named.items():
             items = data.get(section)
             for item in items if isinstance(items, list) else []:

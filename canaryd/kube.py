@@ -145,7 +145,14 @@ _STATUS_KINDS = {
 }
 
 
-def classify_status(status: int) -> ErrorKind:
+def classify_answer(status: int, answer: Mapping[str, Any] | None = None) -> ErrorKind:
+    """What an answer's code means, reading its Status where the code does not tell: a
+    504 "Too large resource version" (kube-apiserver's message, its cause
+    ResourceVersionTooLarge or not) is an API server behind canaryd's resourceVersion:
+    EXPIRED, a relist, as in client-go."""
+    message = str((answer or {}).get("message") or "").lower()
+    if status == 504 and "too large resource version" in message:
+        return ErrorKind.EXPIRED
     if status >= 500 or status in (401, 408, 429):
         return ErrorKind.TRANSIENT
     return _STATUS_KINDS.get(status, ErrorKind.INVALID)
@@ -165,23 +172,11 @@ def serving(status: int, body: bytes) -> bool:
     return 200 <= status < 300
 
 
-def classify_answer(status: int, decoded: Mapping[str, Any]) -> ErrorKind:
-    """classify_status, reading the Status where the code does not tell: a 504 "Too large
-    resource version" (kube-apiserver's message, its cause ResourceVersionTooLarge or not)
-    is an API server behind canaryd's resourceVersion: EXPIRED, a relist, as in client-go."""
-    message = str(decoded.get("message") or "").lower()
-    if status == 504 and "too large resource version" in message:
-        return ErrorKind.EXPIRED
-    return classify_status(status)
-
-
-def error_from_response(
-    status: int, body: bytes, retry_after: str | None, note: str = ""
-) -> KubeError:
-    answer = _json_object(body) or {}
+def error_from_response(response: aiohttp.ClientResponse, body: bytes, note: str = "") -> KubeError:
+    status, answer = response.status, _json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
-        seconds: float | None = float(retry_after or "")
+        seconds: float | None = float(response.headers.get("Retry-After") or "")
     except ValueError:
         seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
     kind = classify_answer(status, answer)
@@ -376,19 +371,19 @@ class KubeClient:
             async with self._exchange(
                 verb, method, path, deadline, self._timeout, content, params=params, data=data
             ) as (reply, payload):
-                status, retry_after = reply.status, reply.headers.get("Retry-After")
+                status = reply.status
             if status == 401 and not retried:
                 reloaded = await self.credentials.reload(version, deadline)
                 if loop.time() >= deadline:
                     # A slow or hung reload (an exec plugin) used the call's time: not
                     # sent again (a leader's write could land past its fence).
                     note = " (reloading the credentials took the call's time: not sent again)"
-                    raise error_from_response(status, payload, retry_after, note)
+                    raise error_from_response(reply, payload, note)
                 if reloaded:
                     continue
             note = self.credentials.answered(status, version, retried)
             if status >= 300:
-                raise error_from_response(status, payload, retry_after, note)
+                raise error_from_response(reply, payload, note)
             decoded = _json_object(payload)
             if decoded is None:
                 not_json = "the API server sent a body that is not a JSON object"
@@ -420,9 +415,7 @@ class KubeClient:
             if response.status == 401:
                 await self.credentials.reload(version)  # the retry uses fresh ones
             if response.status >= 300:
-                raise error_from_response(
-                    response.status, body, response.headers.get("Retry-After")
-                )
+                raise error_from_response(response, body)
             if on_connected is not None:
                 on_connected()
             while True:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from canaryd import writer as writer_module
 from canaryd.config import Settings
-from canaryd.kube import ErrorKind, KubeError, classify_status
+from canaryd.kube import ErrorKind, KubeError, classify_answer
 from canaryd.registry import CanaryKey, CanaryState, Registry
 from canaryd.scheduler import Scheduler
 from canaryd.sync import ScopeSync
@@ -120,7 +120,7 @@ class StubKube:
 
 
 def error(code: int) -> KubeError:
-    return KubeError(classify_status(code), f"answer {code}", status=code, reason=str(code))
+    return KubeError(classify_answer(code), f"answer {code}", status=code, reason=str(code))
 
 
 class Run:
@@ -359,7 +359,7 @@ def test_the_model_catches_a_scheduler_that_drops_on_404(monkeypatch):
 
 
 def test_error_kinds_are_what_the_model_assumes():
-    assert classify_status(404) is ErrorKind.GONE
-    assert classify_status(403) is ErrorKind.FORBIDDEN
-    assert classify_status(409) is ErrorKind.CONFLICT
-    assert classify_status(503) is ErrorKind.TRANSIENT
+    assert classify_answer(404) is ErrorKind.GONE
+    assert classify_answer(403) is ErrorKind.FORBIDDEN
+    assert classify_answer(409) is ErrorKind.CONFLICT
+    assert classify_answer(503) is ErrorKind.TRANSIENT

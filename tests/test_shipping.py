@@ -21,9 +21,8 @@ import aiohttp
 import pytest
 
 from canaryd import __version__, metrics
-from canaryd.__main__ import main
+from canaryd.__main__ import check, main
 from canaryd.access import ACCESS_REVIEWS, KIND_VERBS
-from canaryd.check import check
 from canaryd.config import ConfigError, load_settings
 from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube
 from tests.conftest import TOKEN

@@ -4,6 +4,7 @@ option one row (a ``Settings`` field) that ``--help`` and the readers are made f
 from __future__ import annotations
 
 import argparse
+import math
 import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +48,22 @@ def option(
     """A ``Settings`` field (its ``default``) and its row. Its environment variable is
     CANARYD_ and the flag's name (as click's auto_envvar_prefix), unless ``env``."""
     env = env or "CANARYD_" + flag.split()[0].removeprefix("--").upper().replace("-", "_")
-    row = Option(flag, env, parse, help, str(default) if shown is None else shown, key, many)
-    return field(default=default, metadata={"option": row})
+    shown = shown or ("none" if default is None else str(default))
+    return field(
+        default=default, metadata={"option": Option(flag, env, parse, help, shown, key, many)}
+    )
+
+
+class Cycle:
+    """A timing derived from the cycle: ``cap`` seconds, at most 1/``part`` of --timeout."""
+
+    def __init__(self, cap: float, part: float) -> None:
+        self.cap, self.part = cap, part
+
+    def __get__(self, settings: Settings | None, owner: object = None) -> float:
+        if settings is None:  # read on the class: the value the cycle caps
+            return self.cap
+        return min(self.cap, settings.timeout / self.part)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -57,13 +72,14 @@ KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything canaryd runs with, typed; durations are float seconds."""
+    """Everything canaryd runs with, typed; durations are float seconds. Each option's
+    row is one line of ``--help``; docs/CONFIGURATION.md tells each in full."""
 
     kubeconfig: str | None = option(
         None,
         "--kubeconfig PATH",
         str,
-        "kubeconfig file",
+        "kubeconfig file(s), separated by ':' as in KUBECONFIG",
         "in-cluster when KUBERNETES_SERVICE_HOST is set, else ~/.kube/config",
         env="KUBECONFIG",
     )
@@ -81,27 +97,16 @@ class Settings:
         env="WATCH_NAMESPACES",
     )
     operator_config: Path | None = option(  # noqa: RUF009 -- option() is a field()
-        None,
-        "--operator-config PATH",
-        lambda path: Path(path) if path else None,  # empty: none
-        "the operator's flink-conf.yaml or config.yaml, or its conf directory",
-        "none",
+        None, "--operator-config PATH", parse.path, "the operator's config file or conf directory"
     )
     label: str = option(
-        "flink.apache.org/canary",
-        "--label KEY",
-        parse.matching(
-            "label key",
-            r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
-        ),
-        "canary label, value true in any case",
+        "flink.apache.org/canary", "--label KEY", parse.label, "canary label, true in any case"
     )
     kinds: tuple[str, ...] = option(
         parse.FLINK_KINDS,
         "--kind PLURAL",
         parse.kinds,
-        "canary kinds, repeatable or comma-separated: Flink's plurals, or any namespaced "
-        "custom resource as PLURAL.GROUP/VERSION",
+        "canary kinds, repeatable or comma-separated: Flink's, or any as PLURAL.GROUP/VERSION",
         ",".join(parse.FLINK_KINDS),
         many=True,
         env="CANARYD_KINDS",
@@ -110,35 +115,27 @@ class Settings:
         "watch",
         "--reconciled-by watch|observed-generation|operator-metrics",
         parse.choice("reconciled-by", "watch", "observed-generation", "operator-metrics"),
-        "a bump is reconciled when its generation is seen through the watch, when the "
-        "canary's status.observedGeneration reaches it, or when the operator's own count "
-        "of finished reconciles of the canary rose after it",
+        "a bump is reconciled when seen in the watch, in status, or in the operator's metrics",
     )
     operator_metrics_url: str = option(
         "http://127.0.0.1:9249/metrics",
         "--operator-metrics-url URL",
         parse.metrics_url,
         "the operator's Prometheus reporter, read with --reconciled-by operator-metrics",
-        "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets for its "
-        "Prometheus reporter, else 9249",
+        "http://127.0.0.1:PORT/metrics, PORT as the operator config file sets, else 9249",
         key="kubernetes.operator.metrics.reporter.<name>.port",
     )
     operator_account: tuple[str, str] | None = option(
         None,
         "--operator-account NS/NAME",
         parse.account,
-        "the operator's service account, whose stale writes of canaries the admission "
-        "policy refuses (config/admission): canaryd check and the start-up log say when "
-        "it does not exist",
-        "none",
+        "the operator's service account, whose stale writes the admission policy refuses",
     )
     timeout: float = option(
         60.0,
         "--timeout DURATION",
         parse.duration(0.1, bare_floor=1.0),
-        "canary cycle: bump every DURATION, judge each bump one DURATION later; e.g. "
-        "'30 s', '1 min', 'PT1M', a bare number is milliseconds (below a second refused: "
-        "give a unit)",
+        "canary cycle: bump every DURATION, judge each bump one DURATION later",
         "1 min; at least 100 ms",
         key="kubernetes.operator.health.canary.resource.timeout",
     )
@@ -173,12 +170,7 @@ class Settings:
         f"least severe level logged: {', '.join(LOG_LEVELS)} (or warn), any case",
     )
     leader_elect: bool = option(
-        False,
-        "--leader-elect",
-        parse.parse_bool,
-        "run replicated: only the holder of a coordination.k8s.io/v1 Lease bumps, the "
-        "others keep their registry warm",
-        "off",
+        False, "--leader-elect", parse.parse_bool, "replicas: the Lease's holder bumps", "off"
     )
     lease_name: str = option(
         "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
@@ -201,7 +193,7 @@ class Settings:
         15.0,
         "--lease-duration DURATION",
         parse.duration(1.0),
-        "followers wait this long after the lease last changed before they take it",
+        "followers take the lease after seeing it unchanged this long",
         "15 s",
     )
     renew_deadline: float = option(
@@ -233,13 +225,28 @@ class Settings:
     """Bumps writing at once (each holds a connection): 10,000 canaries on a 60 s cycle
     with 1 s writes need about 170."""
 
-    # Timings derived from the cycle: client-go's value (or kube's), capped by a fraction
-    # of the cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get
-    # these exactly as a user would.
-
-    @property
-    def request_timeout(self) -> float:
-        return min(10.0, self.timeout / 2)
+    # Timings derived from the cycle: client-go's value (or kube's), at most a part of the
+    # cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get these
+    # exactly as a user would.
+    request_timeout = Cycle(10.0, 2)
+    connect_timeout = Cycle(5.0, 2)  # at most the request timeout
+    keepalive_timeout = Cycle(15.0, 4)
+    """A bump seldom goes over a pooled connection gone half-open between bumps."""
+    backoff_initial = Cycle(0.8, 20)
+    backoff_max = Cycle(30.0, 4)
+    forbidden_retry = Cycle(60.0, 1)
+    short_watch = Cycle(1.0, 4)
+    resume_grace = Cycle(math.inf, 4)
+    judge_slack = Cycle(1.0, 10)
+    """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
+    events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
+    scheduler_tick = Cycle(0.025, 80)  # at most an eighth of the judge slack
+    """Deadlines due within a tick are taken in one wake (a wake per canary was a third
+    of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
+    scrape_interval = Cycle(2.0, 10)
+    scrape_connect_timeout = Cycle(2.5, 8)
+    """A port held but accepting nothing (a frozen JVM's full listen backlog) fails here;
+    an answer may take the whole cycle (a slow operator is not a frozen one)."""
 
     @property
     def write_timeout(self) -> float:
@@ -250,59 +257,8 @@ class Settings:
         return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
     @property
-    def keepalive_timeout(self) -> float:
-        """A bump seldom goes over a pooled connection gone half-open between bumps."""
-        return min(15.0, self.timeout / 4)
-
-    @property
-    def connect_timeout(self) -> float:
-        return min(5.0, self.request_timeout)
-
-    @property
-    def backoff_initial(self) -> float:
-        return min(0.8, self.timeout / 20)
-
-    @property
-    def backoff_max(self) -> float:
-        return min(30.0, self.timeout / 4)
-
-    @property
     def namespaces_from_file(self) -> bool:
         return "namespaces" in self.from_file
-
-    @property
-    def forbidden_retry(self) -> float:
-        return min(60.0, self.timeout)
-
-    @property
-    def short_watch(self) -> float:
-        return min(1.0, self.timeout / 4)
-
-    @property
-    def judge_slack(self) -> float:
-        """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
-        events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
-        return min(1.0, self.timeout / 10)
-
-    @property
-    def scheduler_tick(self) -> float:
-        """Deadlines due within a tick are taken in one wake (a wake per canary was a
-        third of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
-        return min(0.025, self.judge_slack / 8)
-
-    @property
-    def resume_grace(self) -> float:
-        return self.timeout / 4
-
-    @property
-    def scrape_interval(self) -> float:
-        return min(2.0, self.timeout / 10)
-
-    @property
-    def scrape_connect_timeout(self) -> float:
-        """A port held but accepting nothing (a frozen JVM's full listen backlog) fails
-        here; an answer may take the whole cycle (a slow operator is not a frozen one)."""
-        return min(2.5, self.timeout / 8)
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings) if f.metadata}
@@ -319,18 +275,19 @@ CHECK = (
     "checks the configuration and asks the API server whether canaryd may do what it "
     "needs with it (exit 0 when all is granted, 2 naming what is not)"
 )
+EPILOG = (
+    "Precedence: flag > environment > operator config file > default. DURATION: e.g. "
+    "'30 s', '1 min', 'PT1M'; a bare number is milliseconds. Each option in full: "
+    "docs/CONFIGURATION.md."
+)
 
 
 def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
     """The daemon's parser, or ``canaryd check``'s: the same flags, its own usage."""
-    parser = _Parser(
-        prog=prog,
-        description=f"canaryd check {CHECK}."
-        if prog == "canaryd check"
-        else "Canary health checks for the Apache Flink Kubernetes Operator.",
-        epilog="Precedence: flag > environment > operator config file > default."
-        + ("" if prog == "canaryd check" else f" `canaryd check [FLAGS]` {CHECK}."),
-    )
+    parser = _Parser(prog=prog, description=f"canaryd check {CHECK}.", epilog=EPILOG)
+    if prog == "canaryd":
+        parser.description = "Canary health checks for the Apache Flink Kubernetes Operator."
+        parser.epilog = f"{EPILOG} `canaryd check [FLAGS]` {CHECK}."
     for name, row in OPTIONS.items():
         flag, _, metavar = row.flag.partition(" ")
         key = f" [{row.key}]" if row.key else ""

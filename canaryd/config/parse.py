@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -107,7 +108,14 @@ def dns_name(what: str) -> Callable[[Any], str]:
     return matching(what, r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", ": not a DNS name")
 
 
+def path(value: Any) -> Path | None:
+    return Path(value) if value else None  # empty: none
+
+
 namespace = matching("namespace name", r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+label = matching(
+    "label key", r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
 FLINK_KINDS = ("flinkdeployments", "flinksessionjobs")
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # PLURAL.GROUP/VERSION: a DNS label, a DNS subdomain with a dot, a version.
