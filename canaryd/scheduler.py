@@ -198,7 +198,6 @@ class Scheduler:
         self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
         permit = lease.write_permit if lease is not None else None
         self.writer = Writer(settings, registry, kube, permit=permit, clock=clock)
-        self._deferred: set[Canary] = set()  # verdicts waiting for their watch to resume
         self._group: asyncio.TaskGroup | None = None
         # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
@@ -218,7 +217,6 @@ class Scheduler:
         watches run), so this replica judges from its first cycle once it leads."""
         self._heap.clear()
         self._due_seq.clear()
-        self._deferred.clear()
         self._waiting.clear()
         self.role.stand_by(leader)
 
@@ -238,13 +236,6 @@ class Scheduler:
             elif not leading and (self.role.active or seen != (leading, leader)):
                 self.standby(leader)
             seen = leading, leader
-
-    async def finish_writes(self) -> None:
-        """Stopping: no more writes; returns once those in flight were answered or
-        abandoned (each within the write timeout): the lease may be released then."""
-        if self.writer.in_flight:
-            log.info("finishing_writes", in_flight=self.writer.in_flight)
-        await self.writer.finished()
 
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant (above): empty when all is well, and
@@ -426,7 +417,6 @@ class Scheduler:
             metrics.ERRORS.labels("scheduler").inc()
             log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
             self.role.no_bump(canary, "internal error; see logs", "internal_error")
-            next_due = self._after_failure(due)
         finally:
             if self.flying(canary):
                 del self._in_flight[canary.key]
@@ -461,7 +451,6 @@ class Scheduler:
             case None:
                 return True  # the last cycle wrote nothing: nothing to judge
             case Healthy() | Unhealthy() | NoVerdict():
-                self._deferred.discard(canary)
                 self.role.verdict(canary, judgement, now)
                 return True
             case Recheck():
@@ -480,7 +469,6 @@ class Scheduler:
                         why=judgement.why,
                     )
                     self.registry.deferred(canary, until)
-                    self._deferred.add(canary)
                 self.push(until if judgement.at is None else min(judgement.at, until), canary)
             case Suspect():
                 # Judged again at the fresh stream's own deadline (never out of the schedule).
@@ -491,10 +479,7 @@ class Scheduler:
         """A watch resumed: judge what waited for it once the replayed events are in."""
         kind, namespace = scope
         at = self._clock() + self.settings.resume_grace
-        for canary in list(self._deferred):
-            if not self.registry.owns(canary):
-                self._deferred.discard(canary)
-                continue
+        for canary in self.registry.tracked():  # those deferred (a verdict clears it)
             if canary.key.kind != kind or namespace not in (None, canary.key.namespace):
                 continue
             if canary.deferred_until is not None and at < canary.deferred_until:
