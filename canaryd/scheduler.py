@@ -29,7 +29,7 @@ from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.events import Events
-from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy
+from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.leader import LeaderElector
 from canaryd.opjudge import OperatorJudge, phase
@@ -328,8 +328,6 @@ class Scheduler:
         finally:
             self._group = None
             self.role.stop()
-            if self.operator is not None:
-                await self.operator.close()
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
@@ -338,7 +336,7 @@ class Scheduler:
         now = self._clock()
         metrics.VERDICT_LATENESS.observe(max(0.0, now - due))
         if self.operator is not None:
-            self._waiting.append((due, canary))  # judged at the next read of its metrics
+            self._act(due, canary, Wait(), now)  # judged at the next read of its metrics
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
@@ -352,8 +350,7 @@ class Scheduler:
             judgement = judge.by_watch(
                 canary, sync, now, self.settings, late=late, api_last_answer=answered
             )
-        if self.apply(canary, judgement, now):  # else it waits, rescheduled
-            self.start_bump(due, canary)
+        self._act(due, canary, judgement, now)
 
     async def _judge_reads(self, operator: OperatorJudge) -> None:
         """operator-metrics: every read judges the canaries that fell due before it."""
@@ -369,19 +366,12 @@ class Scheduler:
                 waiting, self._waiting = self._waiting, []
                 now = self._clock()
                 for due, canary in waiting:
-                    judged = canary.bumped_generation is not None
-                    if due > read.started or (read.unanswered and not judged):
+                    unjudged = canary.bumped_generation is None
+                    if due > read.started or (read.unanswered and unjudged):
                         self._waiting.append((due, canary))  # not yet this read's
-                        continue
-                    if not self.registry.owns(canary):
-                        continue
-                    with self._guard("operator_judge_failed_unexpectedly", canary):
-                        if not self.apply(canary, operator.judge(canary, read, now), now):
-                            self._waiting.append((due, canary))  # Wait: at the next read
-                        elif (place := operator.bump_at(canary, judged, now)) is not None:
-                            self.push(place, canary)
-                        else:  # its retry window runs from now: the verdict may have waited
-                            self.start_bump(now, canary)
+                    elif self.registry.owns(canary):
+                        with self._guard("operator_judge_failed_unexpectedly", canary):
+                            self._act(due, canary, operator.judge(canary, read, now), now)
 
     @contextlib.contextmanager
     def _guard(self, event: str, canary: Canary) -> Iterator[None]:
@@ -444,15 +434,24 @@ class Scheduler:
         log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
         return deadline
 
-    def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
+    def _act(self, due: float, canary: Canary, judgement: Judgement, now: float) -> None:
         """Do what a judgement says: a verdict to the role (counted, logged, the registry's
-        transition), or reschedule what waits. Returns False when the verdict waits."""
+        transition), then the next bump; or not yet: rescheduled, or (Wait) judged at the
+        next read of the operator's metrics."""
         match judgement:
-            case None:
-                return True  # the last cycle wrote nothing: nothing to judge
-            case Healthy() | Unhealthy() | NoVerdict():
-                self.role.verdict(canary, judgement, now)
-                return True
+            case None | Healthy() | Unhealthy() | NoVerdict():
+                if judgement is not None:  # None: the last cycle wrote nothing to judge
+                    self.role.verdict(canary, judgement, now)
+                place = None
+                if self.operator is not None:
+                    # Its retry window runs from now (the verdict may have waited), or it
+                    # goes back to its place in the cycle (after an operator restart).
+                    place = self.operator.bump_at(canary, judgement is not None, now)
+                    due = now
+                if place is None:
+                    self.start_bump(due, canary)
+                else:
+                    self.push(place, canary)
             case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
@@ -473,7 +472,8 @@ class Scheduler:
             case Suspect():
                 # Judged again at the fresh stream's own deadline (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
-        return False  # not yet: rescheduled, or (Wait) judged at the next read
+            case Wait():
+                self._waiting.append((due, canary))
 
     def _scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
