@@ -59,8 +59,7 @@ class LeaderElector:
         # Set (and replaced) at every renewal, role change, and other holder seen.
         self._changed = asyncio.Event()
         self._written: Mapping[str, Any] | None = None  # the optimistic update's base
-        self.problem: str | None = None
-        """Why the last round could not read or write the lease (not a lost race)."""
+        self.problem: str | None = None  # why the last round could not read or write it
         self.failures = Episodes("lease_failures", "lease", lambda: settings.timeout, clock=clock)
         metrics.LEADER.set(0)
 
@@ -114,18 +113,17 @@ class LeaderElector:
                     if not self.leading:
                         raise
                     held = False
-                if held:
-                    if not self.leading:
-                        self.leading = True
-                        metrics.LEADER.set(1)
-                        log.info("leading", lease=str(self), identity=self.identity)
-                        self._role_changed()
-                    pause = self.settings.retry_period
-                else:
+                if held and not self.leading:
+                    self.leading = True
+                    metrics.LEADER.set(1)
+                    log.info("leading", lease=str(self), identity=self.identity)
+                    self._role_changed()
+                pause = self.settings.retry_period
+                if not held:
                     # Jittered below the retry period (a released lease is taken in under
                     # one); a candidate's ends when the holder's lease runs out, if sooner.
                     until = self._renew_left() if self.leading else self._expires_at - self._clock()
-                    pause = min(self.settings.retry_period * random.uniform(0.75, 1.0), until)
+                    pause = min(pause * random.uniform(0.75, 1.0), until)
                 await asyncio.sleep(max(0.0, pause))
         except asyncio.CancelledError:
             if self.leading:
