@@ -290,7 +290,7 @@ class Daemon:
         if self.scheduler is not None:
             # Every bump finished or abandoned before anything stops: a leader releases
             # its lease as it stops, and a follower may take it at once.
-            await self.scheduler.finish_writes()
+            await self.scheduler.writer.finished()
         raise _Shutdown
 
     def _signals(self, install: bool) -> None:

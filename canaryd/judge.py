@@ -114,6 +114,9 @@ def by_watch(
         )
     scope = scope_name((canary.key.kind, canary.key.namespace))
     answered = canary.bump_answered_at
+    until = canary.deferred_until
+    if until is None:  # its first deferral: judged a cycle past the deadline at the latest
+        until = (canary.bump_deadline or now) + settings.timeout
     if (
         canary.deferred_until is None
         and sync is not None
@@ -125,7 +128,7 @@ def by_watch(
         # The watch resumed after this bump was answered and may still be replaying what
         # it missed (over several reads): judged ``resume_grace`` after the resume.
         return Defer(
-            (canary.bump_deadline or now) + settings.timeout,
+            until,
             f"the watch of {scope} resumed {now - sync.resynced_at:.2f}s ago",
             True,
             at=sync.resynced_at + settings.resume_grace,
@@ -147,9 +150,6 @@ def by_watch(
             silent = now - max(sync.last_delivery, answered)
             return Suspect(f"nothing delivered in the {silent:.1f}s since {since}")
     if sync is not None and sync.unsynced_since is not None:
-        until = canary.deferred_until
-        if until is None:  # its first deferral: a cycle past the deadline
-            until = (canary.bump_deadline or now) + settings.timeout
         if now < until:
             why = f"the watch of {scope} is not in sync: {sync.behind_because}"
             return Defer(until, why, canary.deferred_until is None)

@@ -59,8 +59,7 @@ class LeaderElector:
         # Set (and replaced) at every renewal, role change, and other holder seen.
         self._changed = asyncio.Event()
         self._written: Mapping[str, Any] | None = None  # the optimistic update's base
-        self.problem: str | None = None
-        """Why the last round could not read or write the lease (not a lost race)."""
+        self.problem: str | None = None  # why the last round could not read or write it
         self.failures = Episodes("lease_failures", "lease", lambda: settings.timeout, clock=clock)
         metrics.LEADER.set(0)
 
@@ -75,7 +74,7 @@ class LeaderElector:
         until = None
         while self.leading:
             timeout = self.settings.write_timeout
-            left = self._renewed_at + self.settings.renew_deadline - self._clock()
+            left = self._renew_left()
             if left >= min(timeout, MIN_WRITE_TIMEOUT):
                 return min(timeout, left)
             until = until or asyncio.get_running_loop().time() + within
@@ -98,16 +97,34 @@ class LeaderElector:
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
+        """Acquire, then renew every retry period, in one loop; a leader whose renew
+        deadline passed without a renewal stops leading and is a candidate again."""
         log.info("leader_election_started", lease=str(self), identity=self.identity)
         try:
             while True:
-                await self._acquire()
-                self.leading = True
-                metrics.LEADER.set(1)
-                log.info("leading", lease=str(self), identity=self.identity)
-                self._role_changed()
-                await self._renew()
-                self._stop_leading("it could not renew the lease within the renew deadline")
+                left = self._renew_left()
+                if left <= 0:
+                    self._stop_leading("it could not renew the lease within the renew deadline")
+                    continue
+                try:
+                    async with asyncio.timeout(left if self.leading else None):
+                        held = await self._attempt(min(left, self.settings.request_timeout))
+                except TimeoutError:
+                    if not self.leading:
+                        raise
+                    held = False
+                if held and not self.leading:
+                    self.leading = True
+                    metrics.LEADER.set(1)
+                    log.info("leading", lease=str(self), identity=self.identity)
+                    self._role_changed()
+                pause = self.settings.retry_period
+                if not held:
+                    # Jittered below the retry period (a released lease is taken in under
+                    # one); a candidate's ends when the holder's lease runs out, if sooner.
+                    until = self._renew_left() if self.leading else self._expires_at - self._clock()
+                    pause = min(pause * random.uniform(0.75, 1.0), until)
+                await asyncio.sleep(max(0.0, pause))
         except asyncio.CancelledError:
             if self.leading:
                 self._stop_leading("canaryd is stopping")
@@ -120,33 +137,11 @@ class LeaderElector:
                 self._stop_leading("leader election failed unexpectedly")
             raise
 
-    def _pause(self) -> float:
-        # Jittered below the retry period, so that a released lease is taken in under one.
-        return self.settings.retry_period * random.uniform(0.75, 1.0)
-
-    async def _acquire(self) -> None:
-        while True:  # polling the Lease on the API server: there is no event to await
-            if await self._attempt(self.settings.request_timeout):
-                return
-            # Again at the next retry, or when the holder's lease runs out (as this
-            # replica measures it) if that is sooner.
-            await asyncio.sleep(max(0.0, min(self._pause(), self._expires_at - self._clock())))
-
-    async def _renew(self) -> None:
-        """Renew every retry period; returns when the renew deadline passed without one."""
-        while True:
-            await asyncio.sleep(self.settings.retry_period)
-            while True:
-                left = self._renewed_at + self.settings.renew_deadline - self._clock()
-                if left <= 0:
-                    return
-                try:
-                    async with asyncio.timeout(left):
-                        if await self._attempt(min(left, self.settings.request_timeout)):
-                            break
-                except TimeoutError:
-                    return
-                await asyncio.sleep(min(self._pause(), left))
+    def _renew_left(self) -> float:
+        """What is left of a leader's renew deadline (a candidate has none)."""
+        if not self.leading:
+            return float("inf")
+        return self._renewed_at + self.settings.renew_deadline - self._clock()
 
     def _stop_leading(self, why: str) -> None:
         self.leading = False
@@ -170,13 +165,13 @@ class LeaderElector:
 
     async def _try(self, time_limit: float) -> bool:
         """client-go's tryAcquireOrRenew: True when this replica holds the lease now;
-        raises KubeError."""
+        raises KubeError. Acquiring and renewing are one update of the Lease read, but a
+        leader first tries one from the copy it last wrote (one request)."""
         started = self._clock()
         self._expires_at = float("inf")  # known again only if the lease is held
         if self.leading and self._written is not None:
             try:
-                renewed = self._lease(self._written)  # the fast path: one request
-                await self._write("update", renewed, time_limit, started, "optimistic_")
+                await self._write(self._written, time_limit, started, "optimistic_")
                 return True
             except KubeError:
                 time_limit -= self._clock() - started
@@ -187,20 +182,20 @@ class LeaderElector:
         except KubeError as err:
             if err.kind is not ErrorKind.GONE:
                 raise
-            await self._write("create", self._lease(None), time_limit, started)
-            return True
-        # Seen when the answer came back, not when the read was sent: a renew the holder
-        # wrote meanwhile is in it, and its lease duration runs from no earlier than that.
-        spec = self._observe(current)
-        holder = spec.get("holderIdentity") or ""
-        duration = spec.get("leaseDurationSeconds")
-        if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
-            duration = self.settings.lease_duration
-        if holder and holder != self.identity and self._observed_at + duration > started:
-            # Held, and not yet seen unchanged for its lease duration.
-            self._expires_at = self._observed_at + duration
-            return False
-        await self._write("update", self._lease(current), time_limit, started)
+            current = None
+        if current is not None:
+            # Seen when the answer came back, not when the read was sent: a renew the
+            # holder wrote meanwhile is in it; its lease duration runs from no earlier.
+            spec = self._observe(current)
+            holder = spec.get("holderIdentity") or ""
+            duration = spec.get("leaseDurationSeconds")
+            if not isinstance(duration, int) or isinstance(duration, bool) or duration <= 0:
+                duration = self.settings.lease_duration
+            if holder and holder != self.identity and self._observed_at + duration > started:
+                # Held, and not yet seen unchanged for its lease duration.
+                self._expires_at = self._observed_at + duration
+                return False
+        await self._write(current, time_limit, started)
         return True
 
     def _observe(self, lease: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -247,11 +242,14 @@ class LeaderElector:
         }
 
     async def _write(
-        self, verb: str, body: Mapping[str, Any], time_limit: float, started: float, how: str = ""
+        self, current: Mapping[str, Any] | None, time_limit: float, started: float, how: str = ""
     ) -> None:
-        """Create (POST) or update (PUT) the Lease, which is this replica's as of
-        ``started``; raises KubeError."""
-        method, path = ("POST", self._collection) if verb == "create" else ("PUT", self._path)
+        """Create (POST, ``current`` None) or update (PUT) the Lease, this replica's as
+        of ``started``; raises KubeError."""
+        verb, method, path = ("update", "PUT", self._path)
+        if current is None:
+            verb, method, path = ("create", "POST", self._collection)
+        body = self._lease(current)
         try:
             written = await self.kube.request(verb, method, path, body=body, time_limit=time_limit)
         except KubeError as err:

@@ -83,43 +83,43 @@ class OperatorJudge:
         self._missing_series.discard(key)
         self._realign.discard(key)
 
-    async def close(self) -> None:
-        await self.operator.close()
-
     async def reads(self) -> AsyncGenerator[Read, None]:
         """Read every scrape interval, forever (close it: contextlib.aclosing)."""
-        while True:
-            started = self._clock()
-            scrape: Scrape | None = None
-            failed: ScrapeFailed | None = None
-            read = asyncio.ensure_future(self.operator.scrape())
-            try:
-                while not read.done():
-                    await asyncio.wait({read}, timeout=self.settings.scrape_interval)
-                    if not read.done():
-                        # Those that waited a cycle need not wait for this read to time
-                        # out (a frozen JVM holds it a cycle).
-                        silent = ScrapeFailed(
-                            "unanswered",
-                            f"{self.operator.url} has not answered a read sent "
-                            f"{self._clock() - started:.1f}s ago",
-                        )
-                        yield Read(started, None, silent, unanswered=True)
-                scrape = read.result()
-            except ScrapeFailed as err:
-                failed = err
-            finally:
-                read.cancel()  # the reader is stopping (once done, a no-op)
-            try:
-                noted = self._note(started, scrape, failed)
-            except Exception:
-                # A bug must not stop the reads: say so, count it, go on.
-                metrics.ERRORS.labels("scheduler").inc()
-                log.exception("operator_judge_failed_unexpectedly")
-                noted = Read(started, scrape, failed)
-            yield noted
-            pause = started + self.settings.scrape_interval - self._clock()
-            await asyncio.sleep(max(0.0, pause))
+        try:
+            while True:
+                started = self._clock()
+                scrape: Scrape | None = None
+                failed: ScrapeFailed | None = None
+                read = asyncio.ensure_future(self.operator.scrape())
+                try:
+                    while not read.done():
+                        await asyncio.wait({read}, timeout=self.settings.scrape_interval)
+                        if not read.done():
+                            # Those that waited a cycle need not wait for this read to time
+                            # out (a frozen JVM holds it a cycle).
+                            silent = ScrapeFailed(
+                                "unanswered",
+                                f"{self.operator.url} has not answered a read sent "
+                                f"{self._clock() - started:.1f}s ago",
+                            )
+                            yield Read(started, None, silent, unanswered=True)
+                    scrape = read.result()
+                except ScrapeFailed as err:
+                    failed = err
+                finally:
+                    read.cancel()  # the reader is stopping (once done, a no-op)
+                try:
+                    noted = self._note(started, scrape, failed)
+                except Exception:
+                    # A bug must not stop the reads: say so, count it, go on.
+                    metrics.ERRORS.labels("scheduler").inc()
+                    log.exception("operator_judge_failed_unexpectedly")
+                    noted = Read(started, scrape, failed)
+                yield noted
+                pause = started + self.settings.scrape_interval - self._clock()
+                await asyncio.sleep(max(0.0, pause))
+        finally:
+            await self.operator.close()  # its session
 
     def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> Read:
         """What a read tells before any canary is judged on it."""

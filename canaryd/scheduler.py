@@ -29,7 +29,7 @@ from canaryd import judge, metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.events import Events
-from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy
+from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient
 from canaryd.leader import LeaderElector
 from canaryd.opjudge import OperatorJudge, phase
@@ -198,7 +198,6 @@ class Scheduler:
         self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
         permit = lease.write_permit if lease is not None else None
         self.writer = Writer(settings, registry, kube, permit=permit, clock=clock)
-        self._deferred: set[Canary] = set()  # verdicts waiting for their watch to resume
         self._group: asyncio.TaskGroup | None = None
         # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
@@ -218,7 +217,6 @@ class Scheduler:
         watches run), so this replica judges from its first cycle once it leads."""
         self._heap.clear()
         self._due_seq.clear()
-        self._deferred.clear()
         self._waiting.clear()
         self.role.stand_by(leader)
 
@@ -238,13 +236,6 @@ class Scheduler:
             elif not leading and (self.role.active or seen != (leading, leader)):
                 self.standby(leader)
             seen = leading, leader
-
-    async def finish_writes(self) -> None:
-        """Stopping: no more writes; returns once those in flight were answered or
-        abandoned (each within the write timeout): the lease may be released then."""
-        if self.writer.in_flight:
-            log.info("finishing_writes", in_flight=self.writer.in_flight)
-        await self.writer.finished()
 
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant (above): empty when all is well, and
@@ -337,8 +328,6 @@ class Scheduler:
         finally:
             self._group = None
             self.role.stop()
-            if self.operator is not None:
-                await self.operator.close()
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
@@ -347,7 +336,7 @@ class Scheduler:
         now = self._clock()
         metrics.VERDICT_LATENESS.observe(max(0.0, now - due))
         if self.operator is not None:
-            self._waiting.append((due, canary))  # judged at the next read of its metrics
+            self._act(due, canary, Wait(), now)  # judged at the next read of its metrics
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
@@ -361,8 +350,7 @@ class Scheduler:
             judgement = judge.by_watch(
                 canary, sync, now, self.settings, late=late, api_last_answer=answered
             )
-        if self.apply(canary, judgement, now):  # else it waits, rescheduled
-            self.start_bump(due, canary)
+        self._act(due, canary, judgement, now)
 
     async def _judge_reads(self, operator: OperatorJudge) -> None:
         """operator-metrics: every read judges the canaries that fell due before it."""
@@ -378,19 +366,12 @@ class Scheduler:
                 waiting, self._waiting = self._waiting, []
                 now = self._clock()
                 for due, canary in waiting:
-                    judged = canary.bumped_generation is not None
-                    if due > read.started or (read.unanswered and not judged):
+                    unjudged = canary.bumped_generation is None
+                    if due > read.started or (read.unanswered and unjudged):
                         self._waiting.append((due, canary))  # not yet this read's
-                        continue
-                    if not self.registry.owns(canary):
-                        continue
-                    with self._guard("operator_judge_failed_unexpectedly", canary):
-                        if not self.apply(canary, operator.judge(canary, read, now), now):
-                            self._waiting.append((due, canary))  # Wait: at the next read
-                        elif (place := operator.bump_at(canary, judged, now)) is not None:
-                            self.push(place, canary)
-                        else:  # its retry window runs from now: the verdict may have waited
-                            self.start_bump(now, canary)
+                    elif self.registry.owns(canary):
+                        with self._guard("operator_judge_failed_unexpectedly", canary):
+                            self._act(due, canary, operator.judge(canary, read, now), now)
 
     @contextlib.contextmanager
     def _guard(self, event: str, canary: Canary) -> Iterator[None]:
@@ -426,7 +407,6 @@ class Scheduler:
             metrics.ERRORS.labels("scheduler").inc()
             log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
             self.role.no_bump(canary, "internal error; see logs", "internal_error")
-            next_due = self._after_failure(due)
         finally:
             if self.flying(canary):
                 del self._in_flight[canary.key]
@@ -454,16 +434,24 @@ class Scheduler:
         log.debug("bumped", canary=str(canary.key), generation=outcome.generation)
         return deadline
 
-    def apply(self, canary: Canary, judgement: Judgement, now: float) -> bool:
+    def _act(self, due: float, canary: Canary, judgement: Judgement, now: float) -> None:
         """Do what a judgement says: a verdict to the role (counted, logged, the registry's
-        transition), or reschedule what waits. Returns False when the verdict waits."""
+        transition), then the next bump; or not yet: rescheduled, or (Wait) judged at the
+        next read of the operator's metrics."""
         match judgement:
-            case None:
-                return True  # the last cycle wrote nothing: nothing to judge
-            case Healthy() | Unhealthy() | NoVerdict():
-                self._deferred.discard(canary)
-                self.role.verdict(canary, judgement, now)
-                return True
+            case None | Healthy() | Unhealthy() | NoVerdict():
+                if judgement is not None:  # None: the last cycle wrote nothing to judge
+                    self.role.verdict(canary, judgement, now)
+                place = None
+                if self.operator is not None:
+                    # Its retry window runs from now (the verdict may have waited), or it
+                    # goes back to its place in the cycle (after an operator restart).
+                    place = self.operator.bump_at(canary, judgement is not None, now)
+                    due = now
+                if place is None:
+                    self.start_bump(due, canary)
+                else:
+                    self.push(place, canary)
             case Recheck():
                 metrics.VERDICTS.labels("rechecked").inc()
                 log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
@@ -480,21 +468,18 @@ class Scheduler:
                         why=judgement.why,
                     )
                     self.registry.deferred(canary, until)
-                    self._deferred.add(canary)
                 self.push(until if judgement.at is None else min(judgement.at, until), canary)
             case Suspect():
                 # Judged again at the fresh stream's own deadline (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
-        return False  # not yet: rescheduled, or (Wait) judged at the next read
+            case Wait():
+                self._waiting.append((due, canary))
 
     def _scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
         kind, namespace = scope
         at = self._clock() + self.settings.resume_grace
-        for canary in list(self._deferred):
-            if not self.registry.owns(canary):
-                self._deferred.discard(canary)
-                continue
+        for canary in self.registry.tracked():  # those deferred (a verdict clears it)
             if canary.key.kind != kind or namespace not in (None, canary.key.namespace):
                 continue
             if canary.deferred_until is not None and at < canary.deferred_until:

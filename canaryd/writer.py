@@ -94,8 +94,11 @@ class Writer:
 
     async def finished(self) -> None:
         """Stopping: no write is sent any more; returns once the ones in flight were
-        answered or abandoned (each within its own client timeout)."""
+        answered or abandoned (each within its own client timeout): the lease may be
+        released then."""
         self.stopping = True
+        if self.in_flight:
+            log.info("finishing_writes", in_flight=self.in_flight)
         await self._none_in_flight.wait()
 
     async def _patch(self, path: str, attempt: _Attempt, time_limit: float) -> dict[str, Any]:
@@ -124,7 +127,8 @@ class Writer:
 
     async def bump(self, canary: Canary, due: float) -> Outcome:
         """Write restartNonce + 1 on the tracked copy; at most half a cycle of retries
-        from ``due``."""
+        from ``due``. One loop: each failure's ErrorKind either ends the bump with its
+        outcome or names the next request (a re-read, the same write) and the wait."""
         timeout = self.settings.timeout
         give_up_at = due + timeout / 2
         if not self.registry.owns(canary):
@@ -141,12 +145,19 @@ class Writer:
         reread = False
         unsure: _Attempt | None = None
         """A write whose outcome is unknown: resent identical, or learnt by a re-read."""
+        gone: KubeError | None = None  # a 404 to the write: the re-read tells if transient
         while True:
             try:
                 if reread:
                     fresh = await self._reread(canary, path)
                     if fresh is None:
                         return None
+                    if gone is not None:
+                        return NotWritten(
+                            "gone_but_present",
+                            f"bump answered {gone}, but the object is still there; retried "
+                            "next cycle",
+                        )
                     reread = False
                     if unsure is not None:
                         landed, unsure = unsure, None
@@ -170,72 +181,60 @@ class Writer:
                 # not from a wait for the lease (and it carries the freshest copy).
                 attempt = unsure or self._next_attempt(canary)
                 written = await self._patch(path, attempt, time_limit)
+                if not self.registry.owns(canary):
+                    return None
+                return self._written(canary, written, attempt)
             except KubeError as err:
                 if not self.registry.owns(canary):
                     return None  # a late answer about a record no longer tracked
-                if err.kind is ErrorKind.CONFLICT:
-                    metrics.CONFLICTS.inc()
-                    reread = True
-                    if unsure is not None:
-                        continue  # applied, or overtaken: the re-read tells
-                    conflicts += 1
-                    if conflicts > self.settings.max_conflict_retries:
+                if gone is not None:
+                    # Only the watch drops a canary: no DELETED may follow a transient 404.
+                    if err.kind is ErrorKind.GONE:
                         return NotWritten(
-                            "conflict_exhausted",
-                            f"{conflicts} conflicts in a row; no bump this cycle",
+                            "gone",
+                            f"bump and re-read answered {gone}: paused until the watch "
+                            "confirms (bumped again next cycle while the watch still shows it)",
                         )
-                    # Jittered, so two writers that collided do not collide again.
-                    await asyncio.sleep(self._rng.uniform(0, min(0.05, timeout / 20)))
-                    continue
-                if err.kind is ErrorKind.GONE:
-                    return await self._answered_gone(canary, path, err)
-                if err.kind is ErrorKind.FORBIDDEN:
                     return NotWritten(
-                        "forbidden", f"canaryd may not write it (retried next cycle): {err}"
+                        "gone_unconfirmed", f"bump answered {gone}; re-read failed: {err}"
                     )
-                if err.kind is ErrorKind.INVALID:
-                    return NotWritten("invalid", f"bump rejected: {err}")
-                if not reread and err.reason != "Credentials":
-                    # It may have reached the server: the retry is this very request (a
-                    # failed re-read keeps what it was to tell).
-                    unsure = attempt
-                delay = backoff.next()
-                if err.retry_after is not None:
-                    # Honoured, but never a tight loop (Retry-After: 0).
-                    delay = max(err.retry_after, self.settings.backoff_initial)
-                if self._clock() + delay > give_up_at:
-                    return NotWritten("failed", f"bump failed: {err}")
-                await asyncio.sleep(delay)
-                if not self.registry.owns(canary):
-                    return None
-                continue
-            if not self.registry.owns(canary):
-                return None
-            return self._written(canary, written, attempt)
-
-    async def _answered_gone(self, canary: Canary, path: str, err: KubeError) -> Outcome:
-        """A 404 on a bump may be transient (a CRD being re-registered): re-read to tell.
-        Only the watch drops a canary: no DELETED may ever follow a transient 404."""
-        try:
-            fresh = await self._reread(canary, path)
-        except KubeError as reread_err:
-            if not self.registry.owns(canary):
-                return None
-            if reread_err.kind is ErrorKind.GONE:
-                return NotWritten(
-                    "gone",
-                    f"bump and re-read answered {err}: paused until the watch confirms "
-                    "(bumped again next cycle while the watch still shows it)",
-                )
-            return NotWritten(
-                "gone_unconfirmed", f"bump answered {err}; re-read failed: {reread_err}"
-            )
-        if fresh is None:
-            return None
-        return NotWritten(
-            "gone_but_present",
-            f"bump answered {err}, but the object is still there; retried next cycle",
-        )
+                delay = 0.0
+                match err.kind:
+                    case ErrorKind.CONFLICT:
+                        metrics.CONFLICTS.inc()
+                        reread = True
+                        if unsure is None:  # else applied, or overtaken: the re-read tells
+                            conflicts += 1
+                            if conflicts > self.settings.max_conflict_retries:
+                                return NotWritten(
+                                    "conflict_exhausted",
+                                    f"{conflicts} conflicts in a row; no bump this cycle",
+                                )
+                            # Jittered, so two writers that collided do not collide again.
+                            delay = self._rng.uniform(0, min(0.05, timeout / 20))
+                    case ErrorKind.GONE:
+                        gone, reread = err, True  # a CRD being re-registered, or gone?
+                    case ErrorKind.FORBIDDEN:
+                        return NotWritten(
+                            "forbidden", f"canaryd may not write it (retried next cycle): {err}"
+                        )
+                    case ErrorKind.INVALID:
+                        return NotWritten("invalid", f"bump rejected: {err}")
+                    case _:
+                        if not reread and err.reason != "Credentials":
+                            # It may have reached the server: the retry is this very
+                            # request (a failed re-read keeps what it was to tell).
+                            unsure = attempt
+                        delay = backoff.next()
+                        if err.retry_after is not None:
+                            # Honoured, but never a tight loop (Retry-After: 0).
+                            delay = max(err.retry_after, self.settings.backoff_initial)
+                        if self._clock() + delay > give_up_at:
+                            return NotWritten("failed", f"bump failed: {err}")
+                if delay:
+                    await asyncio.sleep(delay)
+                    if not self.registry.owns(canary):
+                        return None
 
     async def _reread(self, canary: Canary, path: str) -> Mapping[str, Any] | None:
         """The canary re-read (raises KubeError); None when it is not the one tracked."""

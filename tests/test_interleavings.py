@@ -348,11 +348,11 @@ def test_random_interleavings_keep_the_verdict_and_ownership_rules(steps):
 def test_the_model_catches_a_scheduler_that_drops_on_404(monkeypatch):
     """The property test can fail: with the old rule (drop on any 404) it does."""
 
-    async def drop(self, canary, path, err):  # type: ignore[no-untyped-def]
-        self.registry.forget(canary.key, "gone", str(err))
+    async def drop(self, canary, path):  # type: ignore[no-untyped-def]
+        self.registry.forget(canary.key, "gone", "a 404 to the bump")  # the only re-read here
         return None
 
-    monkeypatch.setattr(Writer, "_answered_gone", drop)
+    monkeypatch.setattr(Writer, "_reread", drop)
     steps: list[tuple[Any, ...]] = [("deliver",), ("deliver",)]
     steps += [("tick",)] * 4 + [("answer", 0, 404)] + [("tick",)] * 2
     assert any("not tracked" in v for v in asyncio.run(play(steps)))
