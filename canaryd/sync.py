@@ -27,7 +27,7 @@ class ScopeSync:
     unsynced_since: float | None  # since when the registry may be behind; None: in sync
     behind_because: str = "its first list is not done"  # for a verdict's reason
     connected: bool = False  # a list finished or a stream is open (opened after its list)
-    denied: str | None = None  # a 403 or 404 on its list or watch: nothing is ours for now
+    denied: str | None = None  # its list or watch refused (the scope's state): nothing is ours
     last_delivery: float = -math.inf  # monotonic time of the last list, event or bookmark
     resynced_at: float = -math.inf
     """Monotonic time it last came back in sync (its first list, or the first delivery
