@@ -133,7 +133,7 @@ class Watcher:
     @property
     def kinds(self) -> list[Kind]:
         """The wanted kinds, less those the API server said it does not serve."""
-        gone = {s.kind for s, w in self._watches.items() if w.sync.denied == "kind_not_served"}
+        gone = {s.kind for s, w in self._watches.items() if w.sync.state == "kind_not_served"}
         return [kind for kind in self._kinds if kind not in gone]
 
     @property
@@ -189,12 +189,10 @@ class Watcher:
         for scope, watch in self._watches.items():
             if scope.kind is None:
                 continue
-            if watch.sync.denied is not None:
-                states[scope] = watch.sync.denied
-            elif (scope.kind.key, scope.namespace) in refused:
-                states[scope] = "patch_forbidden"
-            else:
-                states[scope] = "listed" if watch.sync.ready else "waiting"
+            state = watch.sync.state
+            if state in ("listed", "waiting") and (scope.kind.key, scope.namespace) in refused:
+                state = "patch_forbidden"
+            states[scope] = state
         return states
 
     def not_ready(self) -> list[str]:
@@ -253,7 +251,7 @@ class Watcher:
         resumed = False
         match change:
             case Listed(items=items, kind=name):
-                was_refused = sync.denied is not None
+                was_refused = sync.state not in ("listed", "waiting")
                 if scope.kind is None:
                     self._existing = {_name(obj): _terminating(obj) for obj in items}
                     self._known = True
@@ -435,7 +433,7 @@ class Watcher:
     def _refused(self, watch: _Watch, err: KubeError) -> None:
         """403, or a 404 believed: nothing in the scope is ours until a list works."""
         scope, told = watch.lw.scope, watch.lw.scope.kind not in self.kinds
-        watch.sync.refused("forbidden" if err.kind is ErrorKind.FORBIDDEN else "kind_not_served")
+        watch.sync.deny("forbidden" if err.kind is ErrorKind.FORBIDDEN else "kind_not_served")
         if scope.kind is None:
             self._known = False
             log.warning(
