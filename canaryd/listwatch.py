@@ -196,13 +196,9 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
 
 
 class ListWatch:
-    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``.
-
-    Backoff follows client-go's reflector: a stream that ends or drops after it was
-    established (it delivered an event, or it lasted ``short_watch``) resumes from its
-    last resourceVersion at once; only failures in a row back off, jittered and capped
-    at a quarter of the cycle. A 410 relists at once.
-    """
+    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``. As
+    client-go's reflector (docs/DESIGN.md): a stream that ends or drops once established
+    resumes at once; only failures in a row back off."""
 
     def __init__(
         self,
@@ -244,14 +240,14 @@ class ListWatch:
                         case State.BACKING_OFF:
                             await asyncio.sleep(step.delay)
                             step = Next(step.then, step.rv)
-                    if self._start_over:
-                        self._start_over = False
-                        step = backing_off(self._backoff.next(), State.LISTING)
                 except Exception:
                     # A bug must not stop the daemon: say so, count it, start over.
                     self._tell(Sync.DROPPED)
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
+                    self._start_over = True
+                if self._start_over:
+                    self._start_over = False
                     step = backing_off(self._backoff.next(), State.LISTING)
         except asyncio.CancelledError:
             log.info("watch_stopped", scope=str(self.scope), why="cancelled")

@@ -1,14 +1,9 @@
 """Where each watch scope stands: the one model that ``/readyz`` and the judge read.
 
 A scope is *in sync* when the registry holds everything the API server has sent for
-it, so that a bump not yet seen there was not delivered by the cluster. It is not in
-sync from the moment its watch starts until its first list is done, from a drop until
-the resumed stream's first event or bookmark (or the relist after a 410), and from
-the moment canaryd suspects its own connection (half-open: a bump answered 2xx while
-the stream delivered nothing at all) until the replacement delivers. While a scope is
-not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
-
-Only the watcher changes it; the judge marks it suspected.
+it (when it is not: docs/CONFIGURATION.md), so that a bump not yet seen there was not
+delivered by the cluster; while it is not, what it did not deliver is canaryd's own
+delay, not the cluster's. Only the watcher changes it; the judge marks it suspected.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The watcher: keeps the registry true to the cluster.
+"""The watcher: keeps the registry true to the cluster (docs/DEVELOPMENT.md).
 
-One ``ListWatch`` (canaryd.listwatch) per wanted scope (a canary kind in one namespace,
-or cluster-wide) and one on Namespaces put what they learn on one queue; the watcher
-alone applies it to the registry and to the set of scopes. A stream the judge suspects
-is marked on its ScopeSync (canaryd.sync); the watcher replaces it. No discovery and no
-access reviews: a kind not served is learned from its list's confirmed 404, a scope
-canaryd may not list from its 403, one it may not patch from its bumps' 403s.
+It alone applies what each scope's ``ListWatch`` and the Namespaces watch put on one
+queue, and replaces a stream the judge suspects. No discovery and no access reviews: a
+kind not served is learned from its list's confirmed 404, a scope canaryd may not list
+from its 403, one it may not patch from its bumps' 403s.
 """
 
 from __future__ import annotations
