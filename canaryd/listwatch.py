@@ -154,9 +154,9 @@ async def list_all(
 def _mappings(value: Any) -> list[Mapping[str, Any]] | None:
     """A list's mappings (Go writes an empty list as null); None: no list."""
     value = value or []
-    return (
-        [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else None
-    )
+    if not isinstance(value, list):
+        return None
+    return [item for item in value if isinstance(item, Mapping)]
 
 
 async def not_served(kube: KubeClient, kind: Kind) -> str | None:
