@@ -151,17 +151,21 @@ async def list_all(
         page_params = {**page_params, "continue": token}
 
 
-def _mappings(value: Any) -> list[Mapping[str, Any]]:
-    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+def _mappings(value: Any) -> list[Mapping[str, Any]] | None:
+    """A list's mappings (Go writes an empty list as null); None: no list."""
+    value = value or []
+    if not isinstance(value, list):
+        return None
+    return [item for item in value if isinstance(item, Mapping)]
 
 
 async def not_served(kube: KubeClient, kind: Kind) -> str | None:
     """Why the API server does not serve ``kind`` as a canary kind, when it says so
     (its group version's APIResourceList lacks it or has it cluster-scoped, or /apis
-    lacks the group version); None when it does not say (it serves it, or a gateway's
-    ``404 page not found`` for every path). Raises a group version's other KubeError."""
-    where = f"{kind.plural}.{kind.group}"
-    group_version = f"{kind.group}/{kind.version}"
+    lacks the group version); None when it does not say (it serves it, a gateway's
+    ``404 page not found`` for every path, a malformed list). Raises a group version's
+    other KubeError."""
+    where, group_version = f"{kind.plural}.{kind.group}", f"{kind.group}/{kind.version}"
     try:
         found = await kube.request("get", "GET", f"/apis/{group_version}")
     except KubeError as err:
@@ -171,21 +175,19 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
             listed = await kube.request("get", "GET", "/apis")
         except KubeError:
             return None
-        groups = listed.get("groups") or []  # Go writes an empty list as null
-        if listed.get("kind") != "APIGroupList" or not isinstance(groups, list):
-            return None  # not the API server's list, or a malformed one: confirms nothing
+        groups = _mappings(listed.get("groups")) if listed.get("kind") == "APIGroupList" else None
         offered = {
             version.get("groupVersion")
-            for group in _mappings(groups)
-            for version in _mappings(group.get("versions"))
+            for group in groups or ()
+            for version in _mappings(group.get("versions")) or ()
         }
-        if group_version in offered:
+        if groups is None or group_version in offered:
             return None
         return f"{where} is not served: no {group_version} in /apis"
-    resources = found.get("resources") or []
-    if found.get("kind") != "APIResourceList" or not isinstance(resources, list):
+    resources = _mappings(found.get("resources"))
+    if found.get("kind") != "APIResourceList" or resources is None:
         return None
-    resource = next((r for r in _mappings(resources) if r.get("name") == kind.plural), None)
+    resource = next((r for r in resources if r.get("name") == kind.plural), None)
     if resource is None:
         return f"{where} is not served in {group_version}"
     if resource.get("namespaced") is not True:
@@ -194,13 +196,9 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
 
 
 class ListWatch:
-    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``.
-
-    Backoff follows client-go's reflector: a stream that ends or drops after it was
-    established (it delivered an event, or it lasted ``short_watch``) resumes from its
-    last resourceVersion at once; only failures in a row back off, jittered and capped
-    at a quarter of the cycle. A 410 relists at once.
-    """
+    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``. As
+    client-go's reflector (docs/DESIGN.md): a stream that ends or drops once established
+    resumes at once; only failures in a row back off."""
 
     def __init__(
         self,
@@ -242,14 +240,14 @@ class ListWatch:
                         case State.BACKING_OFF:
                             await asyncio.sleep(step.delay)
                             step = Next(step.then, step.rv)
-                    if self._start_over:
-                        self._start_over = False
-                        step = backing_off(self._backoff.next(), State.LISTING)
                 except Exception:
                     # A bug must not stop the daemon: say so, count it, start over.
                     self._tell(Sync.DROPPED)
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
+                    self._start_over = True
+                if self._start_over:
+                    self._start_over = False
                     step = backing_off(self._backoff.next(), State.LISTING)
         except asyncio.CancelledError:
             log.info("watch_stopped", scope=str(self.scope), why="cancelled")

@@ -1,14 +1,9 @@
 """Where each watch scope stands: the one model that ``/readyz`` and the judge read.
 
 A scope is *in sync* when the registry holds everything the API server has sent for
-it, so that a bump not yet seen there was not delivered by the cluster. It is not in
-sync from the moment its watch starts until its first list is done, from a drop until
-the resumed stream's first event or bookmark (or the relist after a 410), and from
-the moment canaryd suspects its own connection (half-open: a bump answered 2xx while
-the stream delivered nothing at all) until the replacement delivers. While a scope is
-not in sync, what it did not deliver is canaryd's own delay, not the cluster's.
-
-Only the watcher changes it; the judge marks it suspected.
+it (when it is not: docs/CONFIGURATION.md), so that a bump not yet seen there was not
+delivered by the cluster; while it is not, what it did not deliver is canaryd's own
+delay, not the cluster's. Only the watcher changes it; the judge marks it suspected.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ ScopeKey = tuple[str, str | None]
 class ScopeSync:
     unsynced_since: float | None  # since when the registry may be behind; None: in sync
     behind_because: str = "its first list is not done"  # for a verdict's reason
-    connected: bool = False  # a list finished or a stream is open (opened after its list)
-    denied: str | None = None  # a 403 or 404 on its list or watch: nothing is ours for now
+    state: str = "waiting"  # listed (a list done, a stream open), forbidden, kind_not_served
     last_delivery: float = -math.inf  # monotonic time of the last list, event or bookmark
     resynced_at: float = -math.inf
     """Monotonic time it last came back in sync (its first list, or the first delivery
@@ -39,7 +33,7 @@ class ScopeSync:
     @property
     def ready(self) -> bool:
         """/readyz: listed and connected, or answered with a denial (nothing is ours)."""
-        return self.denied is not None or self.connected
+        return self.state != "waiting"
 
     @property
     def in_sync(self) -> bool:
@@ -47,14 +41,12 @@ class ScopeSync:
 
     def listed_at(self, now: float) -> bool:
         """A full list is in the registry. True when that ends a time out of sync."""
-        self.connected, self.denied = True, None
-        self.last_delivery = now
+        self.state, self.last_delivery = "listed", now
         return self._resync()
 
     def opened(self) -> None:
         """A watch was answered 200."""
-        self.connected = True
-        self.denied = None
+        self.state = "listed"
 
     def delivered(self, now: float) -> bool:
         """An event or a bookmark arrived. True when that ends a time out of sync."""
@@ -73,14 +65,14 @@ class ScopeSync:
 
     def dropped(self, now: float, why: str = "it dropped") -> None:
         """The stream or the list failed: from now on the registry may be behind."""
-        self.connected = False
+        if self.state == "listed":
+            self.state = "waiting"
         if self.unsynced_since is None:
             self.unsynced_since, self.behind_because = now, why
 
-    def refused(self, why: str) -> None:
+    def deny(self, state: str) -> None:
         """403 or 404: nothing in this scope is ours, so no verdict waits for it."""
-        self.connected, self.denied = False, why
-        self.unsynced_since = None
+        self.state, self.unsynced_since = state, None
 
     def suspect(self, now: float, why: str) -> None:
         """canaryd suspects its own connection: out of sync until a new stream delivers."""

@@ -1,11 +1,9 @@
-"""The watcher: keeps the registry true to the cluster.
+"""The watcher: keeps the registry true to the cluster (docs/DEVELOPMENT.md).
 
-One ``ListWatch`` (canaryd.listwatch) per wanted scope (a canary kind in one namespace,
-or cluster-wide) and one on Namespaces put what they learn on one queue; the watcher
-alone applies it to the registry and to the set of scopes. A stream the judge suspects
-is marked on its ScopeSync (canaryd.sync); the watcher replaces it. No discovery and no
-access reviews: a kind not served is learned from its list's confirmed 404, a scope
-canaryd may not list from its 403, one it may not patch from its bumps' 403s.
+It alone applies what each scope's ``ListWatch`` and the Namespaces watch put on one
+queue, and replaces a stream the judge suspects. No discovery and no access reviews: a
+kind not served is learned from its list's confirmed 404, a scope canaryd may not list
+from its 403, one it may not patch from its bumps' 403s.
 """
 
 from __future__ import annotations
@@ -104,70 +102,9 @@ def _terminating(obj: Mapping[str, Any]) -> bool:
     )
 
 
-class Namespaces:
-    """What the Namespaces watch tells: which namespaces exist and which are being
-    deleted (closed: their canaries dropped, their scopes not watched until they are
-    gone or back)."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self.seen: set[str] = set()  # every namespace that exists
-        self.relist = False  # a namespace reopened after copies in it were ignored
-        self.known = False  # listed (and may be read): missing ones are known
-
-    def listed(self, items: list[Mapping[str, Any]]) -> bool:
-        """A full list. True when a namespace closed or reopened (the scopes change)."""
-        self.seen, self.known = {_name(obj) for obj in items}, True
-        closing = {_name(obj) for obj in items if _terminating(obj)}
-        closed = [name for name in closing if self._close(name)]
-        reopened = self.registry.closed - closing
-        self._open(reopened)
-        return bool(closed or reopened)
-
-    def event(self, event: str, obj: Mapping[str, Any]) -> bool:
-        """An event. True when the scopes change."""
-        name = _name(obj)
-        if event == "DELETED":
-            self.seen.discard(name)
-            self._forget(name, "its namespace was deleted")
-            self._open({name})  # a namespace of that name may come
-            return True
-        self.seen.add(name)
-        if _terminating(obj):
-            return self._close(name)
-        reopened = name in self.registry.closed
-        self._open({name})
-        return reopened
-
-    def _open(self, names: set[str]) -> None:
-        self.registry.closed -= names
-        self.relist |= bool(names & self.registry.ignored)
-        self.registry.ignored -= names
-
-    def missing(self, watched: frozenset[str] | None) -> set[str]:
-        """The watched namespaces that do not exist (none known before a list)."""
-        return set() if watched is None or not self.known else set(watched) - self.seen
-
-    def count(self, watched: frozenset[str] | None) -> None:
-        """The watched namespaces gauge: all that exist when all are watched."""
-        watched = frozenset(self.seen) if watched is None else watched
-        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed))
-
-    def _close(self, name: str) -> bool:
-        """A namespace is being deleted: its canaries are dropped, new copies ignored."""
-        if name in self.registry.closed:
-            return False
-        self.registry.closed.add(name)
-        self._forget(name, "its namespace is terminating")
-        return True
-
-    def _forget(self, namespace: str, why: str) -> None:
-        self.registry.forget_where(lambda key: key.namespace == namespace, "namespace_closed", why)
-
-
 class Watcher:
     """Owns every list/watch task, applies what they tell, and keeps them matched to the
-    watched namespaces."""
+    watched namespaces and to those not closed (being deleted: ``registry.closed``)."""
 
     def __init__(
         self,
@@ -185,7 +122,8 @@ class Watcher:
         self._changes: asyncio.Queue[tuple[ListWatch, Change]] = asyncio.Queue()
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
-        self._namespaces = Namespaces(registry)
+        self._existing: dict[str, bool] = {}  # each namespace that exists: being deleted?
+        self._known = False  # namespaces listed (and may be read): missing ones are known
         self.uncovered: list[str] = []  # what the last not_checked warning said
         self._group: asyncio.TaskGroup | None = None
         self.failures = watch_failures(settings)
@@ -193,15 +131,8 @@ class Watcher:
     @property
     def kinds(self) -> list[Kind]:
         """The wanted kinds, less those the API server said it does not serve."""
-        gone = self._not_served()
-        return [kind for kind in self._kinds if kind.key not in gone]
-
-    def _not_served(self) -> set[str]:
-        return {
-            scope.kind.key
-            for scope, watch in self._watches.items()
-            if scope.kind is not None and watch.sync.denied == ErrorKind.GONE.value
-        }
+        gone = {s.kind for s, w in self._watches.items() if w.sync.state == "kind_not_served"}
+        return [kind for kind in self._kinds if kind not in gone]
 
     @property
     def ready(self) -> bool:
@@ -212,7 +143,7 @@ class Watcher:
         """Watch scopes by state, each once: one in a missing namespace (its list answers
         an empty 200) is ``namespace_missing`` only."""
         counts = dict.fromkeys(SCOPE_STATES, 0)
-        missing = self._namespaces.missing(self.namespaces)
+        missing = self._missing()
         for scope, state in self._scope_states().items():
             if scope.namespace in missing and state != "kind_not_served":
                 state = "namespace_missing"
@@ -230,8 +161,8 @@ class Watcher:
                 for scope in self._watches
                 if (self.failures.cause(scope) or "").endswith("_unauthorized")
             ],
-            "namespace_missing": self._namespaces.missing(self.namespaces),
-            "kind_not_served": self._not_served(),
+            "namespace_missing": self._missing(),
+            "kind_not_served": [kind.key for kind in self._kinds if kind not in self.kinds],
             "patch_forbidden": [s for s, state in states.items() if state == "patch_forbidden"],
         }
         blind = {
@@ -256,13 +187,10 @@ class Watcher:
         for scope, watch in self._watches.items():
             if scope.kind is None:
                 continue
-            if watch.sync.denied is not None:
-                forbidden = watch.sync.denied == ErrorKind.FORBIDDEN.value
-                states[scope] = "forbidden" if forbidden else "kind_not_served"
-            elif (scope.kind.key, scope.namespace) in refused:
-                states[scope] = "patch_forbidden"
-            else:
-                states[scope] = "listed" if watch.sync.ready else "waiting"
+            state = watch.sync.state
+            if state in ("listed", "waiting") and (scope.kind.key, scope.namespace) in refused:
+                state = "patch_forbidden"
+            states[scope] = state
         return states
 
     def not_ready(self) -> list[str]:
@@ -318,12 +246,14 @@ class Watcher:
 
     def _apply(self, watch: _Watch, change: Change) -> None:
         scope, sync, now = watch.lw.scope, watch.sync, time.monotonic()
-        resumed = rescope = False
+        resumed = False
         match change:
             case Listed(items=items, kind=name):
-                was_refused = sync.denied is not None
+                was_refused = sync.state not in ("listed", "waiting")
                 if scope.kind is None:
-                    rescope = self._namespaces.listed(items)
+                    self._existing = {_name(obj): _terminating(obj) for obj in items}
+                    self._known = True
+                    self._namespaces(set(self._existing) | self.registry.closed)
                 else:
                     if name and scope.kind.key not in KINDS:
                         KIND_NAMES[scope.kind.key] = name  # shown in /healthz and Events
@@ -333,7 +263,7 @@ class Watcher:
                     self.check_coverage()
             case Event(type=event, obj=obj):
                 if scope.kind is None:
-                    rescope = self._namespaces.event(event, obj)
+                    self._namespace_event(event, obj)
                 else:
                     self._canary_event(scope.kind, event, obj)
                 resumed = sync.delivered(now)
@@ -345,19 +275,44 @@ class Watcher:
                 sync.dropped(now)
             case Refused(error=err):
                 self._refused(watch, err)
-        if scope.kind is None and not isinstance(change, Sync):
-            if rescope:
-                self._reconcile()
-            if self._namespaces.relist and self.namespaces is None:
-                # Had again by a list (a watched namespace's new scope lists anyway).
-                for other in self._watches.values():
-                    if other.lw.scope.kind is not None:
-                        other.lw.start_over()
-            self._namespaces.relist = False
-            self._namespaces.count(self.namespaces)
-            self.check_coverage()
-        elif resumed and scope.kind is not None:
+        if resumed and scope.kind is not None:
             self.registry.scope_resumed((scope.kind.key, scope.namespace))
+
+    def _namespace_event(self, event: str, obj: Mapping[str, Any]) -> None:
+        name = _name(obj)
+        if event == "DELETED":
+            self._existing.pop(name, None)
+            self._forget_namespace(name, "its namespace was deleted")
+        else:
+            self._existing[name] = _terminating(obj)
+        self._namespaces({name})
+
+    def _namespaces(self, told: set[str]) -> None:
+        """Follow what was told of these namespaces: one being deleted closes (its canaries
+        dropped, copies in it ignored), one back or gone opens. With all watched, the canary
+        scopes list again when a copy was ignored meanwhile (a canary recreated with it may
+        come first: the streams are not ordered); a watched one's new scopes list anyway."""
+        for name in told - self.registry.closed:
+            if self._existing.get(name):
+                self.registry.closed.add(name)
+                self._forget_namespace(name, "its namespace is terminating")
+        reopened = {name for name in told & self.registry.closed if not self._existing.get(name)}
+        self.registry.closed -= reopened
+        if reopened & self.registry.ignored and self.namespaces is None:
+            for other in self._watches.values():
+                if other.lw.scope.kind is not None:
+                    other.lw.start_over()
+        self.registry.ignored -= reopened
+        self._reconcile()
+
+    def _forget_namespace(self, namespace: str, why: str) -> None:
+        self.registry.forget_where(lambda key: key.namespace == namespace, "namespace_closed", why)
+
+    def _missing(self) -> Collection[str]:
+        """The watched namespaces that do not exist (none known before a list)."""
+        if self.namespaces is None or not self._known:
+            return set()
+        return self.namespaces - self._existing.keys()
 
     async def _follow_requests(self) -> None:
         """Replace the streams the judge suspects (``ScopeSync.suspect``); say the coverage
@@ -388,14 +343,12 @@ class Watcher:
         self.namespaces = namespaces
         self._reconcile()
 
-    def _desired(self) -> set[Scope]:
-        wanted = [None] if self.namespaces is None else self.namespaces - self.registry.closed
-        return {Scope(kind, namespace) for kind in self._kinds for namespace in wanted}
-
     def _reconcile(self) -> None:
+        """Watch each wanted kind in each watched namespace not closed (all: cluster-wide)."""
         if self._group is None:
             return
-        desired = self._desired()
+        wanted = [None] if self.namespaces is None else self.namespaces - self.registry.closed
+        desired = {Scope(kind, namespace) for kind in self._kinds for namespace in wanted}
         for scope in [s for s in self._watches if s.kind is not None and s not in desired]:
             self._watches.pop(scope).task.cancel()
             assert scope.kind is not None
@@ -403,7 +356,8 @@ class Watcher:
             self.failures.recovered(scope)  # no longer watched: no longer failing
         for scope in desired - set(self._watches):
             self._start(scope)
-        self._namespaces.count(self.namespaces)
+        watched = frozenset(self._existing) if self.namespaces is None else self.namespaces
+        metrics.WATCHED_NAMESPACES.set(len(watched - self.registry.closed))
         self._check_open_files()
         self.check_coverage()
 
@@ -477,23 +431,22 @@ class Watcher:
     def _refused(self, watch: _Watch, err: KubeError) -> None:
         """403, or a 404 believed: nothing in the scope is ours until a list works."""
         scope, told = watch.lw.scope, watch.lw.scope.kind not in self.kinds
-        watch.sync.refused(err.kind.value)
+        watch.sync.deny("forbidden" if err.kind is ErrorKind.FORBIDDEN else "kind_not_served")
         if scope.kind is None:
-            self._namespaces.known = False
+            self._known = False
             log.warning(
                 "namespaces_not_watchable",
                 error=str(err),
                 consequence="a deleted namespace is noticed only through canary watches",
             )
-            return
-        kind = scope.kind.key
-        if err.kind is ErrorKind.GONE and not told:
-            retry = f"every {self.settings.config_check_interval:g}s"
-            log.warning("kind_not_served", kind=kind, detail=str(err), retry=retry)
-        cause = "forbidden" if err.kind is ErrorKind.FORBIDDEN else "gone"
-        self.registry.forget_where(
-            lambda key: key.kind == kind and scope.namespace in (None, key.namespace),
-            cause,
-            f"cannot list {scope}: {err}",
-        )
+        else:
+            kind = scope.kind.key
+            if err.kind is ErrorKind.GONE and not told:
+                retry = f"every {self.settings.config_check_interval:g}s"
+                log.warning("kind_not_served", kind=kind, detail=str(err), retry=retry)
+            self.registry.forget_where(
+                lambda key: key.kind == kind and scope.namespace in (None, key.namespace),
+                err.kind.value,  # forbidden or gone
+                f"cannot list {scope}: {err}",
+            )
         self.check_coverage()

@@ -30,7 +30,7 @@ def canary(generation: int = 2, bumped: int | None = 3, **fields: object) -> Can
 
 
 def in_sync(last_delivery: float = 50.0) -> ScopeSync:
-    sync = ScopeSync(None, connected=True)
+    sync = ScopeSync(None, state="listed")
     sync.last_delivery = last_delivery
     return sync
 
