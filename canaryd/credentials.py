@@ -205,7 +205,8 @@ class Credentials:
         self._not_before = -math.inf
         # After a reload that failed, or whose credentials were refused: 1 s, doubling.
         self._backoff = Backoff(1.0, 30.0)
-        self._refused: int | None = None  # the version refused after its reload
+        self._fresh: int | None = None  # the version a reload for a 401 made, until refused
+        self._refused = False  # fresh credentials refused too, until a success
         self.expiry: float | None = None  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
@@ -224,16 +225,16 @@ class Credentials:
         logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
         return headers
 
-    def answered(self, status: int, version: int, retried: bool) -> str:
-        """A success resets the reload backoff; fresh credentials refused too (``retried``)
-        advance it one step per ``version``, not per request. What a 401 adds to its error."""
+    def answered(self, status: int, version: int) -> str:
+        """An answer (a request's, a watch's), before any reload: a success resets the
+        backoff; fresh credentials refused too step it once per ``version``. What a 401 adds."""
         if status < 300:
             self._backoff.reset()
-            self._refused = None
-        elif status == 401 and retried and self._refused != version:
-            self._refused = version
+            self._fresh, self._refused = None, False
+        elif status == 401 and version == self._fresh:
+            self._fresh, self._refused = None, True
             self._not_before = time.monotonic() + self._backoff.next()
-        again = status == 401 and self._refused is not None
+        again = status == 401 and self._refused
         return " (also after reloading the credentials)" if again else ""
 
     async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
@@ -264,6 +265,7 @@ class Credentials:
                         raise
                 else:
                     self._reload_ok = True
+                    self._fresh = None if version is None else self.version + 1
                     self.note(loaded)
                     self.tls_rotated()
                 finally:

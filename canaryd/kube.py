@@ -372,6 +372,7 @@ class KubeClient:
                 verb, method, path, deadline, self._timeout, content, params=params, data=data
             ) as (reply, payload):
                 status = reply.status
+            note = self.credentials.answered(status, version)
             if status == 401 and not retried:
                 reloaded = await self.credentials.reload(version, deadline)
                 if loop.time() >= deadline:
@@ -381,7 +382,6 @@ class KubeClient:
                     raise error_from_response(reply, payload, note)
                 if reloaded:
                     continue
-            note = self.credentials.answered(status, version, retried)
             if status >= 300:
                 raise error_from_response(reply, payload, note)
             decoded = _json_object(payload)
@@ -412,10 +412,11 @@ class KubeClient:
         async with self._exchange(
             "watch", "GET", path, None, timeout, params=params, read_bufsize=MAX_WATCH_LINE // 2
         ) as (response, body):
+            note = self.credentials.answered(response.status, version)
             if response.status == 401:
                 await self.credentials.reload(version)  # the retry uses fresh ones
             if response.status >= 300:
-                raise error_from_response(response, body)
+                raise error_from_response(response, body, note)
             if on_connected is not None:
                 on_connected()
             while True:

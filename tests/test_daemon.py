@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import sys
@@ -833,6 +834,67 @@ async def test_many_requests_refused_at_once_make_one_reload(kube, tmp_path):
         refused = len([r for r in kube.requests if r.status == 401])
         assert refusal.hits == 4 and refused == 4, (refusal.hits, refused)
         assert plugin_runs(tmp_path) - runs <= 2, (plugin_runs(tmp_path) - runs, refused)
+
+
+async def test_watches_refused_401_run_the_credential_plugin_on_the_reload_backoff(kube, tmp_path):
+    """A revoked token the exec plugin keeps returning, while 41 scopes retry their
+    watches (no canary: no request but the watches): the plugin runs on the reload
+    backoff (1 s doubling, ±20 %), not once per refused watch."""
+    namespaces = frozenset(f"team-{n:02}" for n in range(40))
+    for namespace in namespaces:
+        kube.create_namespace(namespace)
+    kubeconfig = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+    async with running_daemon(
+        kube, kubeconfig, timeout=EXEC_CYCLE, namespaces=namespaces, kinds=("flinkdeployments",)
+    ) as run:
+        await run.until(lambda: len(kube.watchers) > len(namespaces), "every scope watching")
+        runs, loop = plugin_runs(tmp_path), asyncio.get_running_loop()
+        start = loop.time()
+        kube.token = "revoked-0123456789"
+        kube.close_watches()
+        refused = lambda: len([r for r in kube.requests_for("watch") if r.status == 401])  # noqa: E731
+        await run.until(
+            lambda: refused() >= 8 * len(namespaces), "each scope's watch refused 8 times", 15
+        )
+        window = loop.time() - start
+        # Reloads at most 0.8 s, 0.8 + 1.6 s, ... apart after the first.
+        bound = 1 + int(math.log2(window / 0.8 + 1))
+        assert plugin_runs(tmp_path) - runs <= bound, (plugin_runs(tmp_path) - runs, window)
+
+
+async def test_a_watch_refused_after_a_reload_steps_the_backoff_and_one_answered_resets_it(
+    kube, tmp_path
+):
+    """A watch refused again after a reload backs the next reload off (1 s); one
+    answered 200 resets the backoff: its next step is 1 s again, not 2 s."""
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configuration, reload, _ = await load_configuration(str(config), None)
+    reloads = 0
+
+    async def counted(target: Any) -> Any:
+        nonlocal reloads
+        reloads += 1
+        return await reload(target)
+
+    client = KubeClient(Credentials(configuration, counted))
+
+    async def watch() -> int | None:
+        try:
+            async for _ in client.watch("/api/v1/namespaces", {}, idle_timeout=5.0):
+                return 200  # the namespace's ADDED
+        except KubeError as err:
+            return err.status
+        return None
+
+    try:
+        kube.inject(Fault(verb="watch", code=401, times=3))
+        assert [await watch(), await watch(), await watch()] == [401, 401, 401]
+        assert reloads == 1  # refused again after it: backing off, not reloading
+        assert client.credentials._backoff._next == 2.0
+        assert await watch() == 200
+        assert client.credentials._backoff._next == 1.0
+    finally:
+        await client.close()
 
 
 async def test_a_canaryd_that_checks_nothing_says_so(kube, kubeconfig, capsys):
