@@ -75,7 +75,6 @@ class Daemon:
             await server.start()  # a busy port: ConfigError, exit 2
             self._signals(install=True)  # before the credentials: an exec plugin may hang
             async with asyncio.TaskGroup() as group:
-                group.create_task(server.run(), name="health-server")
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
@@ -128,6 +127,7 @@ class Daemon:
             raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)  # those not installed are left as they are
+            await server.stop()
             metrics.REGISTRY.unregister(server)
             if kube is not None:
                 await kube.close()
