@@ -15,7 +15,7 @@ import structlog
 from canaryd import __version__, metrics
 from canaryd.access import account_exists
 from canaryd.backoff import Backoff
-from canaryd.config import ConfigError, Settings, default_identity, operator_config_values
+from canaryd.config import ConfigError, Settings, operator_config_values
 from canaryd.config.operator_config import (
     nested_keys_why,
     nested_operator_keys,
@@ -27,7 +27,6 @@ from canaryd.credentials import CredentialsError, source
 from canaryd.episodes import Episodes
 from canaryd.kube import KubeClient, KubeError, connect
 from canaryd.leader import LeaderElector
-from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
@@ -78,24 +77,12 @@ class Daemon:
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
-                open_files = raise_open_files_limit()
-                log.info(
-                    "open_files_limit",
-                    soft=open_files.soft if open_files.soft is not None else "unlimited",
-                    hard=open_files.hard if open_files.hard is not None else "unlimited",
-                    raised_from=open_files.raised_from,
-                    problem=open_files.problem,
-                )
                 if settings.leader_elect:
-                    identity = settings.identity or default_identity()
-                    self.elector = LeaderElector(settings, kube, identity)
-                else:
-                    metrics.LEADER.set(1)  # the only replica: it writes
+                    self.elector = LeaderElector(settings, kube)
                 self.scheduler = scheduler = Scheduler(
                     settings, self.registry, kube, lease=self.elector
                 )
-                self.watcher = Watcher(settings, self.registry, kube, open_files)
-                metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
+                self.watcher = Watcher(settings, self.registry, kube)
                 operator_config = self._say_operator_config()  # warnings first
                 log.info(
                     "canaryd_started",

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import secrets
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -360,21 +358,9 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     return said
 
 
-# ---------------------------------------------------- the Lease, for canaryd.leader
+# ----------------------------- the Lease's namespace, for canaryd.leader and access
 
-MIN_WRITE_TIMEOUT = 1.0  # seconds: a bump to be answered sooner fails on any delay
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def default_identity() -> str:
-    """As client-go's users make theirs: two replicas on hosts of one name would both
-    take themselves for the holder."""
-    return f"{socket.gethostname()}_{secrets.token_hex(4)}"
-
-
-def lease_seconds(lease_duration: float) -> int:
-    """leaseDurationSeconds: whole seconds, truncated as client-go does, at least 1."""
-    return max(1, int(lease_duration))
 
 
 def lease_namespace(settings: Settings) -> str:
