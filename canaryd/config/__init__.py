@@ -365,10 +365,9 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
 async def follow_operator_config(
     settings: Settings, reload: asyncio.Event, watched: frozenset[str] | None
 ) -> AsyncIterator[frozenset[str] | None]:
-    """Re-read the operator config every check interval when the ``watched`` namespaces
-    follow it (yielding them at each read), and at each ``reload`` (SIGHUP) whenever it
-    decides a setting: each setting it changed is logged (old -> new); the rest apply at
-    a restart."""
+    """Re-read the operator config at each ``reload`` (SIGHUP), and every check interval
+    when the ``watched`` namespaces follow it, yielding them (docs/CONFIGURATION.md,
+    "Dynamic namespaces", says what is logged and applied)."""
     path, follows = settings.operator_config, settings.dynamic_namespaces
     every = settings.config_check_interval if follows else None
     problem: str | None = None

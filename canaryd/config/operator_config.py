@@ -133,11 +133,10 @@ def reporter_url(flat: Mapping[str, Any]) -> str:
 
 
 def say_operator_config(settings: Settings) -> str | None:
-    """Say at start which operator config file is read (returned), with a warning for
-    what the operator reads otherwise: the directory holds both flink-conf.yaml and
-    config.yaml (it reads the first, so must canaryd, and an edit of the other changes
-    neither), keys written nested; operator-metrics says where it reads the reporter,
-    and warns when the file sets none up (canaries then stay ``pending``)."""
+    """Say at start which operator config file is read (returned), warning of what the
+    operator reads otherwise (docs/CONFIGURATION.md, ``--operator-config``); with
+    operator-metrics, where it reads the reporter, warning when the file sets none up
+    (canaries then stay ``pending``)."""
     path, read, configured = settings.operator_config, None, None
     if path is not None:
         read, flat, nested = read_operator_config(path)
