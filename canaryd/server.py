@@ -178,7 +178,7 @@ def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> Gauge
 
 
 class HealthServer(Collector):
-    """Binds at ``start()``, so a busy port fails before anything else runs, until
+    """Listens from ``start()`` (a busy port fails before anything else runs) to
     ``stop()``; registered in metrics.REGISTRY, it collects the state gauges."""
 
     def __init__(self, settings: Settings, view: HealthView) -> None:
