@@ -19,7 +19,7 @@ import structlog
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import ConfigError, Settings, load_settings
-from canaryd.config.operator_config import nested_keys_why, nested_operator_keys
+from canaryd.config.operator_config import nested_keys_why, read_operator_config
 from canaryd.daemon import Daemon
 from canaryd.kube import (
     NAMESPACES_PATH,
@@ -80,7 +80,7 @@ Say = Callable[[str | None, str], None]
 
 async def check(settings: Settings, out: TextIO) -> int:
     if settings.operator_config is not None:
-        read, nested = nested_operator_keys(settings.operator_config)
+        read, _, nested = read_operator_config(settings.operator_config)
         for key in nested:
             print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
     wanted, account = wanted_permissions(settings), settings.operator_account

@@ -1,6 +1,6 @@
 """Access reviews (SelfSubjectAccessReviews, which any authenticated user may ask about
-itself) of what canaryd will do, for ``canaryd check``: the daemon asks none, it learns a
-forbidden scope from the 403 on its list or its bumps."""
+itself) of what canaryd will do, for ``canaryd check`` (the daemon asks none: the 403 on
+its list or its bumps tells it), and whether the operator's service account exists."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import structlog
+
+from canaryd import metrics
 from canaryd.config import Settings, lease_namespace
 from canaryd.kube import FLINK_GROUP, KubeClient, KubeError, kind_of
 
@@ -17,6 +20,7 @@ KIND_VERBS = ("list", "watch", "patch")
 bump (the GET after a 409 or 404 is a repair path, not needed to run)."""
 LEASE_GROUP = "coordination.k8s.io"
 CONCURRENT_REVIEWS = 8
+log = structlog.get_logger("canaryd.access")
 
 
 class Permission(NamedTuple):
@@ -75,6 +79,26 @@ async def account_exists(kube: KubeClient, account: tuple[str, str]) -> bool:
             return False
         raise
     return True
+
+
+async def say_operator_account(kube: KubeClient, account: tuple[str, str]) -> None:
+    """The daemon's line at start on whether the operator's account exists."""
+    said = log.bind(namespace=account[0], name=account[1])
+    try:
+        exists = await account_exists(kube, account)
+    except KubeError as err:
+        metrics.ERRORS.labels("operator_account").inc()
+        said.warning("operator_account_unknown", error=str(err))
+        return
+    if exists:
+        said.info("operator_account", exists=True)
+    else:
+        said.warning(
+            "operator_account_missing",
+            why="the admission policy refuses the stale writes of this account, which "
+            "does not exist: it refuses nothing (--operator-account, the chart's "
+            "admissionPolicy.operatorServiceAccount)",
+        )
 
 
 async def reviews(kube: KubeClient, permissions: Sequence[Permission]) -> list[bool]:

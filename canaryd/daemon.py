@@ -4,30 +4,21 @@ that fails stops them all); docs/CONFIGURATION.md#signals says what each signal 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import platform
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import structlog
 
 from canaryd import __version__, metrics
-from canaryd.access import account_exists
+from canaryd.access import say_operator_account
 from canaryd.backoff import Backoff
-from canaryd.config import ConfigError, Settings, default_identity, operator_config_values
-from canaryd.config.operator_config import (
-    nested_keys_why,
-    nested_operator_keys,
-    operator_config_files,
-    prometheus_reporter,
-    read_operator_config,
-)
+from canaryd.config import ConfigError, Settings, follow_operator_config
+from canaryd.config.operator_config import say_operator_config
 from canaryd.credentials import CredentialsError, source
 from canaryd.episodes import Episodes
-from canaryd.kube import KubeClient, KubeError, connect
+from canaryd.kube import KubeClient, connect
 from canaryd.leader import LeaderElector
-from canaryd.limits import raise_open_files_limit
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
 from canaryd.server import HealthServer
@@ -54,8 +45,6 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.elector: LeaderElector | None = None
         self.notifier = Notifier()
-        # from_file names settings only when an operator config is read
-        self._follows = settings.namespaces_from_file and settings.dynamic_namespaces
         self._credentials_problem: str | None = None
 
     def stop(self) -> None:
@@ -75,29 +64,16 @@ class Daemon:
             await server.start()  # a busy port: ConfigError, exit 2
             self._signals(install=True)  # before the credentials: an exec plugin may hang
             async with asyncio.TaskGroup() as group:
-                group.create_task(server.run(), name="health-server")
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
                 kube = kube or await self._connect()
-                open_files = raise_open_files_limit()
-                log.info(
-                    "open_files_limit",
-                    soft=open_files.soft if open_files.soft is not None else "unlimited",
-                    hard=open_files.hard if open_files.hard is not None else "unlimited",
-                    raised_from=open_files.raised_from,
-                    problem=open_files.problem,
-                )
                 if settings.leader_elect:
-                    identity = settings.identity or default_identity()
-                    self.elector = LeaderElector(settings, kube, identity)
-                else:
-                    metrics.LEADER.set(1)  # the only replica: it writes
+                    self.elector = LeaderElector(settings, kube)
                 self.scheduler = scheduler = Scheduler(
                     settings, self.registry, kube, lease=self.elector
                 )
-                self.watcher = Watcher(settings, self.registry, kube, open_files)
-                metrics.UNSCHEDULED.set_function(lambda: len(scheduler.unscheduled()))
-                operator_config = self._say_operator_config()  # warnings first
+                self.watcher = Watcher(settings, self.registry, kube)
+                operator_config = say_operator_config(settings)  # warnings first
                 log.info(
                     "canaryd_started",
                     version=__version__,
@@ -108,13 +84,13 @@ class Daemon:
                     timeout=settings.timeout,
                     label=settings.label,
                     reconciled_by=settings.reconciled_by,
-                    follows_operator_config=self._follows,
+                    follows_operator_config=settings.dynamic_namespaces,
                     operator_config=operator_config,
                 )
                 group.create_task(self._supervise("watcher", self.watcher.run))
                 group.create_task(self._supervise("scheduler", scheduler.run))
                 if settings.operator_account is not None:
-                    said = self._say_operator_account(kube, *settings.operator_account)
+                    said = say_operator_account(kube, settings.operator_account)
                     group.create_task(said, name="operator-account")
                 group.create_task(self._supervise("events", scheduler.events.run))
                 group.create_task(self._supervise("config", self._follow_operator_config))
@@ -128,6 +104,7 @@ class Daemon:
             raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)  # those not installed are left as they are
+            await server.stop()
             metrics.REGISTRY.unregister(server)
             if kube is not None:
                 await kube.close()
@@ -156,69 +133,6 @@ class Daemon:
                     return kube
         finally:
             failures.stopped("canaryd stopped")
-
-    def _say_operator_config(self) -> str | None:
-        """Which operator config file is read, with a warning for what the operator reads
-        otherwise: the directory holds both flink-conf.yaml and config.yaml (it reads the
-        first, so must canaryd, and an edit of the other changes neither), keys written
-        nested; operator-metrics says where it reads the reporter, and warns when the file
-        sets none up (canaries then stay ``pending``: nothing restarts the operator)."""
-        path, read = self.settings.operator_config, None
-        configured: bool | None = None
-        if path is not None:
-            read, ignored = operator_config_files(path)
-            if ignored:
-                log.warning(
-                    "operator_config_ignored",
-                    read=str(read),
-                    ignored=[str(file) for file in ignored],
-                    why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
-                    "and config.yaml only without it",
-                )
-            _, nested = nested_operator_keys(read)
-            if nested:
-                log.warning(
-                    "operator_config_nested_keys",
-                    file=str(read),
-                    flat_keys=nested,
-                    why=nested_keys_why(read),
-                )
-            with contextlib.suppress(ConfigError):  # read at start already: a problem is told
-                configured = prometheus_reporter(read_operator_config(path)) is not None
-        if self.settings.reconciled_by == "operator-metrics":
-            (log.warning if configured is False else log.info)(
-                "operator_metrics",
-                url=self.settings.operator_metrics_url,
-                reporter_configured=configured,
-                hint=None
-                if configured is not False
-                else f"{path} sets up no Prometheus reporter: add "
-                "kubernetes.operator.metrics.reporter.prom.factory.class: "
-                "org.apache.flink.metrics.prometheus.PrometheusReporterFactory (and .port)",
-            )
-        return None if read is None else str(read)
-
-    async def _say_operator_account(self, kube: KubeClient, namespace: str, name: str) -> None:
-        """Say once at start whether the operator's service account exists: the
-        admission policy judges the operator's writes by it, and one named for an
-        account that does not exist refuses nothing, silently."""
-        try:
-            exists = await account_exists(kube, (namespace, name))
-        except KubeError as err:
-            metrics.ERRORS.labels("operator_account").inc()
-            log.warning("operator_account_unknown", namespace=namespace, name=name, error=str(err))
-            return
-        if exists:
-            log.info("operator_account", namespace=namespace, name=name, exists=True)
-        else:
-            log.warning(
-                "operator_account_missing",
-                namespace=namespace,
-                name=name,
-                why="the admission policy refuses the stale writes of this account, which "
-                "does not exist: it refuses nothing (--operator-account, the chart's "
-                "admissionPolicy.operatorServiceAccount)",
-            )
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run a long-lived task for as long as the daemon runs: a bug that escapes it is
@@ -302,52 +216,9 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     async def _follow_operator_config(self) -> None:
-        """Re-read the operator config every check interval when its namespaces are
-        followed, and on SIGHUP whenever it decides a setting: each setting it changed is
-        logged (old -> new); the watched namespaces follow it when dynamic, the rest apply
-        at a restart."""
-        path, watcher = self.settings.operator_config, self.watcher
+        """The watched namespaces follow the operator config's when it says so."""
+        watcher = self.watcher
         assert watcher is not None
-        every = self.settings.config_check_interval if self._follows else None
-        followed = {"namespaces"} if self._follows else set()
-        problem: str | None = None
-        file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
-        try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._reload.wait(), every)
-                self._reload.clear()
-                if path is None or not self.settings.from_file:
-                    log.info("sighup_ignored", why="no setting comes from an operator config")
-                    continue
-                try:
-                    said = operator_config_values(path, self.settings.from_file)
-                except ConfigError as err:
-                    metrics.CONFIG_RELOADS.labels("failed").inc()
-                    if str(err) != problem:  # once per problem, not per check
-                        problem = str(err)
-                        keeping = sorted(watcher.namespaces or ()) or "all"
-                        log.error("operator_config_reload_failed", error=str(err), keeping=keeping)
-                    continue
-                if problem is not None:
-                    log.info("operator_config_readable_again", was=problem)
-                    problem = None
-                changed = False
-                for field, now in said.items():
-                    was = file_said.get(field, getattr(self.settings, field))
-                    if now != was:
-                        changed = True
-                        log.info(
-                            "operator_config_changed",
-                            setting=field,
-                            was=sorted(was) if isinstance(was, frozenset) else was,
-                            now=sorted(now) if isinstance(now, frozenset) else now,
-                            applied="now" if field in followed else "at a restart",
-                        )
-                file_said = said
-                metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
-                if followed:
-                    watcher.set_namespaces(said["namespaces"])
-        except asyncio.CancelledError:
-            log.info("config_follower_stopped", why="cancelled")
-            raise
+        follow = follow_operator_config(self.settings, self._reload, watcher.namespaces)
+        async for namespaces in follow:
+            watcher.set_namespaces(namespaces)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -21,12 +23,14 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.config import MIN_WRITE_TIMEOUT, Settings, lease_namespace, lease_seconds
+from canaryd.config import Settings, lease_namespace
 from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 from canaryd.logs import wall_time
 
 log = structlog.get_logger("canaryd.leader")
+
+MIN_WRITE_TIMEOUT = 1.0  # seconds: a bump to be answered sooner fails on any delay
 
 
 def spec_of(lease: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -36,14 +40,12 @@ def spec_of(lease: Mapping[str, Any]) -> Mapping[str, Any]:
 
 class LeaderElector:
     def __init__(
-        self,
-        settings: Settings,
-        kube: KubeClient,
-        identity: str,
-        *,
-        clock: Callable[[], float] = time.monotonic,
+        self, settings: Settings, kube: KubeClient, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.settings, self.kube, self.identity = settings, kube, identity
+        self.settings, self.kube = settings, kube
+        # By default as client-go's users make theirs: two replicas on hosts of one name
+        # would both take themselves for the holder.
+        self.identity = settings.identity or f"{socket.gethostname()}_{secrets.token_hex(4)}"
         self.namespace, self.name = lease_namespace(settings), settings.lease_name
         base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
@@ -290,6 +292,11 @@ class LeaderElector:
             log.info("lease_released", lease=str(self), identity=self.identity)
         except KubeError as err:
             log.warning("lease_release_failed", lease=str(self), error=str(err))
+
+
+def lease_seconds(lease_duration: float) -> int:
+    """leaseDurationSeconds: whole seconds, truncated as client-go does, at least 1."""
+    return max(1, int(lease_duration))
 
 
 def lease_timings_problem(settings: Settings) -> str | None:

@@ -211,6 +211,9 @@ class Scheduler:
         self._waiting: list[tuple[float, Canary]] = []
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
+        else:
+            metrics.LEADER.set(1)  # the only replica: it writes
+        metrics.UNSCHEDULED.set_function(lambda: len(self.unscheduled()))
 
     def standby(self, leader: str | None) -> None:
         """Not the leader: no bumps, no new verdicts. The registry stays warm (the

@@ -178,8 +178,8 @@ def _family(name: str, doc: str, label: str, values: Mapping[str, int]) -> Gauge
 
 
 class HealthServer(Collector):
-    """Binds at ``start()``, so a busy port fails before anything else runs; registered
-    in metrics.REGISTRY, it collects the state gauges."""
+    """Listens from ``start()`` (a busy port fails before anything else runs) to
+    ``stop()``; registered in metrics.REGISTRY, it collects the state gauges."""
 
     def __init__(self, settings: Settings, view: HealthView) -> None:
         self.settings, self.view = settings, view
@@ -191,6 +191,7 @@ class HealthServer(Collector):
         self.app.router.add_get("/readyz", self.ready)
         self.app.router.add_get("/metrics", self.metrics_page)
         self.port: int | None = None
+        self._listener: asyncio.Server | None = None
         self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=1.0)
 
     def blind_lines(self) -> list[str]:
@@ -271,7 +272,7 @@ class HealthServer(Collector):
         assert server is not None
         host, port = self.settings.host, self.settings.port
         try:
-            self._listener: asyncio.Server = await loop.create_server(
+            self._listener = await loop.create_server(
                 lambda: Connection(self.cap, server),
                 host,
                 port,
@@ -283,10 +284,9 @@ class HealthServer(Collector):
         self.port = self._listener.sockets[0].getsockname()[1]
         log.info("health_server_listening", host=host, port=self.port)
 
-    async def run(self) -> None:
-        try:
-            await asyncio.Event().wait()  # serves until cancelled
-        finally:
+    async def stop(self) -> None:
+        """Whether or not ``start()`` got to listen (the daemon's ``finally``)."""
+        if self._listener is not None:
             log.info("health_server_stopped", why="cancelled")
             self._listener.close()
-            await self._runner.cleanup()
+        await self._runner.cleanup()

@@ -20,7 +20,7 @@ import structlog
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.kube import KIND_NAMES, KINDS, ErrorKind, Kind, KubeClient, KubeError, kind_of
-from canaryd.limits import OpenFiles
+from canaryd.limits import raise_open_files_limit
 from canaryd.listwatch import (
     LISTS_AT_ONCE,
     Change,
@@ -106,15 +106,16 @@ class Watcher:
     """Owns every list/watch task, applies what they tell, and keeps them matched to the
     watched namespaces and to those not closed (being deleted: ``registry.closed``)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        registry: Registry,
-        kube: KubeClient,
-        open_files: OpenFiles | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, registry: Registry, kube: KubeClient) -> None:
         self.settings, self.registry, self.kube = settings, registry, kube
-        self.open_files = open_files or OpenFiles(None, None)  # every watch holds a socket
+        files = self.open_files = raise_open_files_limit()  # every watch holds a socket
+        log.info(
+            "open_files_limit",
+            soft="unlimited" if files.soft is None else files.soft,
+            hard="unlimited" if files.hard is None else files.hard,
+            raised_from=files.raised_from,
+            problem=files.problem,
+        )
         self._files_problem: str | None = None
         self.namespaces = settings.namespaces
         self._kinds = [kind_of(key) for key in settings.kinds]  # a Kind's name learned: display

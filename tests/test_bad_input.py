@@ -381,9 +381,13 @@ def test_the_default_identity_is_the_host_name_and_a_random_suffix():
     """Two replicas on hosts of one name (systemd, VMs) must not both lead."""
     import socket
 
-    from canaryd.config import default_identity
+    from canaryd.leader import LeaderElector
 
-    first, second = default_identity(), default_identity()
+    chosen = load_settings(["--leader-elect", "--lease-namespace", "default"], {})
+    first, second = (
+        LeaderElector(chosen, kube=None).identity  # type: ignore[arg-type]
+        for _ in range(2)
+    )
     assert first.startswith(f"{socket.gethostname()}_") and first != second
     assert load_settings(["--identity", "pod-0"], {}).identity == "pod-0"  # as given
 

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from canaryd.config import MIN_WRITE_TIMEOUT, Settings
+from canaryd.config import Settings
+from canaryd.leader import MIN_WRITE_TIMEOUT
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import LEASES, FakeKube, Fault
 from canaryd.testing.process import canaryd_argv, free_port
@@ -765,11 +766,10 @@ async def test_a_fenced_write_waits_for_the_next_renewal_and_ends_with_the_leade
     from canaryd.leader import LeaderElector
 
     now = [100.0]
-    settings = Settings(timeout=12.0, leader_elect=True, lease_namespace="default")
+    settings = Settings(timeout=12.0, leader_elect=True, lease_namespace="default", identity="solo")
     elector = LeaderElector(
         settings,
         kube=None,  # type: ignore[arg-type]
-        identity="solo",
         clock=lambda: now[0],
     )
     elector.leading, elector._renewed_at = True, now[0]

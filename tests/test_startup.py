@@ -246,3 +246,27 @@ async def test_a_busy_port_exits_2_naming_it_and_leaves_nothing_behind(kube, kub
             with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: "):
                 await Daemon(settings).run()
     assert kube.requests_for("list") == []  # nothing watched
+
+
+async def test_a_failure_while_wiring_the_components_closes_the_health_port(
+    kube, kubeconfig, monkeypatch
+):
+    """A bug raised while the elector, scheduler or watcher is built (before the task
+    group first waits): the daemon stops with it, and its health port is closed, not
+    left listening with nobody behind it."""
+    from dataclasses import replace
+
+    from canaryd.daemon import Daemon
+    from tests.harness import TEST_SETTINGS
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug in the wiring")
+
+    monkeypatch.setattr("canaryd.daemon.Watcher", broken)
+    daemon = Daemon(replace(TEST_SETTINGS, kubeconfig=str(kubeconfig)))
+    with pytest.raises(ExceptionGroup) as raised:
+        await daemon.run()
+    assert [str(error) for error in raised.value.exceptions] == ["a bug in the wiring"]
+    assert daemon.server is not None and daemon.server.port is not None
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", daemon.server.port)

@@ -4,20 +4,23 @@ option one row (a ``Settings`` field) that ``--help`` and the readers are made f
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
-import secrets
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from canaryd import __version__
+import structlog
+
+from canaryd import __version__, metrics
 from canaryd.config import parse
 from canaryd.config.operator_config import ConfigError as ConfigError
-from canaryd.config.operator_config import operator_config_files, read_operator_config, reporter_url
+from canaryd.config.operator_config import read_operator_config, reporter_url
 
 T = TypeVar("T")
+log = structlog.get_logger("canaryd.config")
 
 # ------------------------------------------------------------------------- the rows
 
@@ -215,7 +218,7 @@ class Settings:
     from_file: frozenset[str] = frozenset()
     """The settings the operator config file decides (no flag or variable gives them): a
     re-read may change them."""
-    dynamic_namespaces: bool = False  # KEY_DYNAMIC, read with the namespaces
+    dynamic_namespaces: bool = False  # KEY_DYNAMIC, read with the namespaces: they follow it
     watch_timeout: float = 300.0  # each watch asks for 1 to 2 times this (client-go's)
     # Not derived from the cycle (docs/CONFIGURATION.md, "Timings derived from the cycle"):
     watch_idle_timeout: float = 180.0  # outlasts the API server's bookmark interval
@@ -338,8 +341,7 @@ def load_settings(
 def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     """The settings ``names`` (those no flag or variable gives) as the operator config
     file says now, its value or the default; with the namespaces, whether dynamic."""
-    file = operator_config_files(path)[0]
-    flat = read_operator_config(file)
+    file, flat, _ = read_operator_config(path)
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
@@ -360,21 +362,61 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     return said
 
 
-# ---------------------------------------------------- the Lease, for canaryd.leader
+async def follow_operator_config(
+    settings: Settings, reload: asyncio.Event, watched: frozenset[str] | None
+) -> AsyncIterator[frozenset[str] | None]:
+    """Re-read the operator config at each ``reload`` (SIGHUP), and every check interval
+    when the ``watched`` namespaces follow it, yielding them (docs/CONFIGURATION.md,
+    "Dynamic namespaces", says what is logged and applied)."""
+    path, follows = settings.operator_config, settings.dynamic_namespaces
+    every = settings.config_check_interval if follows else None
+    problem: str | None = None
+    file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reload.wait(), every)
+            reload.clear()
+            if path is None or not settings.from_file:
+                log.info("sighup_ignored", why="no setting comes from an operator config")
+                continue
+            try:
+                said = operator_config_values(path, settings.from_file)
+            except ConfigError as err:
+                metrics.CONFIG_RELOADS.labels("failed").inc()
+                if str(err) != problem:  # once per problem, not per check
+                    problem = str(err)
+                    keeping = sorted(watched or ()) or "all"
+                    log.error("operator_config_reload_failed", error=problem, keeping=keeping)
+                continue
+            if problem is not None:
+                log.info("operator_config_readable_again", was=problem)
+                problem = None
+            changed = False
+            for field, now in said.items():
+                was = file_said.get(field, getattr(settings, field))
+                if now != was:
+                    changed = True
+                    log.info(
+                        "operator_config_changed",
+                        setting=field,
+                        was=sorted(was) if isinstance(was, frozenset) else was,
+                        now=sorted(now) if isinstance(now, frozenset) else now,
+                        applied="now" if follows and field == "namespaces" else "at a restart",
+                    )
+            file_said = said
+            metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
+            if follows:
+                watched = said["namespaces"]
+                yield watched
+    except asyncio.CancelledError:
+        log.info("config_follower_stopped", why="cancelled")
+        raise
 
-MIN_WRITE_TIMEOUT = 1.0  # seconds: a bump to be answered sooner fails on any delay
+
+# ----------------------------- the Lease's namespace, for canaryd.leader and access
+
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def default_identity() -> str:
-    """As client-go's users make theirs: two replicas on hosts of one name would both
-    take themselves for the holder."""
-    return f"{socket.gethostname()}_{secrets.token_hex(4)}"
-
-
-def lease_seconds(lease_duration: float) -> int:
-    """leaseDurationSeconds: whole seconds, truncated as client-go does, at least 1."""
-    return max(1, int(lease_duration))
 
 
 def lease_namespace(settings: Settings) -> str:

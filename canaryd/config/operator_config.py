@@ -7,9 +7,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import structlog
 import yaml
+
+if TYPE_CHECKING:
+    from canaryd.config import Settings
+
+log = structlog.get_logger("canaryd.config")
 
 
 class ConfigError(Exception):
@@ -64,7 +70,15 @@ _FlinkYamlLoader.add_implicit_resolver(
 )
 
 
-def _load(path: Path) -> tuple[Path, Mapping[str, Any]]:
+class OperatorConfig(NamedTuple):
+    """The file the operator reads, as canaryd reads it (both spellings of a key)."""
+
+    file: Path  # the file the operator reads
+    flat: dict[str, Any]  # its keys, flat or nested, as flat names
+    nested: list[str]  # the operator's keys it writes nested (the operator sees none)
+
+
+def read_operator_config(path: Path) -> OperatorConfig:
     path = operator_config_files(path)[0]
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_FlinkYamlLoader)
@@ -81,27 +95,10 @@ def _load(path: Path) -> tuple[Path, Mapping[str, Any]]:
         raise ConfigError(f"operator config {path} is not valid YAML{where}") from err
     if not isinstance(data, Mapping | None):
         raise ConfigError(f"operator config {path} must be a mapping of keys to values")
-    return path, data or {}
-
-
-def read_operator_config(path: Path) -> dict[str, Any]:
-    """The keys of the file the operator reads, flat or nested, as flat names."""
-    return flatten(_load(path)[1])
-
-
-def nested_operator_keys(path: Path) -> tuple[Path, list[str]]:
-    """The file the operator reads, and the operator's keys it writes nested, as flat
-    names: canaryd reads both spellings, the operator's flink-conf.yaml parser flat
-    ones only (nested_keys_why)."""
-    path, data = _load(path)
-    nested = [
-        name
-        for key, value in data.items()
-        if isinstance(value, Mapping)
-        for name in flatten(value, f"{key}.")
-        if name.startswith("kubernetes.operator.")
-    ]
-    return path, sorted(nested)
+    data = data or {}
+    flat = flatten(data)
+    nested = [key for key in flat if key.startswith("kubernetes.operator.") and key not in data]
+    return OperatorConfig(path, flat, sorted(nested))
 
 
 def nested_keys_why(read: Path) -> str:
@@ -133,3 +130,37 @@ def reporter_url(flat: Mapping[str, Any]) -> str:
     if name is not None and first.isdigit() and 0 < int(first) < 65536:
         port = first
     return f"http://127.0.0.1:{port}/metrics"
+
+
+def say_operator_config(settings: Settings) -> str | None:
+    """Say at start which operator config file is read (returned), warning of what the
+    operator reads otherwise (docs/CONFIGURATION.md, ``--operator-config``); with
+    operator-metrics, where it reads the reporter, warning when the file sets none up
+    (canaries then stay ``pending``)."""
+    path, read, configured = settings.operator_config, None, None
+    if path is not None:
+        read, flat, nested = read_operator_config(path)
+        if ignored := operator_config_files(path)[1]:
+            log.warning(
+                "operator_config_ignored",
+                read=str(read),
+                ignored=[str(file) for file in ignored],
+                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                "and config.yaml only without it",
+            )
+        if nested:
+            why = nested_keys_why(read)
+            log.warning("operator_config_nested_keys", file=str(read), flat_keys=nested, why=why)
+        configured = prometheus_reporter(flat) is not None
+    if settings.reconciled_by == "operator-metrics":
+        hint = None
+        if configured is False:
+            hint = f"{path} sets up no Prometheus reporter: add {REPORTERS}prom.factory.class: "
+            hint += f"{PROM_FACTORY} (and .port)"
+        (log.warning if hint else log.info)(
+            "operator_metrics",
+            url=settings.operator_metrics_url,
+            reporter_configured=configured,
+            hint=hint,
+        )
+    return None if read is None else str(read)
