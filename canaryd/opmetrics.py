@@ -305,8 +305,10 @@ class OperatorMetrics:
             )
 
     @classmethod
-    def of(cls, settings: Settings, clock: Callable[[], float]) -> OperatorMetrics:
+    def of(cls, settings: Settings, clock: Callable[[], float]) -> OperatorMetrics | None:
         """The reader of --reconciled-by operator-metrics (an answer may take a cycle)."""
+        if settings.reconciled_by != "operator-metrics":
+            return None
         return cls(
             settings.operator_metrics_url,
             connect_timeout=settings.scrape_connect_timeout,

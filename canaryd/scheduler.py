@@ -1,6 +1,5 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next
-(docs/DEVELOPMENT.md, "How it works"). With --reconciled-by operator-metrics a canary past
-its deadline waits for the next read of the operator's metrics (``judge.Wait``).
+(docs/DEVELOPMENT.md, "How it works"); under operator-metrics it judges at the next read.
 
 The invariant (``unscheduled``): while this replica bumps, every tracked canary is due
 (one live heap entry) or in flight (a bump task, or waiting for a read), exactly once.
@@ -81,8 +80,7 @@ class Role:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry, self.events = settings, registry, events
-        self._clock = clock
+        self.settings, self.registry, self.events, self._clock = settings, registry, events, clock
         # Failed bumps, logged as episodes (an outage is not a line per canary).
         self.failures = Episodes(
             "bump_failures", "canary", lambda: settings.timeout, "canaries", clock=clock
@@ -237,9 +235,7 @@ class Scheduler:
         # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         self.role = Role(settings, registry, self.events, clock=clock)
-        self.operator: OperatorMetrics | None = None
-        if settings.reconciled_by == "operator-metrics":
-            self.operator = OperatorMetrics.of(settings, clock)
+        self.operator = OperatorMetrics.of(settings, clock)  # None: --reconciled-by watch
         self._waiting: list[tuple[float, Canary]] = []  # judged at the next read (Wait)
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
@@ -426,8 +422,7 @@ class Scheduler:
 
     def _operator_restarted(self, operator: OperatorMetrics, started: float) -> None:
         """A new operator process answers: every canary is checked afresh (``pending``),
-        bumped from ``started`` on over half a cycle in their order in the cycle (twice
-        the steady rate, not N writes at once), then back at its place (``_act``)."""
+        bumped from ``started`` over half a cycle in phase order (twice the steady rate)."""
         self._waiting.clear()
         canaries = sorted(self.registry.tracked(), key=phase)
         reason = f"operator restarted at {operator.restarted(len(canaries))}: re-checking"
@@ -476,11 +471,8 @@ class Scheduler:
             if self.flying(canary):
                 del self._in_flight[canary.key]
             if self.registry.owns(canary) and self.role.active and not self.writer.stopping:
-                # Due again at its next deadline, or a cycle on (never in the past: not
-                # repeated at once): never out of the schedule.
-                if next_due is None:
-                    next_due = max(due + self.settings.timeout, self._clock())
-                self.push(next_due, canary)
+                # Due again at its next deadline, or a cycle on: never out of the schedule.
+                self.push(next_due if next_due is not None else self._after_failure(due), canary)
 
     def _bumped(self, canary: Canary, due: float, outcome: Outcome) -> float | None:
         """What came of a bump, into the registry; returns when the canary is next due."""
@@ -490,7 +482,7 @@ class Scheduler:
             metrics.BUMPS.labels(outcome.cause).inc()
             self.role.failures.failed(canary.key, outcome.cause, outcome.reason)
             self.role.no_bump(canary, outcome.reason, outcome.cause)
-            return None  # a cycle on
+            return self._after_failure(due)
         if not isinstance(outcome, Written):
             return None
         metrics.BUMPS.labels("written").inc()
@@ -546,3 +538,7 @@ class Scheduler:
         self.role.failures.recovered(key)
         if self.operator is not None:
             self.operator.missing.discard(str(key))
+
+    def _after_failure(self, due: float) -> float:
+        """A cycle after ``due`` that wrote nothing (never in the past: not repeated at once)."""
+        return max(due + self.settings.timeout, self._clock())
