@@ -9,13 +9,23 @@ it take seconds.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 
 import aiohttp
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
+
+from canaryd import metrics
+from canaryd.config import Settings
+from canaryd.episodes import Episodes
+from canaryd.logs import wall_time
+
+log = structlog.get_logger("canaryd.opmetrics")
 
 RECONCILED_SUFFIX = "_JOSDK_Reconciliation_finished_Count"
 MAX_ANSWER = 256 * 1024 * 1024  # bytes read at most (in chunks: it bounds time, not memory)
@@ -152,9 +162,21 @@ class ScrapeFailed(Exception):
         self.cause = cause
 
 
+@dataclass(frozen=True, slots=True)
+class Read:
+    started: float
+    scrape: Scrape | None
+    failed: ScrapeFailed | None
+    # Still unanswered after an interval: it judges only the canaries with a bump to
+    # judge (the others wait for it: it is their baseline).
+    unanswered: bool = False
+    restarted: bool = False  # a new operator process answered it
+
+
 class OperatorMetrics:
-    """Scrapes the operator's metrics endpoint (once per scrape interval, never per
-    canary: canaryd.opjudge) and tells restarts apart."""
+    """Reads the operator's metrics endpoint every scrape interval, never per canary
+    (``reads``: the scheduler judges the canaries waiting for a read on each), tells
+    restarts apart, and says when it cannot judge (``blind``)."""
 
     def __init__(
         self,
@@ -166,7 +188,7 @@ class OperatorMetrics:
     ) -> None:
         self.url = url
         self.connect_timeout = connect_timeout  # a frozen process's full backlog fails here
-        self.read_timeout = read_timeout  # one answer once connected
+        self.read_timeout = read_timeout  # one answer once connected: the cycle
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self.last: Scrape | None = None  # the last usable answer
@@ -176,6 +198,123 @@ class OperatorMetrics:
         self.instance = 0
         self.instance_since = time.time()
         self._refused_since_answer = False
+        self.problem: str | None = None
+        """Why the operator's metrics cannot judge canaries right now (``blind``)."""
+        self._unusable_since: float | None = None  # every read since failed, or no series
+        self.failures = Episodes(
+            "operator_metrics_failures", "url", lambda: read_timeout, clock=clock
+        )
+        self.missing: set[str] = set()  # canaries whose series an answer lacked (warned)
+        metrics.operator_metrics_exported()
+
+    async def reads(self, interval: float) -> AsyncGenerator[Read, None]:
+        """Read every ``interval``, forever (close it: contextlib.aclosing)."""
+        try:
+            while True:
+                started, instance = self._clock(), self.instance
+                scrape: Scrape | None = None
+                failed: ScrapeFailed | None = None
+                read = asyncio.ensure_future(self.scrape())
+                try:
+                    while not read.done():
+                        await asyncio.wait({read}, timeout=interval)
+                        if not read.done():
+                            # Those that waited a cycle need not wait for this read to time
+                            # out (a frozen JVM holds it a cycle).
+                            silent = ScrapeFailed(
+                                "unanswered",
+                                f"{self.url} has not answered a read sent "
+                                f"{self._clock() - started:.1f}s ago",
+                            )
+                            yield Read(started, None, silent, unanswered=True)
+                    scrape = read.result()
+                except ScrapeFailed as err:
+                    failed = err
+                finally:
+                    read.cancel()  # the reader is stopping (once done, a no-op)
+                self._note(started, scrape, failed)
+                yield Read(started, scrape, failed, restarted=self.instance != instance)
+                await asyncio.sleep(max(0.0, started + interval - self._clock()))
+        finally:
+            await self.close()  # its session
+
+    def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
+        """What a read tells before any canary is judged on it: ``blind``, an episode."""
+        metrics.OPERATOR_SCRAPES.labels("ok" if failed is None else failed.cause).inc()
+        self.problem = None
+        if failed is not None:
+            self.problem = str(failed)  # blind() names it; the log tells an episode
+            self.failures.failed(self.url, failed.cause, str(failed))
+        else:
+            self.failures.recovered(self.url)
+            if scrape is not None and not scrape.has_operator_series:
+                self.problem = (
+                    f"{self.url} answered without the operator's metrics (is Flink's "
+                    "Prometheus reporter configured on this port?)"
+                )
+        if self.problem is None:
+            self._unusable_since = None
+        elif self._unusable_since is None:
+            self._unusable_since = started
+
+    def blind(self) -> dict[str, str]:
+        """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind`` reason:
+        no usable answer for a whole cycle (a start-up's grace: the reporter listens some
+        seconds after the operator starts), or an answer without a canary's series."""
+        blind: dict[str, str] = {}
+        since = self._unusable_since
+        if self.problem is not None and since is not None:
+            if self._clock() - since < self.read_timeout:
+                return blind  # within the start-up grace
+            answered = self.failures.cause(self.url) is None  # the last read
+            reason = "no_series" if answered else "unreachable"
+            blind[f"operator_metrics_{reason}"] = self.problem
+        if self.missing:
+            missing = ", ".join(sorted(self.missing)[:20])
+            blind.setdefault("operator_metrics_no_series", f"no series for {missing}")
+        return blind
+
+    def restarted(self, canaries: int) -> str:
+        """A new operator process answers (``Read.restarted``): counted and logged, with
+        the ``canaries`` checked afresh; returns when it started."""
+        at = wall_time(self.instance_since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=self.url, canaries=canaries)
+        return at
+
+    def baseline(self, key: ResourceKey) -> tuple[int, float | None] | None:
+        """A bump's baseline: the last answer's count of the resource's finished
+        reconciles and the operator process it is of (None: no answer yet)."""
+        last = self.last
+        return None if last is None else (self.instance, last.count(key))
+
+    def series_missing(self, canary: str, series: str | None) -> None:
+        """Whether the last read lacked a canary's ``series``: warned once, and again if
+        they go missing again."""
+        if series is None:
+            self.missing.discard(canary)
+        elif canary not in self.missing:
+            self.missing.add(canary)
+            log.warning(
+                "operator_series_missing",
+                canary=canary,
+                series=series,
+                url=self.url,
+                hint="the operator does not watch its namespace, or has not "
+                "reconciled it since it started",
+            )
+
+    @classmethod
+    def of(cls, settings: Settings, clock: Callable[[], float]) -> OperatorMetrics | None:
+        """The reader of --reconciled-by operator-metrics (an answer may take a cycle)."""
+        if settings.reconciled_by != "operator-metrics":
+            return None
+        return cls(
+            settings.operator_metrics_url,
+            connect_timeout=settings.scrape_connect_timeout,
+            read_timeout=settings.timeout,
+            clock=clock,
+        )
 
     async def close(self) -> None:
         if self._session is not None:

@@ -94,6 +94,7 @@ class Canary:
     """--reconciled-by operator-metrics: (operator instance, its count of finished
     reconciles of this canary or None) read before the pending bump was sent."""
     warned: bool = False  # a Warning Event told, no Recovered since (scheduler.Role)
+    realign: bool = False  # checked afresh off its place in the cycle (operator restart)
 
 
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:

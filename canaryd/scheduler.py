@@ -1,11 +1,5 @@
-"""The scheduler: per canary, every cycle, judge the previous bump, then write the next.
-
-One task walks a deadline heap (not a task per canary). At a canary's deadline it judges
-the previous bump there and then (judging never queues behind writes) and starts the next
-bump as a task of its own (canaryd.writer), at most ``max_bumps_in_flight`` at once; first
-bumps are spread over the cycle by a hash of the canary's identity. With --reconciled-by
-operator-metrics a canary past its deadline waits for the next read (``judge.Wait``).
-Under --leader-elect it follows the elector it was given: its role, and its write fence.
+"""The scheduler: per canary, every cycle, judge the previous bump, then write the next
+(docs/DEVELOPMENT.md, "How it works"); under operator-metrics it judges at the next read.
 
 The invariant (``unscheduled``): while this replica bumps, every tracked canary is due
 (one live heap entry) or in flight (a bump task, or waiting for a read), exactly once.
@@ -20,6 +14,7 @@ import contextlib
 import heapq
 import itertools
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -30,9 +25,9 @@ from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
-from canaryd.kube import KubeClient
+from canaryd.kube import KubeClient, kind_of
 from canaryd.leader import LeaderElector
-from canaryd.opjudge import OperatorJudge, phase
+from canaryd.opmetrics import OperatorMetrics, Read, ResourceKey, Scrape
 from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 from canaryd.sync import ScopeKey
 from canaryd.writer import NotWritten, Outcome, Writer, Written
@@ -46,12 +41,36 @@ EVENT_REASONS = {
 }
 
 
+def phase(canary: Canary) -> float:
+    """The canary's stable place in the cycle, as a fraction (its first bump's)."""
+    return zlib.crc32(str(canary.key).encode()) / 2**32
+
+
+def resource(canary: Canary) -> ResourceKey:
+    """The canary as the operator's metrics name it."""
+    return (kind_of(canary.key.kind).kind, canary.key.namespace, canary.key.name)
+
+
+def note_reconciled(registry: Registry, scrape: Scrape, instance: int) -> None:
+    """The ``reconciled`` stage of bumps reconciled since the last read of the operator's
+    metrics (its time an upper bound: the read's answer)."""
+    for canary in registry.tracked():
+        sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
+        if (
+            sent is not None
+            and canary.bumped_generation is not None
+            and baseline is not None
+            and baseline[0] == instance
+            and "reconciled" not in canary.stages
+            and judge.reconciled_since_bump(canary, scrape, resource(canary))[1]
+        ):
+            registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
+
+
 class Role:
     """This replica's role (``active``: single or the leader; else a follower, with no
     bumps and no new verdicts) and its verdicts: the registry's transitions, counted,
-    logged and told as Events. A leader that stepped down without seeing another holder
-    keeps its verdicts (nobody else has checked since); an unhealthy verdict no bump
-    re-tested for two cycles turns ``unknown`` (docs/DESIGN.md, the semantics table)."""
+    logged and told as Events (docs/DESIGN.md, the semantics table)."""
 
     def __init__(
         self,
@@ -61,8 +80,7 @@ class Role:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings, self.registry, self.events = settings, registry, events
-        self._clock = clock
+        self.settings, self.registry, self.events, self._clock = settings, registry, events, clock
         # Failed bumps, logged as episodes (an outage is not a line per canary).
         self.failures = Episodes(
             "bump_failures", "canary", lambda: settings.timeout, "canaries", clock=clock
@@ -98,14 +116,9 @@ class Role:
                 why = "waiting for the first bump to be judged"
                 self.registry.set_state(canary, CanaryState.PENDING, why, "first_bump")
 
-    def verdict_ttl(self) -> float:
-        """How long an unhealthy verdict stands without a bump to re-test it: two cycles,
-        less the judge's slack by which the judge may run late (else it ages a cycle late)."""
-        return 2 * self.settings.timeout - self.settings.judge_slack
-
     def no_bump(self, canary: Canary, reason: str, cause: str) -> None:
         """Nothing to judge this cycle: a failed write is no verdict either way; an
-        unhealthy verdict older than ``verdict_ttl`` turns unknown."""
+        unhealthy verdict older than ``Settings.verdict_ttl`` turns unknown."""
         self.verdict(canary, NoVerdict(reason, cause), self._clock(), counted=False)
 
     def verdict(
@@ -135,7 +148,7 @@ class Role:
             case NoVerdict(reason=why, counted=label, fresh=True):
                 self.registry.fresh_check(canary, why, label)
             case NoVerdict(reason=why, counted=label):
-                self.registry.no_verdict(canary, why, label, now, self.verdict_ttl())
+                self.registry.no_verdict(canary, why, label, now, self.settings.verdict_ttl)
         if counted:
             metrics.VERDICTS.labels(label).inc()
         reason = EVENT_REASONS.get(canary.state)
@@ -146,12 +159,32 @@ class Role:
         if isinstance(judgement, Unhealthy) and self._aging is None:
             self.age_verdicts()  # its verdict ages from now on
 
+    def not_yet(self, canary: Canary, judgement: Recheck | Defer) -> float:
+        """No verdict yet (counted and logged the first time): a late judge re-checks, or it
+        waits for its watch to resume. Returns when the canary is judged again."""
+        if isinstance(judgement, Recheck):
+            metrics.VERDICTS.labels("rechecked").inc()
+            log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
+            self.registry.rechecking(canary)
+            return judgement.at
+        until = judgement.until
+        if judgement.first:
+            metrics.VERDICTS.labels("deferred").inc()
+            log.debug(
+                "verdict_deferred",
+                canary=str(canary.key),
+                generation=canary.bumped_generation,
+                why=judgement.why,
+            )
+            self.registry.deferred(canary, until)
+        return until if judgement.at is None else min(judgement.at, until)
+
     def age_verdicts(self) -> None:
         """Every half cycle while any canary is unhealthy: verdicts no bump re-tested
         (none is waiting to be judged, none failed to be written) for ``verdict_ttl``
         turn unknown."""
         self.stop()
-        now, ttl = self._clock(), self.verdict_ttl()
+        now, ttl = self._clock(), self.settings.verdict_ttl
         why = f"no bump written: {self.standby_reason or 'none could be sent'}"
         unhealthy = False
         for canary in self.registry.canaries():
@@ -202,13 +235,8 @@ class Scheduler:
         # Kubernetes Events on canaries whose verdict changed (the daemon runs its task).
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         self.role = Role(settings, registry, self.events, clock=clock)
-        self.operator = (
-            OperatorJudge(settings, registry, lambda: kube.answered_since, clock=clock)
-            if settings.reconciled_by == "operator-metrics"
-            else None
-        )
-        # operator-metrics: canaries past their deadline, judged at the next read (Wait).
-        self._waiting: list[tuple[float, Canary]] = []
+        self.operator = OperatorMetrics.of(settings, clock)  # None: --reconciled-by watch
+        self._waiting: list[tuple[float, Canary]] = []  # judged at the next read (Wait)
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
         else:
@@ -256,8 +284,7 @@ class Scheduler:
         ]
 
     def take_news(self) -> None:
-        """Act on the registry's news, in order (the loop reads it; nothing calls the
-        scheduler back)."""
+        """Act on the registry's news, in order (nothing calls the scheduler back)."""
         for news in self.registry.take_news():
             match news:
                 case Added(canary=canary):
@@ -339,7 +366,7 @@ class Scheduler:
         now = self._clock()
         metrics.VERDICT_LATENESS.observe(max(0.0, now - due))
         if self.operator is not None:
-            self._act(due, canary, Wait(), now)  # judged at the next read of its metrics
+            self._waiting.append((due, canary))  # judged at the next read of its metrics
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
@@ -355,17 +382,17 @@ class Scheduler:
             )
         self._act(due, canary, judgement, now)
 
-    async def _judge_reads(self, operator: OperatorJudge) -> None:
+    async def _judge_reads(self, operator: OperatorMetrics) -> None:
         """operator-metrics: every read judges the canaries that fell due before it."""
-        async with contextlib.aclosing(operator.reads()) as reads:
+        async with contextlib.aclosing(operator.reads(self.settings.scrape_interval)) as reads:
             async for read in reads:
+                if read.scrape is not None:
+                    with self._guard("operator_judge_failed_unexpectedly"):
+                        note_reconciled(self.registry, read.scrape, operator.instance)
                 if not self.role.active:
                     continue  # a follower judges nothing; it starts fresh when it leads
                 if read.restarted:
-                    self._waiting.clear()
-                    for at, canary in operator.restart(read.started):
-                        if not self.flying(canary):  # one in flight schedules itself
-                            self.push(at, canary)
+                    self._operator_restarted(operator, read.started)
                 waiting, self._waiting = self._waiting, []
                 now = self._clock()
                 for due, canary in waiting:
@@ -374,18 +401,51 @@ class Scheduler:
                         self._waiting.append((due, canary))  # not yet this read's
                     elif self.registry.owns(canary):
                         with self._guard("operator_judge_failed_unexpectedly", canary):
-                            self._act(due, canary, operator.judge(canary, read, now), now)
+                            self._act(due, canary, self._by_operator(operator, canary, read), now)
+
+    def _by_operator(self, operator: OperatorMetrics, canary: Canary, read: Read) -> Judgement:
+        """What ``read`` says of the canary's pending bump (canaryd.judge.by_operator)."""
+        last, now = operator.last, self._clock()
+        judgement = judge.by_operator(
+            canary,
+            resource(canary),
+            read.scrape,
+            read.failed,
+            now,
+            self.settings,
+            instance=operator.instance,
+            last_answer_at=last.answered_at if last is not None else None,
+            api_away=judge.api_server_away(
+                canary, self.registry.scopes.covering(canary.key), self.kube.answered_since, now
+            ),
+        )
+        missing = judgement.missing_series if isinstance(judgement, NoVerdict) else None
+        operator.series_missing(str(canary.key), missing)
+        return judgement
+
+    def _operator_restarted(self, operator: OperatorMetrics, started: float) -> None:
+        """A new operator process answers: every canary is checked afresh (``pending``),
+        bumped from ``started`` over half a cycle in phase order (twice the steady rate)."""
+        self._waiting.clear()
+        canaries = sorted(self.registry.tracked(), key=phase)
+        reason = f"operator restarted at {operator.restarted(len(canaries))}: re-checking"
+        step = self.settings.timeout / 2 / max(1, len(canaries))
+        for index, canary in enumerate(canaries):
+            self.registry.fresh_check(canary, reason, "operator_restarted")
+            canary.realign = True
+            if not self.flying(canary):  # one in flight schedules itself
+                self.push(started + index * step, canary)
 
     @contextlib.contextmanager
-    def _guard(self, event: str, canary: Canary) -> Iterator[None]:
+    def _guard(self, event: str, canary: Canary | None = None) -> Iterator[None]:
         """A bug must not stop the scheduler nor lose the canary: say so, count it, and
-        judge it a cycle on."""
+        judge the canary a cycle on."""
         try:
             yield
         except Exception:
             metrics.ERRORS.labels("scheduler").inc()
-            log.exception(event, canary=str(canary.key))
-            if self.registry.owns(canary) and not self.flying(canary):
+            log.exception(event, canary=None if canary is None else str(canary.key))
+            if canary is not None and self.registry.owns(canary) and not self.flying(canary):
                 self.push(self._clock() + self.settings.timeout, canary)
 
     def start_bump(self, due: float, canary: Canary) -> None:
@@ -438,40 +498,27 @@ class Scheduler:
         return deadline
 
     def _act(self, due: float, canary: Canary, judgement: Judgement, now: float) -> None:
-        """Do what a judgement says: a verdict to the role (counted, logged, the registry's
-        transition), then the next bump; or not yet: rescheduled, or (Wait) judged at the
-        next read of the operator's metrics."""
+        """Do what a judgement says: a verdict to the role, then the next bump; or not yet:
+        rescheduled, or (Wait) judged at the next read of the operator's metrics."""
         match judgement:
             case None | Healthy() | Unhealthy() | NoVerdict():
                 if judgement is not None:  # None: the last cycle wrote nothing to judge
                     self.role.verdict(canary, judgement, now)
-                place = None
                 if self.operator is not None:
-                    # Its retry window runs from now (the verdict may have waited), or it
-                    # goes back to its place in the cycle (after an operator restart).
-                    place = self.operator.bump_at(canary, judgement is not None, now)
+                    # Bumped now (the verdict may have waited: its retry window runs from
+                    # now), the last answer's count its baseline; or, once an operator
+                    # restart's fresh check is judged, back at its place in the cycle.
+                    if judgement is not None and canary.realign:
+                        canary.realign = False
+                        wait = (phase(canary) * self.settings.timeout - now) % self.settings.timeout
+                        if wait > self.settings.scrape_interval:
+                            self.push(now + wait, canary)
+                            return
+                    self.registry.baseline(canary, self.operator.baseline(resource(canary)))
                     due = now
-                if place is None:
-                    self.start_bump(due, canary)
-                else:
-                    self.push(place, canary)
-            case Recheck():
-                metrics.VERDICTS.labels("rechecked").inc()
-                log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
-                self.registry.rechecking(canary)
-                self.push(judgement.at, canary)
-            case Defer():
-                until = judgement.until
-                if judgement.first:
-                    metrics.VERDICTS.labels("deferred").inc()
-                    log.debug(
-                        "verdict_deferred",
-                        canary=str(canary.key),
-                        generation=canary.bumped_generation,
-                        why=judgement.why,
-                    )
-                    self.registry.deferred(canary, until)
-                self.push(until if judgement.at is None else min(judgement.at, until), canary)
+                self.start_bump(due, canary)
+            case Recheck() | Defer():
+                self.push(self.role.not_yet(canary, judgement), canary)
             case Suspect():
                 # Judged again at the fresh stream's own deadline (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
@@ -493,7 +540,7 @@ class Scheduler:
         self._due_seq.pop(key, None)
         self.role.failures.recovered(key)
         if self.operator is not None:
-            self.operator.forget(key)
+            self.operator.missing.discard(str(key))
 
     def _after_failure(self, due: float) -> float:
         """A cycle after ``due`` that wrote nothing (never in the past: not repeated at once)."""

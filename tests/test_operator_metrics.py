@@ -339,12 +339,9 @@ def test_the_operator_metrics_are_blind_after_a_cycle_of_unusable_reads():
     are not blind (the operator's reporter listens some seconds after it starts); for a
     whole cycle, unreachable; an answer without the operator's series, no_series; an
     answer with them, nothing."""
-    from canaryd.opjudge import OperatorJudge
-    from canaryd.registry import Registry
-
     now = [100.0]
-    settings = load_settings(["--reconciled-by", "operator-metrics", "--timeout", "10s"], {})
-    judge = OperatorJudge(settings, Registry(settings.label), lambda: 0.0, clock=lambda: now[0])
+    url = "http://127.0.0.1:1/metrics"
+    judge = OperatorMetrics(url, connect_timeout=1, read_timeout=10, clock=lambda: now[0])
     refused = ScrapeFailed("refused", "nothing listens")
     judge._note(now[0], None, refused)
     now[0] += 9.9
@@ -654,12 +651,12 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
         operator_metrics_url=f"http://127.0.0.1:{port}/metrics",
     ) as run:
         async with operator_for(kube, port):
-            reader = run.daemon.scheduler.operator.operator
+            reader = run.daemon.scheduler.operator
             await run.until(lambda: reader.last is not None, "a first answer read")
-        restarted = run.daemon.scheduler.operator.operator.instance
+        restarted = run.daemon.scheduler.operator.instance
         async with operator_for(kube, port):
             await run.until(
-                lambda: run.daemon.scheduler.operator.operator.instance > restarted,
+                lambda: run.daemon.scheduler.operator.instance > restarted,
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
@@ -675,10 +672,10 @@ async def test_a_dropped_canary_leaves_nothing_behind(kube, kubeconfig):
         running_daemon(kube, kubeconfig, **judged_by(operator)) as run,
     ):
         canary = await run.until_state(CanaryState.UNKNOWN, namespace="elsewhere", within=3)
-        assert canary.key in run.daemon.scheduler.operator._missing_series
+        assert str(canary.key) in run.daemon.scheduler.operator.missing
         kube.delete(FLINK_DEPLOYMENTS, "elsewhere", "canary")
         await run.until_gone(namespace="elsewhere")
-        assert canary.key not in run.daemon.scheduler.operator._missing_series
+        assert str(canary.key) not in run.daemon.scheduler.operator.missing
 
 
 async def test_the_label_sets_remembered_are_those_of_the_last_answer():

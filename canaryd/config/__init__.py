@@ -252,6 +252,12 @@ class Settings:
     an answer may take the whole cycle (a slow operator is not a frozen one)."""
 
     @property
+    def verdict_ttl(self) -> float:
+        """How long an unhealthy verdict stands without a bump to re-test it: two cycles,
+        less the judge's slack by which the judge may run late (else it ages a cycle late)."""
+        return 2 * self.timeout - self.judge_slack
+
+    @property
     def write_timeout(self) -> float:
         """Under --leader-elect every write is answered or abandoned before any follower
         may take the lease (canaryd.leader)."""
