@@ -375,7 +375,8 @@ async def test_operator_metrics_unreachable_past_a_cycle_are_blind_until_they_an
         await run.until(lambda: operator.problem is not None, "a refused read")
         body = await blind_everywhere(run, "operator_metrics_unreachable")
         assert body.startswith("OK\n") and "refused" in body, body
-        assert run.canary().state is CanaryState.PENDING
+        # No verdict: pending, or unknown when a busy machine's late tick skipped a bump.
+        assert run.canary().state in (CanaryState.PENDING, CanaryState.UNKNOWN)
         async with operator_for(kube, port=port):
             await run.until_state(CanaryState.HEALTHY, within=5)
             await blind_everywhere(run)
