@@ -347,24 +347,22 @@ def load_settings(
 def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     """The settings ``names`` (those no flag or variable gives) as the operator config
     file says now, its value or the default; with the namespaces, whether dynamic."""
-    file, flat, _ = read_operator_config(path)
+    file, flat, _, _ = read_operator_config(path)
+    url = OPTIONS["operator_metrics_url"].key  # read as the port of its Prometheus reporter
+    flat = {**flat, str(url): reporter_url(flat)}
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
     said: dict[str, Any] = {}
     for name, key, parser in wanted:  # in the rows' order: the first bad value is told
-        found = flat.get(key)
-        if name == "operator_metrics_url":  # the port of its Prometheus reporter
-            said[name] = reporter_url(flat)
-        elif any(other.startswith(f"{key}.") for other in flat):
+        if any(other.startswith(f"{key}.") for other in flat):
             raise ConfigError(
                 f"{file}: {key}: must be a value (namespaces: a comma-separated string or a "
                 "list), not a mapping"
             )
-        elif found is not None:
-            said[name] = _parsed(parser, found, f"{file}: {key}")
-        else:
-            said[name] = getattr(Settings(), name)
+        said[name] = getattr(Settings(), name)  # the default, unless the file says
+        if flat.get(key) is not None:
+            said[name] = _parsed(parser, flat[key], f"{file}: {key}")
     return said
 
 
@@ -427,9 +425,7 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 
 def lease_namespace(settings: Settings) -> str:
     """As set, else the pod's service account's, else default."""
-    if settings.lease_namespace:
-        return settings.lease_namespace
     try:
-        return SA_NAMESPACE_FILE.read_text().strip() or "default"
+        return settings.lease_namespace or SA_NAMESPACE_FILE.read_text().strip() or "default"
     except OSError:
         return "default"
