@@ -265,10 +265,6 @@ class Settings:
             return self.request_timeout
         return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
-    @property
-    def namespaces_from_file(self) -> bool:
-        return "namespaces" in self.from_file
-
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings) if f.metadata}
 
@@ -375,7 +371,7 @@ async def follow_operator_config(
     path, follows = settings.operator_config, settings.dynamic_namespaces
     every = settings.config_check_interval if follows else None
     problem: str | None = None
-    file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
+    last = dict(vars(settings))  # each setting as last read (before the first: as started)
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -389,17 +385,16 @@ async def follow_operator_config(
             except ConfigError as err:
                 metrics.CONFIG_RELOADS.labels("failed").inc()
                 if str(err) != problem:  # once per problem, not per check
-                    problem = str(err)
                     keeping = sorted(watched or ()) or "all"
-                    log.error("operator_config_reload_failed", error=problem, keeping=keeping)
+                    log.error("operator_config_reload_failed", error=str(err), keeping=keeping)
+                problem = str(err)
                 continue
             if problem is not None:
                 log.info("operator_config_readable_again", was=problem)
-                problem = None
+            problem = None
             changed = False
             for field, now in said.items():
-                was = file_said.get(field, getattr(settings, field))
-                if now != was:
+                if now != (was := last[field]):
                     changed = True
                     log.info(
                         "operator_config_changed",
@@ -408,7 +403,7 @@ async def follow_operator_config(
                         now=sorted(now) if isinstance(now, frozenset) else now,
                         applied="now" if follows and field == "namespaces" else "at a restart",
                     )
-            file_said = said
+            last.update(said)
             metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
             if follows:
                 watched = said["namespaces"]
