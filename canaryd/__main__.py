@@ -1,15 +1,15 @@
 """``canaryd`` (``python -m canaryd``): the daemon, exit 0 on SIGTERM/SIGINT.
-``canaryd check [FLAGS]`` (and ``helm test``): access reviews of every permission canaryd
-will use, whether the operator's account exists, then, all granted, what the daemon
-would meet; a line per finding, exit 2 naming what is missing, 1 naming why canaryd would
-be blind (a ``canaryd_blind`` reason each), else 0 (docs/OPERATIONS.md). Both exit 2 on
-bad configuration (checking, also on an API server unreached or refusing), in one line."""
+``canaryd check [FLAGS]`` (and ``helm test``): what canaryd may do and would meet, a line
+each, exit 2 naming what is missing, 1 naming why canaryd would be blind, else 0
+(docs/OPERATIONS.md). Both exit 2 on bad configuration (checking, also on an API server
+unreached or refusing), in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -121,7 +121,8 @@ async def check(settings: Settings, out: TextIO) -> int:
 
 async def would_see(settings: Settings, kube: KubeClient, say: Say) -> None:
     """What the daemon would meet: each kind served, each watched namespace there, the
-    canaries per namespace and, with operator-metrics, their series."""
+    canaries per namespace and, with operator-metrics, each canary's series (its count of
+    finished reconciles) in the operator's metrics."""
     served: list[Kind] = []
     for kind in map(kind_of, settings.kinds):
         if await not_served(kube, kind) is None:
@@ -166,23 +167,9 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say) -> None:
         if settings.namespaces is None:
             inside = "any namespace"
         say(f"no canary labelled {settings.label}=true in {inside}", "no_canaries")
-    if settings.reconciled_by == "operator-metrics":
-        await operator_series(settings, canaries, say)
-
-
-def names(item: Mapping[str, Any]) -> tuple[str, str]:
-    metadata = item.get("metadata") or {}
-    return str(metadata.get("namespace")), str(metadata.get("name"))
-
-
-async def operator_series(
-    settings: Settings, canaries: list[tuple[str, str, str, str]], say: Say
-) -> None:
-    """The operator's metrics answer with each canary's count of finished reconciles."""
-    url = settings.operator_metrics_url
-    operator = OperatorMetrics(
-        url, connect_timeout=settings.scrape_connect_timeout, read_timeout=settings.timeout
-    )
+    operator = OperatorMetrics.of(settings, time.monotonic)
+    if operator is None:  # not --reconciled-by operator-metrics
+        return
     try:
         scrape = await operator.scrape()
     except ScrapeFailed as err:
@@ -190,6 +177,7 @@ async def operator_series(
         return
     finally:
         await operator.close()
+    url = operator.url
     if not scrape.has_operator_series:
         say(f"{url} answered without the operator's metrics", "operator_metrics_no_series")
         return
@@ -203,6 +191,11 @@ async def operator_series(
         say(f"{seen}, not of {', '.join(missing[:10])}", "operator_metrics_no_series")
     else:
         say(seen)
+
+
+def names(item: Mapping[str, Any]) -> tuple[str, str]:
+    metadata = item.get("metadata") or {}
+    return str(metadata.get("namespace")), str(metadata.get("name"))
 
 
 def unanswered(host: str, err: KubeError) -> str:

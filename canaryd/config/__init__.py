@@ -57,15 +57,14 @@ def option(
     )
 
 
+@dataclass(frozen=True)
 class Cycle:
     """A timing derived from the cycle: ``cap`` seconds, at most 1/``part`` of --timeout."""
 
-    def __init__(self, cap: float, part: float) -> None:
-        self.cap, self.part = cap, part
+    cap: float
+    part: float
 
-    def __get__(self, settings: Settings | None, owner: object = None) -> float:
-        if settings is None:  # read on the class: the value the cycle caps
-            return self.cap
+    def __get__(self, settings: Settings, owner: object = None) -> float:
         return min(self.cap, settings.timeout / self.part)
 
 
