@@ -74,14 +74,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(0)
 
 
-Say = Callable[..., None]
-"""A finding: its line, its ``canaryd_blind`` reason (a ``BLIND`` line), else its word."""
-
-
 async def check(settings: Settings, out: TextIO) -> int:
     blind: list[str] = []  # each BLIND line as "reason: line"
 
     def say(line: str, reason: str | None = None, word: str = "ok") -> None:
+        """A finding: its line, its ``canaryd_blind`` reason (a BLIND line), else its word."""
         print(f"{'BLIND' if reason else word:<4} {line}", file=out)
         if reason is not None:
             blind.append(f"{reason}: {line}")
@@ -119,7 +116,7 @@ async def check(settings: Settings, out: TextIO) -> int:
     return 2 if missing or gone else 1 if blind else 0
 
 
-async def would_see(settings: Settings, kube: KubeClient, say: Say) -> None:
+async def would_see(settings: Settings, kube: KubeClient, say: Callable[..., None]) -> None:
     """What the daemon would meet: each kind served, each watched namespace there, the
     canaries per namespace and, with operator-metrics, each canary's series (its count of
     finished reconciles) in the operator's metrics."""

@@ -25,36 +25,30 @@ log = structlog.get_logger("canaryd.config")
 # ------------------------------------------------------------------------- the rows
 
 
-@dataclass(frozen=True)
+@dataclass
 class Option:
-    """How ``--help``, the environment and the operator config file give its field."""
+    """How ``--help``, the environment and the operator config file give its field. Its
+    environment variable is CANARYD_ and the flag's name (as click's auto_envvar_prefix)."""
 
     flag: str  # "--flag METAVAR", or "--flag" for a switch (its variable: true or false)
-    env: str
     parse: Callable[[Any], Any]  # text (or the file's value) to the value, or ConfigError
     help: str
     shown: str  # the default as --help tells it
-    key: str | None  # the operator config file's, read when no flag or variable is set
-    many: bool  # repeatable: its values joined with commas, as the environment gives them
+    key: str | None = None  # the operator config file's, read when no flag or variable is set
+    many: bool = False  # repeatable: its values joined with commas, as the environment gives them
+    env: str = ""
+
+    def __post_init__(self) -> None:
+        name = self.flag.split()[0].removeprefix("--")
+        self.env = self.env or "CANARYD_" + name.upper().replace("-", "_")
 
 
 def option(
-    default: T,
-    flag: str,
-    parse: Callable[[Any], T],
-    help: str,
-    shown: str | None = None,
-    key: str | None = None,
-    many: bool = False,
-    env: str | None = None,
+    default: T, flag: str, parse: Callable[[Any], T], help: str, shown: str = "", **row: Any
 ) -> T:
-    """A ``Settings`` field (its ``default``) and its row. Its environment variable is
-    CANARYD_ and the flag's name (as click's auto_envvar_prefix), unless ``env``."""
-    env = env or "CANARYD_" + flag.split()[0].removeprefix("--").upper().replace("-", "_")
+    """A ``Settings`` field (its ``default``) and its row."""
     shown = shown or ("none" if default is None else str(default))
-    return field(
-        default=default, metadata={"option": Option(flag, env, parse, help, shown, key, many)}
-    )
+    return field(default=default, metadata={"option": Option(flag, parse, help, shown, **row)})
 
 
 @dataclass(frozen=True)
