@@ -337,8 +337,8 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     """The settings ``names`` (those no flag or variable gives) as the operator config
     file says now, its value or the default; with the namespaces, whether dynamic."""
     file, flat, _, _ = read_operator_config(path)
-    url = OPTIONS["operator_metrics_url"].key  # read as the port of its Prometheus reporter
-    flat = {**flat, str(url): reporter_url(flat)}
+    reporter = str(OPTIONS["operator_metrics_url"].key)  # read from its reporter's port
+    flat = {**flat, reporter: reporter_url(flat)}  # None without one: the default
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
