@@ -1,15 +1,15 @@
 """``canaryd`` (``python -m canaryd``): the daemon, exit 0 on SIGTERM/SIGINT.
-``canaryd check [FLAGS]`` (and ``helm test``): access reviews of every permission canaryd
-will use, whether the operator's account exists, then, all granted, what the daemon
-would meet; a line per finding, exit 2 naming what is missing, 1 naming why canaryd would
-be blind (a ``canaryd_blind`` reason each), else 0 (docs/OPERATIONS.md). Both exit 2 on
-bad configuration (checking, also on an API server unreached or refusing), in one line."""
+``canaryd check [FLAGS]`` (and ``helm test``): what canaryd may do and would meet, a line
+each, exit 2 naming what is missing, 1 naming why canaryd would be blind, else 0
+(docs/OPERATIONS.md). Both exit 2 on bad configuration (checking, also on an API server
+unreached or refusing), in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -74,79 +74,69 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(0)
 
 
-Say = Callable[[str | None, str], None]
-"""A finding: its ``canaryd_blind`` reason (None: fine) and its line."""
-
-
 async def check(settings: Settings, out: TextIO) -> int:
-    if settings.operator_config is not None:
-        read, _, nested = read_operator_config(settings.operator_config)
-        for key in nested:
-            print(f"warn {key} is nested in {read}: {nested_keys_why(read)}", file=out)
-    wanted, account = wanted_permissions(settings), settings.operator_account
-    blind: list[str] = []
+    blind: list[str] = []  # each BLIND line as "reason: line"
 
-    def say(reason: str | None, line: str) -> None:
-        print(f"{'BLIND' if reason else 'ok  '} {line}", file=out)
+    def say(line: str, reason: str | None = None, word: str = "ok") -> None:
+        """A finding: its line, its ``canaryd_blind`` reason (a BLIND line), else its word."""
+        print(f"{'BLIND' if reason else word:<4} {line}", file=out)
         if reason is not None:
             blind.append(f"{reason}: {line}")
 
+    if settings.operator_config is not None:
+        read = read_operator_config(settings.operator_config)
+        for key in read.nested:
+            say(f"{key} is nested in {read.file}: {nested_keys_why(read.file)}", word="warn")
+    wanted, account = wanted_permissions(settings), settings.operator_account
     kube = await connect(settings)
     try:
         granted = await reviews(kube, wanted)
         for permission, ok in zip(wanted, granted, strict=True):
-            print(f"{'ok  ' if ok else 'MISSING'} {permission}", file=out)
-        gone = (
-            account if account and granted[-1] and not await account_exists(kube, account) else None
-        )
+            say(str(permission), word="ok" if ok else "MISSING")
+        gone = account and granted[-1] and not await account_exists(kube, account)
         if all(granted):
-            await would_see(settings, kube, say, out)
+            await would_see(settings, kube, say)
     except KubeError as err:
         raise ConfigError(unanswered(kube.host, err)) from err
     finally:
         await kube.close()
     missing = [str(p) for p, ok in zip(wanted, granted, strict=True) if not ok]
-    if gone:
-        print(
-            f"MISSING serviceaccount {gone[1]} in {gone[0]}: the admission policy judges "
-            "the operator's writes by this account, and refuses nothing while it does not exist",
-            file=out,
-        )
-    if missing:
-        print(
-            f"canaryd check: {len(missing)} of {len(wanted)} permissions missing on "
-            f"{kube.host}: {', '.join(missing)}",
-            file=out,
-        )
-        return 2
-    summary = f"canaryd check: all {len(wanted)} permissions granted on {kube.host}"
-    if gone:
-        summary += f", but the operator's service account {'/'.join(gone)} does not exist"
+    summary = f"all {len(wanted)} permissions granted on {kube.host}"
+    if gone and account:
+        what = f"serviceaccount {account[1]} in {account[0]}: the admission policy judges the"
+        why = "operator's writes by this account, and refuses nothing while it does not exist"
+        say(f"{what} {why}", word="MISSING")
+        summary += f", but the operator's service account {'/'.join(account)} does not exist"
     elif blind:
         summary += f", but canaryd would be blind: {'; '.join(blind)}"
-    print(summary, file=out)
-    return 2 if gone else 1 if blind else 0
+    if missing:
+        summary = f"{len(missing)} of {len(wanted)} permissions missing on {kube.host}: "
+        summary += ", ".join(missing)
+    print(f"canaryd check: {summary}", file=out)
+    return 2 if missing or gone else 1 if blind else 0
 
 
-async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO) -> None:
+async def would_see(settings: Settings, kube: KubeClient, say: Callable[..., None]) -> None:
     """What the daemon would meet: each kind served, each watched namespace there, the
-    canaries per namespace and, with operator-metrics, their series."""
+    canaries per namespace and, with operator-metrics, each canary's series (its count of
+    finished reconciles) in the operator's metrics."""
     served: list[Kind] = []
-    for key in settings.kinds:
-        if await not_served(kube, kind_of(key)) is None:
-            say(None, f"kind {key} is served")
-            served.append(kind_of(key))
+    for kind in map(kind_of, settings.kinds):
+        if await not_served(kube, kind) is None:
+            say(f"kind {kind.key} is served")
+            served.append(kind)
         else:
-            say("kind_not_served", f"kind {key} is not served (its CRD is not installed)")
+            say(f"kind {kind.key} is not served (its CRD is not installed)", "kind_not_served")
     scopes: Sequence[str | None] = [None]
     existing: list[str] = []  # the watched namespaces that exist
     if settings.namespaces is not None:
         listed, _, _ = await list_all(kube, NAMESPACES_PATH, {}, settings.list_timeout)
         there = {names(item)[1] for item in listed}
         for watched in sorted(settings.namespaces):
-            exists = watched in there
-            line = f"namespace {watched} {'exists' if exists else 'does not exist'}"
-            say(None if exists else "namespace_missing", line)
+            if watched in there:
+                say(f"namespace {watched} exists")
+            else:
+                say(f"namespace {watched} does not exist", "namespace_missing")
         scopes = existing = sorted(settings.namespaces & there)
     canaries: list[tuple[str, str, str, str]] = []  # (plural, Kind, namespace, name)
     for kind in served:
@@ -158,7 +148,7 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO)
                 if err.kind is not ErrorKind.FORBIDDEN and err.status != 401:
                     raise
                 reason = "unauthorized" if err.status == 401 else "list_forbidden"
-                say(reason, f"list {kind.plural} in {namespace or 'all namespaces'}: {err}")
+                say(f"list {kind.plural} in {namespace or 'all namespaces'}: {err}", reason)
                 continue
             canaries += [
                 (kind.plural, str(item.get("kind") or kind.kind), *names(item))
@@ -168,38 +158,25 @@ async def would_see(settings: Settings, kube: KubeClient, say: Say, out: TextIO)
     per_namespace = Counter(namespace for _, _, namespace, _ in canaries)
     for where in sorted({*per_namespace, *existing}):
         count = per_namespace[where]
-        print(f"{'ok  ' if count else 'warn'} {count} canaries in {where}", file=out)
+        say(f"{count} canaries in {where}", word="ok" if count else "warn")
     if not canaries:
         inside = ", ".join(existing) or "the watched namespaces: none exist"
         if settings.namespaces is None:
             inside = "any namespace"
-        say("no_canaries", f"no canary labelled {settings.label}=true in {inside}")
-    if settings.reconciled_by == "operator-metrics":
-        await operator_series(settings, canaries, say)
-
-
-def names(item: Mapping[str, Any]) -> tuple[str, str]:
-    metadata = item.get("metadata") or {}
-    return str(metadata.get("namespace")), str(metadata.get("name"))
-
-
-async def operator_series(
-    settings: Settings, canaries: list[tuple[str, str, str, str]], say: Say
-) -> None:
-    """The operator's metrics answer with each canary's count of finished reconciles."""
-    url = settings.operator_metrics_url
-    operator = OperatorMetrics(
-        url, connect_timeout=settings.scrape_connect_timeout, read_timeout=settings.timeout
-    )
+        say(f"no canary labelled {settings.label}=true in {inside}", "no_canaries")
+    operator = OperatorMetrics.of(settings, time.monotonic)
+    if operator is None:  # not --reconciled-by operator-metrics
+        return
     try:
         scrape = await operator.scrape()
     except ScrapeFailed as err:
-        say("operator_metrics_unreachable", f"the operator's metrics: {err}")
+        say(f"the operator's metrics: {err}", "operator_metrics_unreachable")
         return
     finally:
         await operator.close()
+    url = operator.url
     if not scrape.has_operator_series:
-        say("operator_metrics_no_series", f"{url} answered without the operator's metrics")
+        say(f"{url} answered without the operator's metrics", "operator_metrics_no_series")
         return
     missing = [
         f"{plural}/{namespace}/{name}"
@@ -208,9 +185,14 @@ async def operator_series(
     ]
     seen = f"{url} has the series of {len(canaries) - len(missing)} of {len(canaries)} canaries"
     if missing:
-        say("operator_metrics_no_series", f"{seen}, not of {', '.join(missing[:10])}")
+        say(f"{seen}, not of {', '.join(missing[:10])}", "operator_metrics_no_series")
     else:
-        say(None, seen)
+        say(seen)
+
+
+def names(item: Mapping[str, Any]) -> tuple[str, str]:
+    metadata = item.get("metadata") or {}
+    return str(metadata.get("namespace")), str(metadata.get("name"))
 
 
 def unanswered(host: str, err: KubeError) -> str:

@@ -56,13 +56,11 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
     ]
     # Listed and watched whatever is watched: a namespace that goes drops its canaries.
     wanted += [Permission("list", "namespaces"), Permission("watch", "namespaces")]
-    if settings.leader_elect:
+    if settings.leader_elect:  # created without a name (RBAC names none yet), then by name
         namespace, lease = lease_namespace(settings), settings.lease_name
-        wanted += [
-            Permission("get", "leases", LEASE_GROUP, namespace, lease),
-            Permission("create", "leases", LEASE_GROUP, namespace),  # RBAC: no name yet
-            Permission("update", "leases", LEASE_GROUP, namespace, lease),
-        ]
+        for verb in ("get", "create", "update"):
+            name = None if verb == "create" else lease
+            wanted.append(Permission(verb, "leases", LEASE_GROUP, namespace, name))
     if settings.operator_account is not None:
         wanted.append(Permission("get", "serviceaccounts", "", *settings.operator_account))
     return wanted

@@ -89,7 +89,7 @@ def test_operator_config_file_flat_or_nested(tmp_path, text):
     settings = load_settings(["--operator-config", str(path)], {})
     assert settings.timeout == 120.0 and settings.port == 9000
     assert settings.namespaces == frozenset({"default", "canary"})
-    assert settings.namespaces_from_file and settings.dynamic_namespaces
+    assert "namespaces" in settings.from_file and settings.dynamic_namespaces
     assert settings.config_check_interval == 30.0
 
 
@@ -127,7 +127,7 @@ def test_watch_namespaces_wins_over_the_file_and_turns_off_following(tmp_path):
     path.write_text(FLAT)
     settings = load_settings(["--operator-config", str(path)], {"WATCH_NAMESPACES": "prod"})
     assert settings.namespaces == frozenset({"prod"})
-    assert not settings.namespaces_from_file
+    assert "namespaces" not in settings.from_file
 
 
 def test_namespaces_repeatable_and_comma_separated():
@@ -157,7 +157,7 @@ def test_a_null_watched_namespaces_means_all_namespaces(tmp_path, text):
     path = tmp_path / "config.yaml"
     path.write_text(text + "kubernetes.operator.dynamic.namespaces.enabled: true\n")
     settings = load_settings(["--operator-config", str(path)], {})
-    assert settings.namespaces is None and settings.namespaces_from_file
+    assert settings.namespaces is None and "namespaces" in settings.from_file
 
 
 def test_kinds_and_label():

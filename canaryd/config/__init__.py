@@ -25,47 +25,40 @@ log = structlog.get_logger("canaryd.config")
 # ------------------------------------------------------------------------- the rows
 
 
-@dataclass(frozen=True)
+@dataclass
 class Option:
-    """How ``--help``, the environment and the operator config file give its field."""
+    """How ``--help``, the environment and the operator config file give its field. Its
+    environment variable is CANARYD_ and the flag's name (as click's auto_envvar_prefix)."""
 
     flag: str  # "--flag METAVAR", or "--flag" for a switch (its variable: true or false)
-    env: str
     parse: Callable[[Any], Any]  # text (or the file's value) to the value, or ConfigError
     help: str
     shown: str  # the default as --help tells it
-    key: str | None  # the operator config file's, read when no flag or variable is set
-    many: bool  # repeatable: its values joined with commas, as the environment gives them
+    key: str | None = None  # the operator config file's, read when no flag or variable is set
+    many: bool = False  # repeatable: its values joined with commas, as the environment gives them
+    env: str = ""
+
+    def __post_init__(self) -> None:
+        name = self.flag.split()[0].removeprefix("--")
+        self.env = self.env or "CANARYD_" + name.upper().replace("-", "_")
 
 
 def option(
-    default: T,
-    flag: str,
-    parse: Callable[[Any], T],
-    help: str,
-    shown: str | None = None,
-    key: str | None = None,
-    many: bool = False,
-    env: str | None = None,
+    default: T, flag: str, parse: Callable[[Any], T], help: str, shown: str = "", **row: Any
 ) -> T:
-    """A ``Settings`` field (its ``default``) and its row. Its environment variable is
-    CANARYD_ and the flag's name (as click's auto_envvar_prefix), unless ``env``."""
-    env = env or "CANARYD_" + flag.split()[0].removeprefix("--").upper().replace("-", "_")
+    """A ``Settings`` field (its ``default``) and its row."""
     shown = shown or ("none" if default is None else str(default))
-    return field(
-        default=default, metadata={"option": Option(flag, env, parse, help, shown, key, many)}
-    )
+    return field(default=default, metadata={"option": Option(flag, parse, help, shown, **row)})
 
 
+@dataclass(frozen=True)
 class Cycle:
     """A timing derived from the cycle: ``cap`` seconds, at most 1/``part`` of --timeout."""
 
-    def __init__(self, cap: float, part: float) -> None:
-        self.cap, self.part = cap, part
+    cap: float
+    part: float
 
-    def __get__(self, settings: Settings | None, owner: object = None) -> float:
-        if settings is None:  # read on the class: the value the cycle caps
-            return self.cap
+    def __get__(self, settings: Settings, owner: object = None) -> float:
         return min(self.cap, settings.timeout / self.part)
 
 
@@ -265,10 +258,6 @@ class Settings:
             return self.request_timeout
         return min(self.request_timeout, self.renew_deadline - 2 * self.retry_period)
 
-    @property
-    def namespaces_from_file(self) -> bool:
-        return "namespaces" in self.from_file
-
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings) if f.metadata}
 
@@ -347,24 +336,22 @@ def load_settings(
 def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     """The settings ``names`` (those no flag or variable gives) as the operator config
     file says now, its value or the default; with the namespaces, whether dynamic."""
-    file, flat, _ = read_operator_config(path)
+    file, flat, _, _ = read_operator_config(path)
+    reporter = str(OPTIONS["operator_metrics_url"].key)  # read from its reporter's port
+    flat = {**flat, reporter: reporter_url(flat)}  # None without one: the default
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
     said: dict[str, Any] = {}
     for name, key, parser in wanted:  # in the rows' order: the first bad value is told
-        found = flat.get(key)
-        if name == "operator_metrics_url":  # the port of its Prometheus reporter
-            said[name] = reporter_url(flat)
-        elif any(other.startswith(f"{key}.") for other in flat):
+        if any(other.startswith(f"{key}.") for other in flat):
             raise ConfigError(
                 f"{file}: {key}: must be a value (namespaces: a comma-separated string or a "
                 "list), not a mapping"
             )
-        elif found is not None:
-            said[name] = _parsed(parser, found, f"{file}: {key}")
-        else:
-            said[name] = getattr(Settings(), name)
+        said[name] = getattr(Settings(), name)  # the default, unless the file says
+        if flat.get(key) is not None:
+            said[name] = _parsed(parser, flat[key], f"{file}: {key}")
     return said
 
 
@@ -377,7 +364,7 @@ async def follow_operator_config(
     path, follows = settings.operator_config, settings.dynamic_namespaces
     every = settings.config_check_interval if follows else None
     problem: str | None = None
-    file_said: dict[str, Any] = {}  # at the last re-read (before the first: the settings)
+    last = dict(vars(settings))  # each setting as last read (before the first: as started)
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -391,17 +378,16 @@ async def follow_operator_config(
             except ConfigError as err:
                 metrics.CONFIG_RELOADS.labels("failed").inc()
                 if str(err) != problem:  # once per problem, not per check
-                    problem = str(err)
                     keeping = sorted(watched or ()) or "all"
-                    log.error("operator_config_reload_failed", error=problem, keeping=keeping)
+                    log.error("operator_config_reload_failed", error=str(err), keeping=keeping)
+                problem = str(err)
                 continue
             if problem is not None:
                 log.info("operator_config_readable_again", was=problem)
-                problem = None
+            problem = None
             changed = False
             for field, now in said.items():
-                was = file_said.get(field, getattr(settings, field))
-                if now != was:
+                if now != (was := last[field]):
                     changed = True
                     log.info(
                         "operator_config_changed",
@@ -410,7 +396,7 @@ async def follow_operator_config(
                         now=sorted(now) if isinstance(now, frozenset) else now,
                         applied="now" if follows and field == "namespaces" else "at a restart",
                     )
-            file_said = said
+            last.update(said)
             metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
             if follows:
                 watched = said["namespaces"]
@@ -427,9 +413,7 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 
 def lease_namespace(settings: Settings) -> str:
     """As set, else the pod's service account's, else default."""
-    if settings.lease_namespace:
-        return settings.lease_namespace
     try:
-        return SA_NAMESPACE_FILE.read_text().strip() or "default"
+        return settings.lease_namespace or SA_NAMESPACE_FILE.read_text().strip() or "default"
     except OSError:
         return "default"

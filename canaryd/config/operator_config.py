@@ -40,22 +40,6 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def operator_config_files(path: Path) -> tuple[Path, list[Path]]:
-    """The file the operator reads (``path``, or in a directory its first of
-    CONFIG_FILE_NAMES), and the ones it ignores."""
-    try:
-        if not path.is_dir():
-            return path, []
-        found = [path / name for name in CONFIG_FILE_NAMES if (path / name).is_file()]
-    except OSError as err:  # PermissionError on a directory canaryd may not search
-        raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
-    if not found:
-        raise ConfigError(
-            f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
-        )
-    return found[0], found[1:]
-
-
 class _FlinkYamlLoader(yaml.SafeLoader):
     """Only ``true`` and ``false`` are booleans (YAML 1.2, as Flink reads config.yaml):
     PyYAML's YAML 1.1 ``yes``, ``on`` and ``off`` are refused by the operator itself."""
@@ -73,32 +57,39 @@ _FlinkYamlLoader.add_implicit_resolver(
 class OperatorConfig(NamedTuple):
     """The file the operator reads, as canaryd reads it (both spellings of a key)."""
 
-    file: Path  # the file the operator reads
+    file: Path  # the file the operator reads: the one given, or a directory's first
     flat: dict[str, Any]  # its keys, flat or nested, as flat names
     nested: list[str]  # the operator's keys it writes nested (the operator sees none)
+    ignored: list[Path]  # a directory's other CONFIG_FILE_NAMES
 
 
 def read_operator_config(path: Path) -> OperatorConfig:
-    path = operator_config_files(path)[0]
+    found = [path]
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_FlinkYamlLoader)
-    except OSError as err:
-        raise ConfigError(f"cannot read operator config {path}: {err.strerror or err}") from err
+        if path.is_dir():
+            found = [path / name for name in CONFIG_FILE_NAMES if (path / name).is_file()]
+        if not found:
+            raise ConfigError(
+                f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
+            )
+        data = yaml.load(found[0].read_text(encoding="utf-8"), Loader=_FlinkYamlLoader)
+    except OSError as err:  # PermissionError on a directory canaryd may not search too
+        raise ConfigError(f"cannot read operator config {found[0]}: {err.strerror or err}") from err
     except UnicodeDecodeError as err:
         raise ConfigError(
-            f"operator config {path} is not UTF-8 text (byte {err.start}: "
+            f"operator config {found[0]} is not UTF-8 text (byte {err.start}: "
             f"{err.object[err.start : err.start + 1]!r})"
         ) from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"operator config {path} is not valid YAML{where}") from err
+        raise ConfigError(f"operator config {found[0]} is not valid YAML{where}") from err
     if not isinstance(data, Mapping | None):
-        raise ConfigError(f"operator config {path} must be a mapping of keys to values")
+        raise ConfigError(f"operator config {found[0]} must be a mapping of keys to values")
     data = data or {}
     flat = flatten(data)
     nested = [key for key in flat if key.startswith("kubernetes.operator.") and key not in data]
-    return OperatorConfig(path, flat, sorted(nested))
+    return OperatorConfig(found[0], flat, sorted(nested), found[1:])
 
 
 def nested_keys_why(read: Path) -> str:
@@ -113,23 +104,17 @@ def nested_keys_why(read: Path) -> str:
     )
 
 
-def prometheus_reporter(flat: Mapping[str, Any]) -> str | None:
-    """The ``<name>`` whose ``REPORTERS<name>.factory.class`` is Prometheus's, or None."""
+def reporter_url(flat: Mapping[str, Any]) -> str | None:
+    """The Prometheus reporter (the ``<name>`` whose ``REPORTERS<name>.factory.class`` is
+    Prometheus's) on this host: its port, or a range's first (a single operator process
+    takes it), else Flink's 9249 (PrometheusReporterOptions.PORT); None without one."""
     for key, value in sorted(flat.items()):
         name = key.removeprefix(REPORTERS).removesuffix(".factory.class")
         if key == f"{REPORTERS}{name}.factory.class" and str(value).strip() == PROM_FACTORY:
-            return name
+            first = str(flat.get(f"{REPORTERS}{name}.port", "")).split(",")[0].split("-")[0].strip()
+            port = first if first.isdigit() and 0 < int(first) < 65536 else "9249"
+            return f"http://127.0.0.1:{port}/metrics"
     return None
-
-
-def reporter_url(flat: Mapping[str, Any]) -> str:
-    """The reporter on this host: its port, or a range's first (a single operator
-    process takes it), else Flink's 9249 (PrometheusReporterOptions.PORT)."""
-    name, port = prometheus_reporter(flat), "9249"
-    first = str(flat.get(f"{REPORTERS}{name}.port", "")).split(",")[0].split("-")[0].strip()
-    if name is not None and first.isdigit() and 0 < int(first) < 65536:
-        port = first
-    return f"http://127.0.0.1:{port}/metrics"
 
 
 def say_operator_config(settings: Settings) -> str | None:
@@ -139,8 +124,8 @@ def say_operator_config(settings: Settings) -> str | None:
     (canaries then stay ``pending``)."""
     path, read, configured = settings.operator_config, None, None
     if path is not None:
-        read, flat, nested = read_operator_config(path)
-        if ignored := operator_config_files(path)[1]:
+        read, flat, nested, ignored = read_operator_config(path)
+        if ignored:
             log.warning(
                 "operator_config_ignored",
                 read=str(read),
@@ -151,7 +136,7 @@ def say_operator_config(settings: Settings) -> str | None:
         if nested:
             why = nested_keys_why(read)
             log.warning("operator_config_nested_keys", file=str(read), flat_keys=nested, why=why)
-        configured = prometheus_reporter(flat) is not None
+        configured = reporter_url(flat) is not None
     if settings.reconciled_by == "operator-metrics":
         hint = None
         if configured is False:
