@@ -146,7 +146,7 @@ class Role:
                 )
                 self.registry.judged(canary, CanaryState.UNHEALTHY, why, cause, now)
             case NoVerdict(reason=why, counted=label, fresh=True):
-                self.registry.fresh_check(canary, why, label)
+                self.registry.judged(canary, CanaryState.PENDING, why, label, now)
             case NoVerdict(reason=why, counted=label):
                 self.registry.no_verdict(canary, why, label, now, self.settings.verdict_ttl)
         if counted:
@@ -165,7 +165,7 @@ class Role:
         if isinstance(judgement, Recheck):
             metrics.VERDICTS.labels("rechecked").inc()
             log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
-            self.registry.rechecking(canary)
+            self.registry.update(canary, late_recheck=True)
             return judgement.at
         until = judgement.until
         if judgement.first:
@@ -176,7 +176,7 @@ class Role:
                 generation=canary.bumped_generation,
                 why=judgement.why,
             )
-            self.registry.deferred(canary, until)
+            self.registry.update(canary, deferred_until=until)
         return until if judgement.at is None else min(judgement.at, until)
 
     def age_verdicts(self) -> None:
@@ -431,7 +431,7 @@ class Scheduler:
         reason = f"operator restarted at {operator.restarted(len(canaries))}: re-checking"
         step = self.settings.timeout / 2 / max(1, len(canaries))
         for index, canary in enumerate(canaries):
-            self.registry.fresh_check(canary, reason, "operator_restarted")
+            self.registry.judged(canary, CanaryState.PENDING, reason, "operator_restarted", 0.0)
             canary.realign = True
             if not self.flying(canary):  # one in flight schedules itself
                 self.push(started + index * step, canary)
@@ -514,7 +514,8 @@ class Scheduler:
                         if wait > self.settings.scrape_interval:
                             self.push(now + wait, canary)
                             return
-                    self.registry.baseline(canary, self.operator.baseline(resource(canary)))
+                    baseline = self.operator.baseline(resource(canary))
+                    self.registry.update(canary, reconcile_baseline=baseline)
                     due = now
                 self.start_bump(due, canary)
             case Recheck() | Defer():
