@@ -326,10 +326,10 @@ class Registry:
                 "verdict_expired",
             )
 
-    def reconciled_seen(self, canary: Canary, seconds: float) -> None:
-        """The reconcile signal reached the last bump, ``seconds`` after it was sent."""
-        if self.owns(canary):
-            _stage(canary, "reconciled", seconds)
+    def reconciled_seen(self, canary: Canary, at: float) -> None:
+        """The reconcile signal reached the last bump by ``at`` (monotonic)."""
+        if self.owns(canary) and canary.bump_sent_at is not None:
+            _stage(canary, "reconciled", max(0.0, at - canary.bump_sent_at))
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
         """A copy from a list or an ADDED/MODIFIED event; returns the canary it is of."""

@@ -27,6 +27,7 @@ from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient, kind_of
 from canaryd.leader import LeaderElector
+from canaryd.logs import wall_time
 from canaryd.opmetrics import OperatorMetrics, Read, ResourceKey, Scrape
 from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 from canaryd.sync import ScopeKey
@@ -55,16 +56,11 @@ def note_reconciled(registry: Registry, scrape: Scrape, instance: int) -> None:
     """The ``reconciled`` stage of bumps reconciled since the last read of the operator's
     metrics (its time an upper bound: the read's answer)."""
     for canary in registry.tracked():
-        sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
-        if (
-            sent is not None
-            and canary.bumped_generation is not None
-            and baseline is not None
-            and baseline[0] == instance
-            and "reconciled" not in canary.stages
-            and judge.reconciled_since_bump(canary, scrape, resource(canary))[1]
-        ):
-            registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
+        baseline = canary.reconcile_baseline
+        if canary.bumped_generation is None or baseline is None or baseline[0] != instance:
+            continue  # no bump pending, or its count is another operator process's
+        if judge.reconciled_since_bump(canary, scrape, resource(canary))[1]:
+            registry.reconciled_seen(canary, scrape.answered_at)
 
 
 class Role:
@@ -297,9 +293,7 @@ class Scheduler:
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
-            self.registry.set_state(
-                canary, CanaryState.PENDING, self.role.standby_reason, "standby"
-            )
+            self.registry.standing_by(canary, self.role.standby_reason)
             return
         self.push(self._clock() + phase(canary) * self.settings.timeout, canary)
 
@@ -428,7 +422,10 @@ class Scheduler:
         bumped from ``started`` over half a cycle in phase order (twice the steady rate)."""
         self._waiting.clear()
         canaries = sorted(self.registry.tracked(), key=phase)
-        reason = f"operator restarted at {operator.restarted(len(canaries))}: re-checking"
+        at = wall_time(operator.instance_since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=operator.url, canaries=len(canaries))
+        reason = f"operator restarted at {at}: re-checking"
         step = self.settings.timeout / 2 / max(1, len(canaries))
         for index, canary in enumerate(canaries):
             self.registry.judged(canary, CanaryState.PENDING, reason, "operator_restarted", 0.0)
@@ -439,13 +436,15 @@ class Scheduler:
     @contextlib.contextmanager
     def _guard(self, event: str, canary: Canary | None = None) -> Iterator[None]:
         """A bug must not stop the scheduler nor lose the canary: say so, count it, and
-        judge the canary a cycle on."""
+        judge the canary a cycle on (a bump's task: no verdict, then it schedules itself)."""
         try:
             yield
         except Exception:
             metrics.ERRORS.labels("scheduler").inc()
             log.exception(event, canary=None if canary is None else str(canary.key))
-            if canary is not None and self.registry.owns(canary) and not self.flying(canary):
+            if canary is not None and self.flying(canary):
+                self.role.no_bump(canary, "internal error; see logs", "internal_error")
+            elif canary is not None and self.registry.owns(canary):
                 self.push(self._clock() + self.settings.timeout, canary)
 
     def start_bump(self, due: float, canary: Canary) -> None:
@@ -461,15 +460,11 @@ class Scheduler:
     async def _bump(self, due: float, canary: Canary) -> None:
         next_due: float | None = None
         try:
-            async with self._slots:
-                with metrics.BUMPS_IN_FLIGHT.track_inprogress():
-                    outcome = await self.writer.bump(canary, due)
-            next_due = self._bumped(canary, due, outcome)
-        except Exception:
-            # A bug must not lose the canary: say so, count it, try next cycle.
-            metrics.ERRORS.labels("scheduler").inc()
-            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            self.role.no_bump(canary, "internal error; see logs", "internal_error")
+            with self._guard("cycle_failed_unexpectedly", canary):
+                async with self._slots:
+                    with metrics.BUMPS_IN_FLIGHT.track_inprogress():
+                        outcome = await self.writer.bump(canary, due)
+                next_due = self._bumped(canary, due, outcome)
         finally:
             if self.flying(canary):
                 del self._in_flight[canary.key]
@@ -514,7 +509,10 @@ class Scheduler:
                         if wait > self.settings.scrape_interval:
                             self.push(now + wait, canary)
                             return
-                    baseline = self.operator.baseline(resource(canary))
+                    # (None: no answer yet; a count from another operator process is
+                    # not comparable, hence its instance.)
+                    last, instance = self.operator.last, self.operator.instance
+                    baseline = None if last is None else (instance, last.count(resource(canary)))
                     self.registry.update(canary, reconcile_baseline=baseline)
                     due = now
                 self.start_bump(due, canary)
