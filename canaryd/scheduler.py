@@ -83,7 +83,6 @@ class Role:
         )
         self.standby_reason: str | None = None  # why this replica does not bump
         self._verdicts_kept = False
-        self._aging: asyncio.TimerHandle | None = None
 
     @property
     def active(self) -> bool:
@@ -152,8 +151,6 @@ class Role:
         if reason is not None and canary.state is not before and (canary.warned or not recovered):
             canary.warned = not recovered
             self.events.record(canary.key, canary.uid, reason, f"{canary.cause}: {canary.reason}")
-        if isinstance(judgement, Unhealthy) and self._aging is None:
-            self.age_verdicts()  # its verdict ages from now on
 
     def not_yet(self, canary: Canary, judgement: Recheck | Defer) -> float:
         """No verdict yet (counted and logged the first time): a late judge re-checks, or it
@@ -176,13 +173,10 @@ class Role:
         return until if judgement.at is None else min(judgement.at, until)
 
     def age_verdicts(self) -> None:
-        """Every half cycle while any canary is unhealthy: verdicts no bump re-tested
-        (none is waiting to be judged, none failed to be written) for ``verdict_ttl``
-        turn unknown."""
-        self.stop()
+        """Unhealthy verdicts no bump re-tested (none is waiting to be judged, none failed
+        to be written) for ``verdict_ttl`` turn unknown."""
         now, ttl = self._clock(), self.settings.verdict_ttl
         why = f"no bump written: {self.standby_reason or 'none could be sent'}"
-        unhealthy = False
         for canary in self.registry.canaries():
             verdict = canary.verdict
             if canary.state is not CanaryState.UNHEALTHY or verdict is None:
@@ -193,17 +187,6 @@ class Role:
                 and now - verdict.at >= ttl
             ):
                 self.verdict(canary, NoVerdict(why, "not_written"), now, counted=False)
-            unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
-        if unhealthy:
-            with contextlib.suppress(RuntimeError):  # no running loop: nothing to age
-                self._aging = asyncio.get_running_loop().call_later(
-                    self.settings.timeout / 2, self.age_verdicts
-                )
-
-    def stop(self) -> None:
-        if self._aging is not None:
-            self._aging.cancel()
-            self._aging = None
 
 
 class Scheduler:
@@ -342,6 +325,7 @@ class Scheduler:
                     group.create_task(self._judge_reads(self.operator), name="operator metrics")
                 if self._lease is not None:
                     group.create_task(self._follow(self._lease), name="leader role")
+                group.create_task(self._age_verdicts(), name="verdict aging")
                 while True:
                     due, canary = await self._next_due()
                     with self._guard("judge_failed_unexpectedly", canary):
@@ -351,7 +335,14 @@ class Scheduler:
             raise
         finally:
             self._group = None
-            self.role.stop()
+
+    async def _age_verdicts(self) -> None:
+        """Every half cycle while any canary is unhealthy (Role.age_verdicts)."""
+        while True:
+            await asyncio.sleep(self.settings.timeout / 2)
+            if not self.registry.healthy:
+                with self._guard("judge_failed_unexpectedly"):
+                    self.role.age_verdicts()
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
