@@ -261,9 +261,8 @@ class OperatorMetrics:
         no usable answer for a whole cycle (a start-up's grace: the reporter listens some
         seconds after the operator starts), or an answer without a canary's series."""
         blind: dict[str, str] = {}
-        since = self._unusable_since
-        if self.problem is not None and since is not None:
-            if self._clock() - since < self.read_timeout:
+        if self.problem is not None and self._unusable_since is not None:
+            if self._clock() - self._unusable_since < self.read_timeout:
                 return blind  # within the start-up grace
             answered = self.failures.cause(self.url) is None  # the last read
             reason = "no_series" if answered else "unreachable"
