@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from canaryd import metrics
 from canaryd.config import Settings
 from canaryd.episodes import Episodes
-from canaryd.logs import wall_time
 
 log = structlog.get_logger("canaryd.opmetrics")
 
@@ -170,7 +169,7 @@ class Read:
     # Still unanswered after an interval: it judges only the canaries with a bump to
     # judge (the others wait for it: it is their baseline).
     unanswered: bool = False
-    restarted: bool = False  # a new operator process answered it
+    restarted: bool = False  # a new operator process answered it (since ``instance_since``)
 
 
 class OperatorMetrics:
@@ -262,9 +261,8 @@ class OperatorMetrics:
         no usable answer for a whole cycle (a start-up's grace: the reporter listens some
         seconds after the operator starts), or an answer without a canary's series."""
         blind: dict[str, str] = {}
-        since = self._unusable_since
-        if self.problem is not None and since is not None:
-            if self._clock() - since < self.read_timeout:
+        if self.problem is not None and self._unusable_since is not None:
+            if self._clock() - self._unusable_since < self.read_timeout:
                 return blind  # within the start-up grace
             answered = self.failures.cause(self.url) is None  # the last read
             reason = "no_series" if answered else "unreachable"
@@ -273,20 +271,6 @@ class OperatorMetrics:
             missing = ", ".join(sorted(self.missing)[:20])
             blind.setdefault("operator_metrics_no_series", f"no series for {missing}")
         return blind
-
-    def restarted(self, canaries: int) -> str:
-        """A new operator process answers (``Read.restarted``): counted and logged, with
-        the ``canaries`` checked afresh; returns when it started."""
-        at = wall_time(self.instance_since)
-        metrics.OPERATOR_RESTARTS.inc()
-        log.warning("operator_restarted", at=at, url=self.url, canaries=canaries)
-        return at
-
-    def baseline(self, key: ResourceKey) -> tuple[int, float | None] | None:
-        """A bump's baseline: the last answer's count of the resource's finished
-        reconciles and the operator process it is of (None: no answer yet)."""
-        last = self.last
-        return None if last is None else (self.instance, last.count(key))
 
     def series_missing(self, canary: str, series: str | None) -> None:
         """Whether the last read lacked a canary's ``series``: warned once, and again if

@@ -257,38 +257,38 @@ class Registry:
         self._changed()
 
     def _judged(self, canary: Canary) -> None:
-        """The pending bump is judged (or will never be): nothing waits for it."""
+        """The pending bump is judged (or will never be): nothing waits for it, and its
+        baseline is spent (the next bump reads its own)."""
         if canary.bumped_generation is not None:
             canary.judged_generation = canary.bumped_generation
         canary.bumped_generation = None
         canary.deferred_until = None
         canary.late_recheck = False
+        canary.reconcile_baseline = None
 
     def judged(
         self, canary: Canary, state: CanaryState, reason: str, cause: str, now: float
     ) -> None:
         """A verdict on the pending bump: ``healthy``, or ``unhealthy`` (the one way to
-        become unhealthy; the verdict is kept so that it can age, see ``no_verdict``)."""
+        become unhealthy; the verdict is kept so that it can age, see ``no_verdict``). Or
+        ``pending``, a fresh check: what was found so far is about something that no
+        longer exists (the operator instance that was checked), so no verdict stands until
+        a bump written from now on is judged."""
         if not self.owns(canary):
             return
-        assert state in (CanaryState.HEALTHY, CanaryState.UNHEALTHY), state
         self._judged(canary)
         canary.verdict = (
             Verdict(now, time.time(), one_line(reason)) if state is CanaryState.UNHEALTHY else None
         )
         self.set_state(canary, state, reason, cause)
 
-    def deferred(self, canary: Canary, until: float) -> None:
-        """The verdict on the pending bump waits for its watch to resume, until ``until``
-        at the latest."""
+    def update(self, canary: Canary, **fields: object) -> None:
+        """Fields that change no state (a verdict that waits, the operator's count read
+        before the next bump): set while the record is the tracked one."""
         if self.owns(canary):
-            canary.deferred_until = until
+            for name, value in fields.items():
+                setattr(canary, name, value)
             self._changed()
-
-    def rechecking(self, canary: Canary) -> None:
-        """The judge ran late (canaryd stalled): the pending bump is judged once more."""
-        if self.owns(canary):
-            canary.late_recheck = True
 
     def standing_by(self, canary: Canary, reason: str | None) -> None:
         """This replica stopped writing (a follower): no bump waits for a verdict; with a
@@ -311,7 +311,6 @@ class Registry:
         if not self.owns(canary):
             return
         self._judged(canary)
-        canary.reconcile_baseline = None
         verdict = canary.verdict
         if canary.state is not CanaryState.UNHEALTHY or verdict is None:
             self.set_state(canary, CanaryState.UNKNOWN, reason, cause)
@@ -327,26 +326,10 @@ class Registry:
                 "verdict_expired",
             )
 
-    def fresh_check(self, canary: Canary, reason: str, cause: str) -> None:
-        """What was found so far is about something that no longer exists (the operator
-        instance that was checked): no bump waits for a verdict, no verdict stands, and
-        the canary is ``pending`` until a bump written from now on is judged."""
-        if not self.owns(canary):
-            return
-        self._judged(canary)
-        canary.reconcile_baseline = None
-        canary.verdict = None
-        self.set_state(canary, CanaryState.PENDING, reason, cause)
-
-    def baseline(self, canary: Canary, baseline: tuple[int, float | None] | None) -> None:
-        """The operator's reconcile count read before the next bump (operator-metrics)."""
-        if self.owns(canary):
-            canary.reconcile_baseline = baseline
-
-    def reconciled_seen(self, canary: Canary, seconds: float) -> None:
-        """The reconcile signal reached the last bump, ``seconds`` after it was sent."""
-        if self.owns(canary):
-            _stage(canary, "reconciled", seconds)
+    def reconciled_seen(self, canary: Canary, at: float) -> None:
+        """The reconcile signal reached the last bump by ``at`` (monotonic)."""
+        if self.owns(canary) and canary.bump_sent_at is not None:
+            _stage(canary, "reconciled", max(0.0, at - canary.bump_sent_at))
 
     def observe(self, kind: str, obj: Mapping[str, Any]) -> CanaryKey | None:
         """A copy from a list or an ADDED/MODIFIED event; returns the canary it is of."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import time
@@ -27,6 +28,7 @@ from canaryd.events import Events
 from canaryd.judge import Defer, Healthy, Judgement, NoVerdict, Recheck, Suspect, Unhealthy, Wait
 from canaryd.kube import KubeClient, kind_of
 from canaryd.leader import LeaderElector
+from canaryd.logs import wall_time
 from canaryd.opmetrics import OperatorMetrics, Read, ResourceKey, Scrape
 from canaryd.registry import Added, Canary, CanaryKey, CanaryState, Forgotten, Registry, Resumed
 from canaryd.sync import ScopeKey
@@ -55,16 +57,11 @@ def note_reconciled(registry: Registry, scrape: Scrape, instance: int) -> None:
     """The ``reconciled`` stage of bumps reconciled since the last read of the operator's
     metrics (its time an upper bound: the read's answer)."""
     for canary in registry.tracked():
-        sent, baseline = canary.bump_sent_at, canary.reconcile_baseline
-        if (
-            sent is not None
-            and canary.bumped_generation is not None
-            and baseline is not None
-            and baseline[0] == instance
-            and "reconciled" not in canary.stages
-            and judge.reconciled_since_bump(canary, scrape, resource(canary))[1]
-        ):
-            registry.reconciled_seen(canary, max(0.0, scrape.answered_at - sent))
+        baseline = canary.reconcile_baseline
+        if canary.bumped_generation is None or baseline is None or baseline[0] != instance:
+            continue  # no bump pending, or its count is another operator process's
+        if judge.reconciled_since_bump(canary, scrape, resource(canary))[1]:
+            registry.reconciled_seen(canary, scrape.answered_at)
 
 
 class Role:
@@ -87,7 +84,6 @@ class Role:
         )
         self.standby_reason: str | None = None  # why this replica does not bump
         self._verdicts_kept = False
-        self._aging: asyncio.TimerHandle | None = None
 
     @property
     def active(self) -> bool:
@@ -146,7 +142,7 @@ class Role:
                 )
                 self.registry.judged(canary, CanaryState.UNHEALTHY, why, cause, now)
             case NoVerdict(reason=why, counted=label, fresh=True):
-                self.registry.fresh_check(canary, why, label)
+                self.registry.judged(canary, CanaryState.PENDING, why, label, now)
             case NoVerdict(reason=why, counted=label):
                 self.registry.no_verdict(canary, why, label, now, self.settings.verdict_ttl)
         if counted:
@@ -156,8 +152,6 @@ class Role:
         if reason is not None and canary.state is not before and (canary.warned or not recovered):
             canary.warned = not recovered
             self.events.record(canary.key, canary.uid, reason, f"{canary.cause}: {canary.reason}")
-        if isinstance(judgement, Unhealthy) and self._aging is None:
-            self.age_verdicts()  # its verdict ages from now on
 
     def not_yet(self, canary: Canary, judgement: Recheck | Defer) -> float:
         """No verdict yet (counted and logged the first time): a late judge re-checks, or it
@@ -165,7 +159,7 @@ class Role:
         if isinstance(judgement, Recheck):
             metrics.VERDICTS.labels("rechecked").inc()
             log.debug("verdict_rechecked", canary=str(canary.key), why="the judge ran late")
-            self.registry.rechecking(canary)
+            self.registry.update(canary, late_recheck=True)
             return judgement.at
         until = judgement.until
         if judgement.first:
@@ -176,17 +170,14 @@ class Role:
                 generation=canary.bumped_generation,
                 why=judgement.why,
             )
-            self.registry.deferred(canary, until)
+            self.registry.update(canary, deferred_until=until)
         return until if judgement.at is None else min(judgement.at, until)
 
     def age_verdicts(self) -> None:
-        """Every half cycle while any canary is unhealthy: verdicts no bump re-tested
-        (none is waiting to be judged, none failed to be written) for ``verdict_ttl``
-        turn unknown."""
-        self.stop()
+        """Unhealthy verdicts no bump re-tested (none is waiting to be judged, none failed
+        to be written) for ``verdict_ttl`` turn unknown."""
         now, ttl = self._clock(), self.settings.verdict_ttl
         why = f"no bump written: {self.standby_reason or 'none could be sent'}"
-        unhealthy = False
         for canary in self.registry.canaries():
             verdict = canary.verdict
             if canary.state is not CanaryState.UNHEALTHY or verdict is None:
@@ -197,17 +188,6 @@ class Role:
                 and now - verdict.at >= ttl
             ):
                 self.verdict(canary, NoVerdict(why, "not_written"), now, counted=False)
-            unhealthy = unhealthy or canary.state is CanaryState.UNHEALTHY
-        if unhealthy:
-            with contextlib.suppress(RuntimeError):  # no running loop: nothing to age
-                self._aging = asyncio.get_running_loop().call_later(
-                    self.settings.timeout / 2, self.age_verdicts
-                )
-
-    def stop(self) -> None:
-        if self._aging is not None:
-            self._aging.cancel()
-            self._aging = None
 
 
 class Scheduler:
@@ -297,9 +277,7 @@ class Scheduler:
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
-            self.registry.set_state(
-                canary, CanaryState.PENDING, self.role.standby_reason, "standby"
-            )
+            self.registry.standing_by(canary, self.role.standby_reason)
             return
         self.push(self._clock() + phase(canary) * self.settings.timeout, canary)
 
@@ -348,6 +326,7 @@ class Scheduler:
                     group.create_task(self._judge_reads(self.operator), name="operator metrics")
                 if self._lease is not None:
                     group.create_task(self._follow(self._lease), name="leader role")
+                group.create_task(self._age_verdicts(), name="verdict aging")
                 while True:
                     due, canary = await self._next_due()
                     with self._guard("judge_failed_unexpectedly", canary):
@@ -357,7 +336,14 @@ class Scheduler:
             raise
         finally:
             self._group = None
-            self.role.stop()
+
+    async def _age_verdicts(self) -> None:
+        """Every half cycle while any canary is unhealthy (Role.age_verdicts)."""
+        while True:
+            await asyncio.sleep(self.settings.timeout / 2)
+            if not self.registry.healthy:
+                with self._guard("judge_failed_unexpectedly"):
+                    self.role.age_verdicts()
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
@@ -370,16 +356,15 @@ class Scheduler:
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
-        judgement = judge.by_watch(
-            canary, sync, now, self.settings, late=late, api_last_answer=answered
+        by_watch = functools.partial(
+            judge.by_watch, canary, sync, now, self.settings, late=late, api_last_answer=answered
         )
+        judgement = by_watch()
         if isinstance(judgement, Suspect) and sync is not None:
             # canaryd's own connection is the suspect: the verdict waits for a fresh stream.
             metrics.VERDICTS.labels("suspected").inc()
             sync.suspect(now, judgement.why)
-            judgement = judge.by_watch(
-                canary, sync, now, self.settings, late=late, api_last_answer=answered
-            )
+            judgement = by_watch()
         self._act(due, canary, judgement, now)
 
     async def _judge_reads(self, operator: OperatorMetrics) -> None:
@@ -428,10 +413,13 @@ class Scheduler:
         bumped from ``started`` over half a cycle in phase order (twice the steady rate)."""
         self._waiting.clear()
         canaries = sorted(self.registry.tracked(), key=phase)
-        reason = f"operator restarted at {operator.restarted(len(canaries))}: re-checking"
+        at = wall_time(operator.instance_since)
+        metrics.OPERATOR_RESTARTS.inc()
+        log.warning("operator_restarted", at=at, url=operator.url, canaries=len(canaries))
+        reason = f"operator restarted at {at}: re-checking"
         step = self.settings.timeout / 2 / max(1, len(canaries))
         for index, canary in enumerate(canaries):
-            self.registry.fresh_check(canary, reason, "operator_restarted")
+            self.registry.judged(canary, CanaryState.PENDING, reason, "operator_restarted", 0.0)
             canary.realign = True
             if not self.flying(canary):  # one in flight schedules itself
                 self.push(started + index * step, canary)
@@ -439,13 +427,15 @@ class Scheduler:
     @contextlib.contextmanager
     def _guard(self, event: str, canary: Canary | None = None) -> Iterator[None]:
         """A bug must not stop the scheduler nor lose the canary: say so, count it, and
-        judge the canary a cycle on."""
+        judge the canary a cycle on (a bump's task: no verdict, then it schedules itself)."""
         try:
             yield
         except Exception:
             metrics.ERRORS.labels("scheduler").inc()
             log.exception(event, canary=None if canary is None else str(canary.key))
-            if canary is not None and self.registry.owns(canary) and not self.flying(canary):
+            if canary is not None and self.flying(canary):
+                self.role.no_bump(canary, "internal error; see logs", "internal_error")
+            elif canary is not None and self.registry.owns(canary):
                 self.push(self._clock() + self.settings.timeout, canary)
 
     def start_bump(self, due: float, canary: Canary) -> None:
@@ -461,15 +451,11 @@ class Scheduler:
     async def _bump(self, due: float, canary: Canary) -> None:
         next_due: float | None = None
         try:
-            async with self._slots:
-                with metrics.BUMPS_IN_FLIGHT.track_inprogress():
-                    outcome = await self.writer.bump(canary, due)
-            next_due = self._bumped(canary, due, outcome)
-        except Exception:
-            # A bug must not lose the canary: say so, count it, try next cycle.
-            metrics.ERRORS.labels("scheduler").inc()
-            log.exception("cycle_failed_unexpectedly", canary=str(canary.key))
-            self.role.no_bump(canary, "internal error; see logs", "internal_error")
+            with self._guard("cycle_failed_unexpectedly", canary):
+                async with self._slots:
+                    with metrics.BUMPS_IN_FLIGHT.track_inprogress():
+                        outcome = await self.writer.bump(canary, due)
+                next_due = self._bumped(canary, due, outcome)
         finally:
             if self.flying(canary):
                 del self._in_flight[canary.key]
@@ -514,7 +500,11 @@ class Scheduler:
                         if wait > self.settings.scrape_interval:
                             self.push(now + wait, canary)
                             return
-                    self.registry.baseline(canary, self.operator.baseline(resource(canary)))
+                    # (None: no answer yet; a count from another operator process is
+                    # not comparable, hence its instance.)
+                    last, instance = self.operator.last, self.operator.instance
+                    baseline = None if last is None else (instance, last.count(resource(canary)))
+                    self.registry.update(canary, reconcile_baseline=baseline)
                     due = now
                 self.start_bump(due, canary)
             case Recheck() | Defer():

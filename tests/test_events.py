@@ -103,13 +103,17 @@ def test_recovered_follows_a_told_warning_whatever_came_between():
 
     assert judged(CanaryState.HEALTHY) == []
     assert judged(CanaryState.UNHEALTHY) == ["Unhealthy"]
-    registry.fresh_check(canary, "the operator restarted", "operator_restarted")
+    registry.judged(
+        canary, CanaryState.PENDING, "the operator restarted", "operator_restarted", 0.0
+    )
     assert judged(CanaryState.HEALTHY) == ["Recovered"]
     assert judged(CanaryState.UNKNOWN) == ["Unknown"]
     role.stand_by("replica-b")
     role.lead()
     assert judged(CanaryState.HEALTHY) == ["Recovered"]
-    registry.fresh_check(canary, "the operator restarted", "operator_restarted")
+    registry.judged(
+        canary, CanaryState.PENDING, "the operator restarted", "operator_restarted", 0.0
+    )
     assert judged(CanaryState.HEALTHY) == []
 
 

@@ -108,8 +108,7 @@ def test_deferred_and_rechecking_wait_and_a_verdict_clears_them():
     registry = Registry(LABEL)
     canary = tracked(registry)
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
-    registry.deferred(canary, 130.1)
-    registry.rechecking(canary)
+    registry.update(canary, deferred_until=130.1, late_recheck=True)
     assert canary.deferred_until == 130.1 and canary.late_recheck
     assert canary.state is CanaryState.PENDING  # waiting is no verdict
     registry.judged(canary, CanaryState.HEALTHY, "observed", "in_time", 100.0)
@@ -139,8 +138,14 @@ def test_fresh_check_forgets_the_verdict_and_what_was_pending():
     registry.bumped(canary, 2, 10.0, 10.1, 70.1, 0.0)
     registry.judged(canary, CanaryState.UNHEALTHY, "no reconcile", "not_reconciled", 70.1)
     registry.bumped(canary, 3, 71.0, 71.1, 131.1, 0.0)
-    registry.baseline(canary, (0, 4.0))
-    registry.fresh_check(canary, "operator restarted at T: re-checking", "operator_restarted")
+    registry.update(canary, reconcile_baseline=(0, 4.0))
+    registry.judged(
+        canary,
+        CanaryState.PENDING,
+        "operator restarted at T: re-checking",
+        "operator_restarted",
+        0.0,
+    )
     assert canary.state is CanaryState.PENDING and canary.verdict is None
     assert canary.bumped_generation is None and canary.reconcile_baseline is None
     assert canary.judged_generation == 3
