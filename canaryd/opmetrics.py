@@ -231,7 +231,12 @@ class OperatorMetrics:
                     failed = err
                 finally:
                     read.cancel()  # the reader is stopping (once done, a no-op)
-                self._note(started, scrape, failed)
+                try:
+                    self._note(started, scrape, failed)
+                except Exception:
+                    # A bug must not stop the reads: say so, count it, go on.
+                    metrics.ERRORS.labels("scheduler").inc()
+                    log.exception("operator_judge_failed_unexpectedly")
                 yield Read(started, scrape, failed, restarted=self.instance != instance)
                 await asyncio.sleep(max(0.0, started + interval - self._clock()))
         finally:

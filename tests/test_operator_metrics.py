@@ -724,12 +724,6 @@ async def test_the_label_sets_remembered_are_those_of_the_last_answer():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s22 review: a bug in a read's bookkeeping (OperatorMetrics._note) is no longer "
-    "caught in the read loop: it fails the scheduler task, whose restart cancels the bumps "
-    "in flight (applied, never judged, no verdict and no bump counted)",
-)
 async def test_a_bug_in_a_reads_bookkeeping_loses_no_bump_in_flight(kube, kubeconfig, monkeypatch):
     """What a restart of the scheduler task costs: a read's bookkeeping (its scrape count,
     its episode, ``blind``) that raises must not cancel a bump whose PATCH is in flight."""
