@@ -770,12 +770,6 @@ kubernetes:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s22 review: read_operator_config's nested list skips a nested key also written "
-    "flat, so a file with both spellings (canaryd reads the later, the operator the flat "
-    "one) gets no operator_config_nested_keys warning any more",
-)
 async def test_a_key_written_both_flat_and_nested_still_gets_the_nested_key_warning(
     kube, kubeconfig, tmp_path, capsys
 ):

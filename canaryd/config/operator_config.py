@@ -87,9 +87,15 @@ def read_operator_config(path: Path) -> OperatorConfig:
     if not isinstance(data, Mapping | None):
         raise ConfigError(f"operator config {found[0]} must be a mapping of keys to values")
     data = data or {}
-    flat = flatten(data)
-    nested = [key for key in flat if key.startswith("kubernetes.operator.") and key not in data]
-    return OperatorConfig(found[0], flat, sorted(nested), found[1:])
+    # Written under a mapping, whether or not also written flat (the operator reads the flat).
+    nested = [
+        name
+        for key, value in data.items()
+        if isinstance(value, Mapping)
+        for name in flatten(value, f"{key}.")
+        if name.startswith("kubernetes.operator.")
+    ]
+    return OperatorConfig(found[0], flatten(data), sorted(nested), found[1:])
 
 
 def nested_keys_why(read: Path) -> str:
