@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import itertools
 import time
@@ -356,15 +355,16 @@ class Scheduler:
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
-        by_watch = functools.partial(
-            judge.by_watch, canary, sync, now, self.settings, late=late, api_last_answer=answered
+        judgement = judge.by_watch(
+            canary, sync, now, self.settings, late=late, api_last_answer=answered
         )
-        judgement = by_watch()
         if isinstance(judgement, Suspect) and sync is not None:
             # canaryd's own connection is the suspect: the verdict waits for a fresh stream.
             metrics.VERDICTS.labels("suspected").inc()
             sync.suspect(now, judgement.why)
-            judgement = by_watch()
+            judgement = judge.by_watch(
+                canary, sync, now, self.settings, late=late, api_last_answer=answered
+            )
         self._act(due, canary, judgement, now)
 
     async def _judge_reads(self, operator: OperatorMetrics) -> None:
