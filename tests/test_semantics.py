@@ -1203,3 +1203,42 @@ async def test_a_bumps_stages_run_from_its_sending_not_from_a_wait_at_the_lease_
         canary = run.tracked()
         await run.until(lambda: "answered" in canary.stages, "the next bump's answer")
         assert canary.stages["answered"] < held, canary.stages
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s22 review: verdicts age on half-cycle ticks counted from the scheduler's start, "
+    "not from the verdict: one given between ticks turns unknown up to half a cycle late",
+)
+async def test_an_unhealthy_verdict_no_bump_retests_turns_unknown_two_cycles_after_it(
+    kube, kubeconfig
+):
+    """An unhealthy verdict, then the next bump held back (no bump attempted, none failed):
+    the verdict turns unknown two cycles after it was reached (``verdict_ttl``), not at the
+    next half-cycle tick of a timer that started with the scheduler. The canary's place in
+    the cycle (canary-6: 0.19 of it) puts its verdict about a fifth of a cycle after such a
+    tick."""
+    cycle = 2.0
+    create_canary(kube, "canary-6")
+    loop = asyncio.get_running_loop()
+    async with running_daemon(kube, kubeconfig, timeout=cycle) as run:
+        canary = await run.until_tracked("canary-6")
+        held = asyncio.Event()
+
+        async def gate(within: float) -> float | None:
+            if canary.state is CanaryState.UNHEALTHY:  # the bump after the verdict
+                await held.wait()
+            return run.daemon.settings.write_timeout
+
+        run.daemon.scheduler.writer.permit = gate
+        await run.until_state(CanaryState.HEALTHY, "canary-6", within=2 * cycle + 1)
+        kube.hold_watch_events()
+        await run.until_state(CanaryState.UNHEALTHY, "canary-6", within=cycle + 1)
+        judged = loop.time()
+        await run.until_state(CanaryState.UNKNOWN, "canary-6", within=3 * cycle)
+        aged = loop.time() - judged
+        print(f"aged {aged:.2f}s after the verdict (verdict_ttl {run.daemon.settings.verdict_ttl})")
+        assert "no bump written since" in canary.reason, canary.reason
+        assert aged <= 2 * cycle + cycle / 8, aged
+        held.set()
+        kube.release_watch_events()
