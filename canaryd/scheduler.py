@@ -172,21 +172,25 @@ class Role:
             self.registry.update(canary, deferred_until=until)
         return until if judgement.at is None else min(judgement.at, until)
 
-    def age_verdicts(self) -> None:
+    def age_verdicts(self) -> float:
         """Unhealthy verdicts no bump re-tested (none is waiting to be judged, none failed
-        to be written) for ``verdict_ttl`` turn unknown."""
+        to be written) for ``verdict_ttl`` turn unknown. Returns when the next one may (a
+        half cycle from now at the latest: a verdict given meanwhile lasts longer)."""
         now, ttl = self._clock(), self.settings.verdict_ttl
         why = f"no bump written: {self.standby_reason or 'none could be sent'}"
+        next_at = now + self.settings.timeout / 2
         for canary in self.registry.canaries():
             verdict = canary.verdict
             if canary.state is not CanaryState.UNHEALTHY or verdict is None:
                 continue
-            if (
+            if now - verdict.at < ttl:
+                next_at = min(next_at, verdict.at + ttl)
+            elif (
                 canary.bumped_generation is None
                 and self.failures.cause(canary.key) is None  # aged at its next failure
-                and now - verdict.at >= ttl
             ):
                 self.verdict(canary, NoVerdict(why, "not_written"), now, counted=False)
+        return next_at
 
 
 class Scheduler:
@@ -337,12 +341,14 @@ class Scheduler:
             self._group = None
 
     async def _age_verdicts(self) -> None:
-        """Every half cycle while any canary is unhealthy (Role.age_verdicts)."""
+        """While any canary is unhealthy, each verdict when it may age (Role.age_verdicts),
+        looking again every half cycle."""
         while True:
-            await asyncio.sleep(self.settings.timeout / 2)
+            next_at = self._clock() + self.settings.timeout / 2
             if not self.registry.healthy:
                 with self._guard("judge_failed_unexpectedly"):
-                    self.role.age_verdicts()
+                    next_at = self.role.age_verdicts()
+            await asyncio.sleep(max(0.0, next_at - self._clock()))
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""

@@ -1205,11 +1205,6 @@ async def test_a_bumps_stages_run_from_its_sending_not_from_a_wait_at_the_lease_
         assert canary.stages["answered"] < held, canary.stages
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s22 review: verdicts age on half-cycle ticks counted from the scheduler's start, "
-    "not from the verdict: one given between ticks turns unknown up to half a cycle late",
-)
 async def test_an_unhealthy_verdict_no_bump_retests_turns_unknown_two_cycles_after_it(
     kube, kubeconfig
 ):
