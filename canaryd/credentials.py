@@ -146,9 +146,7 @@ async def load(settings: Settings) -> Credentials:
         usable, problem = False, f"not a usable URL ({err})"
     if not usable:
         raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
-    credentials = Credentials(configuration, reload, found.files, settings.request_timeout)
-    credentials.expiry = expiry
-    return credentials
+    return Credentials(configuration, reload, found.files, settings.request_timeout, expiry)
 
 
 class _ExecProvider(ExecProvider):
@@ -197,6 +195,7 @@ class Credentials:
         reload: Reload | None = None,
         files: Sequence[str] = (),
         timeout: float = 10.0,
+        expiry: float | None = None,
     ) -> None:
         self.configuration = configuration
         self._reload = reload
@@ -210,7 +209,7 @@ class Credentials:
         self._backoff = Backoff(1.0, 30.0)
         self._fresh: int | None = None  # the version a reload for a 401 made, until refused
         self._refused = False  # fresh credentials refused too, until a success
-        self.expiry: float | None = None  # time.time() an exec plugin's token expires
+        self.expiry = expiry  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
         self.tls = self._ssl_context()
