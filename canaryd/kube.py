@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import math
 import os
@@ -246,20 +247,16 @@ class KubeClient:
         # trust_env costs a proxy and netrc lookup per request: only with a proxy.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
+        session = functools.partial(aiohttp.ClientSession, trust_env=trust_env, headers=headers)
         # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
         # keep lists, access reviews and the lease from waiting behind hanging bumps.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=writes_in_flight + RESERVED_CONNECTIONS, keepalive_timeout=keepalive_timeout
-            ),
-            trust_env=trust_env,
-            headers=headers,
+        limit = writes_in_flight + RESERVED_CONNECTIONS
+        self._session = session(
+            connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive_timeout),
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
         # Watches: a pool of their own, unlimited: every scope connects, never behind a bump.
-        self._watch_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
-        )
+        self._watch_session = session(connector=aiohttp.TCPConnector(limit=0))
 
     @property
     def answered_since(self) -> float:
@@ -400,22 +397,17 @@ class KubeClient:
                 raise error_from_response(response, body, note or "")
             if on_connected is not None:
                 on_connected()
-            while True:
-                try:
-                    line = await response.content.readline()
-                except LineTooLong as err:
-                    too_long = f"a watch line longer than {MAX_WATCH_LINE} bytes"
-                    raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
-                if not line:
-                    return  # the end of the stream
-                if line.isspace():
-                    continue
-                event = _json_object(line)
-                if event is None:
-                    metrics.ERRORS.labels("watch_decode").inc()
-                    log.warning("watch_line_not_an_object", path=path, size=len(line))
-                else:
-                    yield event
+            try:
+                async for line in response.content:  # until the end of the stream
+                    event = _json_object(line)
+                    if event is not None:
+                        yield event
+                    elif not line.isspace():
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning("watch_line_not_an_object", path=path, size=len(line))
+            except LineTooLong as err:
+                too_long = f"a watch line longer than {MAX_WATCH_LINE} bytes"
+                raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
 
 
 async def connect(settings: Settings) -> KubeClient:
