@@ -34,8 +34,9 @@ log = structlog.get_logger("canaryd.credentials")
 
 IN_CLUSTER = "in-cluster service account"
 KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig or KUBECONFIG
-Reload = Callable[[k8s_client.Configuration], Awaitable[Any]]
-"""Loads the credentials into a configuration again; returns kubernetes-asyncio's loader."""
+Reload = Callable[[k8s_client.Configuration], Awaitable[float | None]]
+"""Loads the credentials into a configuration again; returns when (time.time()) an exec
+plugin's token expires."""
 
 
 class CredentialsError(ConfigError):
@@ -102,17 +103,19 @@ def _read(path: str) -> dict[str, Any]:
 
 async def load_configuration(
     kubeconfig: str | None, context: str | None
-) -> tuple[k8s_client.Configuration, Reload | None, Any]:
+) -> tuple[k8s_client.Configuration, Reload | None, float | None]:
     configuration = k8s_client.Configuration()
     if _in_cluster(kubeconfig):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return configuration, None, None
     path = kubeconfig or KUBECONFIG
 
-    async def reload(target: k8s_client.Configuration) -> Any:
-        return await k8s_config.load_kube_config(
+    async def reload(target: k8s_client.Configuration) -> float | None:
+        loader = await k8s_config.load_kube_config(
             config_file=path, context=context, client_configuration=target, persist_config=False
         )
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        return expiry.timestamp() if isinstance(expiry, datetime) else None
 
     return configuration, reload, await reload(configuration)
 
@@ -123,7 +126,7 @@ async def load(settings: Settings) -> Credentials:
     found = source(settings)
     try:
         async with asyncio.timeout(settings.request_timeout) as bound:
-            configuration, reload, loader = await load_configuration(
+            configuration, reload, expiry = await load_configuration(
                 settings.kubeconfig, found.context
             )
     except Exception as err:  # any loader failure
@@ -143,9 +146,7 @@ async def load(settings: Settings) -> Credentials:
         usable, problem = False, f"not a usable URL ({err})"
     if not usable:
         raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
-    credentials = Credentials(configuration, reload, found.files, settings.request_timeout)
-    credentials.note(loader)
-    return credentials
+    return Credentials(configuration, reload, found.files, settings.request_timeout, expiry)
 
 
 class _ExecProvider(ExecProvider):
@@ -194,6 +195,7 @@ class Credentials:
         reload: Reload | None = None,
         files: Sequence[str] = (),
         timeout: float = 10.0,
+        expiry: float | None = None,
     ) -> None:
         self.configuration = configuration
         self._reload = reload
@@ -207,7 +209,7 @@ class Credentials:
         self._backoff = Backoff(1.0, 30.0)
         self._fresh: int | None = None  # the version a reload for a 401 made, until refused
         self._refused = False  # fresh credentials refused too, until a success
-        self.expiry: float | None = None  # time.time() an exec plugin's token expires
+        self.expiry = expiry  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
         self.tls = self._ssl_context()
@@ -225,9 +227,13 @@ class Credentials:
         logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
         return headers
 
-    def answered(self, status: int, version: int) -> str:
-        """An answer (a request's, a watch's), before any reload: a success resets the
-        backoff; fresh credentials refused too step it once per ``version``. What a 401 adds."""
+    async def answered(
+        self, status: int, version: int, deadline: float | None = None, reload: bool = True
+    ) -> str | None:
+        """An answer (a request's, a watch's) to credentials of ``version``: a success
+        resets the backoff; fresh credentials refused too step it once per ``version``; a
+        401 reloads them (unless not ``reload``). What a 401 adds; None when a request
+        (one with a ``deadline``) is to be sent again with fresh ones."""
         if status < 300:
             self._backoff.reset()
             self._fresh, self._refused = None, False
@@ -235,7 +241,16 @@ class Credentials:
             self._fresh, self._refused = None, True
             self._not_before = time.monotonic() + self._backoff.next()
         again = status == 401 and self._refused
-        return " (also after reloading the credentials)" if again else ""
+        note = " (also after reloading the credentials)" if again else ""
+        if status == 401 and reload:
+            reloaded = await self.reload(version, deadline)
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                # A slow or hung reload (an exec plugin) used the call's time: not
+                # sent again (a leader's write could land past its fence).
+                return " (reloading the credentials took the call's time: not sent again)"
+            if reloaded and deadline is not None:
+                return None
+        return note
 
     async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
         """Whether fresh credentials are there. A reload since ``version`` (the refused
@@ -253,7 +268,7 @@ class Credentials:
                     return False  # the last reload failed, or was refused: backing off
                 self._reload_ok = False
                 try:
-                    loaded = await self._reload(self.configuration)
+                    expiry = await self._reload(self.configuration)
                 # Cancelled: at the deadline, or at shutdown (then cancelled on).
                 except (Exception, asyncio.CancelledError) as err:
                     metrics.ERRORS.labels("credentials").inc()
@@ -266,17 +281,13 @@ class Credentials:
                 else:
                     self._reload_ok = True
                     self._fresh = None if version is None else self.version + 1
-                    self.note(loaded)
+                    self.expiry = expiry
                     self.tls_rotated()
                 finally:
                     self.version += 1  # the waiters have their answer
                 return self._reload_ok
         except TimeoutError:
             return False  # the request is answered by what refused it
-
-    def note(self, loader: Any) -> None:
-        expiry = getattr(loader, "exec_plugin_expiry", None)
-        self.expiry = expiry.timestamp() if isinstance(expiry, datetime) else None
 
     def next_refresh_in(self, now: float) -> float | None:
         """At 80 % of an exec token's remaining lifetime (at least 1 s); every minute for
@@ -292,10 +303,7 @@ class Credentials:
         try:
             while True:
                 delay = self.next_refresh_in(time.time())
-                if delay is None:
-                    await asyncio.Event().wait()  # nothing expires: until cancelled
-                    continue
-                await asyncio.sleep(delay)
+                await asyncio.sleep(math.inf if delay is None else delay)  # None: nothing expires
                 if self._reload is not None and (self.expiry or self._tls_files() != self._stamp):
                     await self.reload()
                 else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -72,9 +73,8 @@ KIND_NAMES: dict[str, str] = {}
 
 
 def kind_of(key: str) -> Kind:
-    known = KINDS.get(key)
-    if known is not None:
-        return known
+    if key in KINDS:
+        return KINDS[key]
     resource, _, version = key.partition("/")
     plural, _, group = resource.partition(".")
     return Kind(plural, KIND_NAMES.get(key, plural), group, version)
@@ -116,25 +116,21 @@ class ErrorKind(enum.Enum):
     INVALID = "invalid"  # any other 4xx: the request itself is wrong; retrying won't help
 
 
+@dataclass(eq=False)
 class KubeError(Exception):
-    def __init__(
-        self,
-        kind: ErrorKind,
-        message: str,
-        *,
-        status: int | None = None,
-        reason: str = "",
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-        self.reason = reason
-        self.retry_after = retry_after
+    kind: ErrorKind
+    message: str
+    _: KW_ONLY
+    status: int | None = None
+    reason: str = ""
+    retry_after: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def __str__(self) -> str:
         code = f"{self.status} " if self.status is not None else ""
-        return f"{code}{self.reason or self.kind.value}: {self.args[0]}"
+        return f"{code}{self.reason or self.kind.value}: {self.message}"
 
 
 _STATUS_KINDS = {
@@ -251,20 +247,16 @@ class KubeClient:
         # trust_env costs a proxy and netrc lookup per request: only with a proxy.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
+        session = functools.partial(aiohttp.ClientSession, trust_env=trust_env, headers=headers)
         # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
         # keep lists, access reviews and the lease from waiting behind hanging bumps.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=writes_in_flight + RESERVED_CONNECTIONS, keepalive_timeout=keepalive_timeout
-            ),
-            trust_env=trust_env,
-            headers=headers,
+        limit = writes_in_flight + RESERVED_CONNECTIONS
+        self._session = session(
+            connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive_timeout),
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
         # Watches: a pool of their own, unlimited: every scope connects, never behind a bump.
-        self._watch_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), trust_env=trust_env, headers=headers
-        )
+        self._watch_session = session(connector=aiohttp.TCPConnector(limit=0))
 
     @property
     def answered_since(self) -> float:
@@ -328,17 +320,13 @@ class KubeClient:
                 raise error_from_exception(err, "Credentials") from err
             self._note_answer(sent)
             if isinstance(err, aiohttp.SocketTimeoutError):  # only a watch reads with one
-                idle = bounds.sock_read
-                raise KubeError(
-                    ErrorKind.TRANSIENT, f"no event for {idle}s", reason="Idle"
-                ) from err
+                idle = f"no event for {bounds.sock_read}s"
+                raise KubeError(ErrorKind.TRANSIENT, idle, reason="Idle") from err
             if not answered:
                 metrics.API_REQUESTS.labels(verb, "error").inc()
             if isinstance(err, aiohttp.ConnectionTimeoutError):  # a black-holed address
-                no_connection = f"no connection within {self._timeout.connect:g}s"
-                raise KubeError(
-                    ErrorKind.TRANSIENT, no_connection, reason="ConnectTimeout"
-                ) from err
+                late = f"no connection within {self._timeout.connect:g}s"
+                raise KubeError(ErrorKind.TRANSIENT, late, reason="ConnectTimeout") from err
             if isinstance(err, (TimeoutError, aiohttp.ClientError, OSError)):
                 raise error_from_exception(err) from err
             # The boundary: all else is a KubeError too.
@@ -363,33 +351,25 @@ class KubeClient:
         one to serialise; one deadline covers the call, a retry after a 401 included."""
         if body is not None:
             data = json.dumps(body, separators=(",", ":"))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (time_limit or self._request_timeout)
+        deadline = asyncio.get_running_loop().time() + (time_limit or self._request_timeout)
         content = content_type if data is not None else None
         for retried in (False, True):
             version = self.credentials.version
             async with self._exchange(
                 verb, method, path, deadline, self._timeout, content, params=params, data=data
             ) as (reply, payload):
-                status = reply.status
-            note = self.credentials.answered(status, version)
-            if status == 401 and not retried:
-                reloaded = await self.credentials.reload(version, deadline)
-                if loop.time() >= deadline:
-                    # A slow or hung reload (an exec plugin) used the call's time: not
-                    # sent again (a leader's write could land past its fence).
-                    note = " (reloading the credentials took the call's time: not sent again)"
-                    raise error_from_response(reply, payload, note)
-                if reloaded:
-                    continue
-            if status >= 300:
+                pass
+            note = await self.credentials.answered(reply.status, version, deadline, not retried)
+            if note is None:
+                continue  # fresh credentials, within the deadline: sent again
+            if reply.status >= 300:
                 raise error_from_response(reply, payload, note)
-            decoded = _json_object(payload)
-            if decoded is None:
-                not_json = "the API server sent a body that is not a JSON object"
-                raise KubeError(ErrorKind.TRANSIENT, not_json, status=status)
-            return decoded
-        raise AssertionError("unreachable")  # pragma: no cover
+            break
+        decoded = _json_object(payload)
+        if decoded is None:
+            not_json = "the API server sent a body that is not a JSON object"
+            raise KubeError(ErrorKind.TRANSIENT, not_json, status=reply.status)
+        return decoded
 
     async def watch(
         self,
@@ -403,8 +383,8 @@ class KubeClient:
         it answered 200. A KubeError whatever goes wrong: reason ``Idle`` when nothing, not
         even a bookmark, arrives for ``idle_timeout`` s, ``LineTooLong`` past MAX_WATCH_LINE."""
         version = self.credentials.version
-        connect = self._timeout.connect
         # No total: a watch lasts minutes. aiohttp's line limit is twice read_bufsize.
+        connect = self._timeout.connect
         timeout = aiohttp.ClientTimeout(
             sock_read=idle_timeout, connect=connect, sock_connect=connect
         )
@@ -412,29 +392,22 @@ class KubeClient:
         async with self._exchange(
             "watch", "GET", path, None, timeout, params=params, read_bufsize=MAX_WATCH_LINE // 2
         ) as (response, body):
-            note = self.credentials.answered(response.status, version)
-            if response.status == 401:
-                await self.credentials.reload(version)  # the retry uses fresh ones
+            note = await self.credentials.answered(response.status, version)
             if response.status >= 300:
-                raise error_from_response(response, body, note)
+                raise error_from_response(response, body, note or "")
             if on_connected is not None:
                 on_connected()
-            while True:
-                try:
-                    line = await response.content.readline()
-                except LineTooLong as err:
-                    too_long = f"a watch line longer than {MAX_WATCH_LINE} bytes"
-                    raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
-                if not line:
-                    return  # the end of the stream
-                if line.isspace():
-                    continue
-                event = _json_object(line)
-                if event is None:
-                    metrics.ERRORS.labels("watch_decode").inc()
-                    log.warning("watch_line_not_an_object", path=path, size=len(line))
-                else:
-                    yield event
+            try:
+                async for line in response.content:  # until the end of the stream
+                    event = _json_object(line)
+                    if event is not None:
+                        yield event
+                    elif not line.isspace():
+                        metrics.ERRORS.labels("watch_decode").inc()
+                        log.warning("watch_line_not_an_object", path=path, size=len(line))
+            except LineTooLong as err:
+                too_long = f"a watch line longer than {MAX_WATCH_LINE} bytes"
+                raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
 
 
 async def connect(settings: Settings) -> KubeClient:
