@@ -75,8 +75,7 @@ class LeaderElector:
         is not sent."""
         until = None
         while self.leading:
-            timeout = self.settings.write_timeout
-            left = self._renew_left()
+            timeout, left = self.settings.write_timeout, self._renew_left()
             if left >= min(timeout, MIN_WRITE_TIMEOUT):
                 return min(timeout, left)
             until = until or asyncio.get_running_loop().time() + within
