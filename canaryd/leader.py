@@ -75,8 +75,7 @@ class LeaderElector:
         is not sent."""
         until = None
         while self.leading:
-            timeout = self.settings.write_timeout
-            left = self._renew_left()
+            timeout, left = self.settings.write_timeout, self._renew_left()
             if left >= min(timeout, MIN_WRITE_TIMEOUT):
                 return min(timeout, left)
             until = until or asyncio.get_running_loop().time() + within
@@ -272,19 +271,12 @@ class LeaderElector:
             current = await self.kube.request(
                 "get", "GET", self._path, time_limit=self.settings.write_timeout
             )
-            spec = spec_of(current)
-            if spec.get("holderIdentity") != self.identity:
+            if spec_of(current).get("holderIdentity") != self.identity:
                 return
-            now = wall_time(time.time(), fraction=True)
-            released = {
-                **current,
-                "spec": {
-                    "leaseDurationSeconds": 1,
-                    "acquireTime": now,
-                    "renewTime": now,
-                    "leaseTransitions": spec.get("leaseTransitions", 0),
-                },
-            }
+            released = self._lease(current)  # as client-go's: no holder, one second left
+            spec = released["spec"]
+            del spec["holderIdentity"]
+            spec.update(leaseDurationSeconds=1, acquireTime=spec["renewTime"])
             left = deadline - self._clock()
             if left <= 0:
                 raise KubeError(ErrorKind.TRANSIENT, "no time left to release it", reason="Timeout")
