@@ -18,8 +18,10 @@ from typing import Any
 import aiohttp
 
 from canaryd import logs, metrics
-from canaryd.config import Settings
+from canaryd.config import Settings, load_settings
+from canaryd.credentials import Credentials, load_configuration
 from canaryd.daemon import Daemon
+from canaryd.kube import KubeClient
 from canaryd.metrics import BLIND_REASONS
 from canaryd.registry import Canary, CanaryKey, CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube, Fault
@@ -406,3 +408,30 @@ async def blind_everywhere(run: Running, *reasons: str) -> str:
         assert f"\nblind {reason}: " in verbose, verbose
     assert (await run.get("/healthz"))[0] == 200
     return ready
+
+
+async def start_records(
+    kube: FakeKube, kubeconfig: Path, conf: Path, capsys: Any
+) -> list[dict[str, Any]]:
+    """canaryd's JSON log records of a start with ``--operator-config conf`` (its
+    namespaces as the file says), until its watcher runs."""
+    settings = load_settings(["--operator-config", str(conf)], {})
+    with json_logs("info"):
+        async with running_daemon(
+            kube, kubeconfig, operator_config=conf, namespaces=settings.namespaces
+        ) as run:
+            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
+    return json_lines(capsys.readouterr().err)
+
+
+async def counting_client(kube: FakeKube, tmp_path: Path) -> tuple[KubeClient, list[None]]:
+    """A KubeClient of the fake's kubeconfig, and a list that grows by one per reload."""
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configuration, reload, _ = await load_configuration(str(config), None)
+    reloads: list[None] = []
+
+    async def counted(target: Any) -> Any:
+        reloads.append(None)
+        return await reload(target)
+
+    return KubeClient(Credentials(configuration, counted)), reloads

@@ -37,6 +37,7 @@ from tests.harness import (
     LABEL,
     blind_everywhere,
     counter,
+    counting_client,
     create_canary,
     following,
     read_until,
@@ -867,16 +868,7 @@ async def test_a_watch_refused_after_a_reload_steps_the_backoff_and_one_answered
 ):
     """A watch refused again after a reload backs the next reload off (1 s); one
     answered 200 resets the backoff: its next step is 1 s again, not 2 s."""
-    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration, reload, _ = await load_configuration(str(config), None)
-    reloads = 0
-
-    async def counted(target: Any) -> Any:
-        nonlocal reloads
-        reloads += 1
-        return await reload(target)
-
-    client = KubeClient(Credentials(configuration, counted))
+    client, reloads = await counting_client(kube, tmp_path)
 
     async def watch() -> int | None:
         try:
@@ -889,7 +881,7 @@ async def test_a_watch_refused_after_a_reload_steps_the_backoff_and_one_answered
     try:
         kube.inject(Fault(verb="watch", code=401, times=3))
         assert [await watch(), await watch(), await watch()] == [401, 401, 401]
-        assert reloads == 1  # refused again after it: backing off, not reloading
+        assert len(reloads) == 1  # refused again after it: backing off, not reloading
         assert client.credentials._backoff._next == 2.0
         assert await watch() == 200
         assert client.credentials._backoff._next == 1.0

@@ -681,19 +681,10 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
     """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
     refused too, one step of its backoff: the next reload may come 1 s later (before:
     a step per refused retry, 30 s)."""
-    from canaryd.credentials import Credentials, load_configuration
-    from canaryd.kube import KubeClient, KubeError
+    from canaryd.kube import KubeError
+    from tests.harness import counting_client
 
-    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration, reload, _ = await load_configuration(str(config), None)
-    reloads = 0
-
-    async def counted(target: Any) -> Any:
-        nonlocal reloads
-        reloads += 1
-        return await reload(target)
-
-    client = KubeClient(Credentials(configuration, counted))
+    client, reloads = await counting_client(kube, tmp_path)
     kube.inject(Fault(verb="get", code=401, times=-1))
     try:
         answers = await asyncio.gather(
@@ -702,7 +693,7 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         )
         assert all(isinstance(a, KubeError) and a.status == 401 for a in answers), answers
         assert len(kube.requests_for("get")) == 40  # each sent again once, reloaded
-        assert reloads == 1
+        assert len(reloads) == 1
         assert client.credentials._not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
     finally:
         await client.close()

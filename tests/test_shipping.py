@@ -27,7 +27,7 @@ from canaryd.config import ConfigError, load_settings
 from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube
 from tests.conftest import TOKEN
 from tests.controlplane.launcher import ControlPlane, built_bin_dir
-from tests.harness import create_canary, json_lines, json_logs, running_daemon
+from tests.harness import create_canary, json_lines, json_logs, running_daemon, start_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,12 +145,7 @@ async def test_nested_operator_keys_get_a_warning_naming_the_flat_key(
     settings = load_settings(["--operator-config", str(conf)], {})
     assert settings.namespaces == frozenset({"team-a", "team-b"})  # read as today
     assert settings.dynamic_namespaces and settings.port == 9000
-    with json_logs("info"):
-        async with running_daemon(
-            kube, kubeconfig, operator_config=conf, namespaces=settings.namespaces
-        ) as run:
-            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
-        records = json_lines(capsys.readouterr().err)
+    records = await start_records(kube, kubeconfig, conf, capsys)
     (warning,) = events(records, "operator_config_nested_keys")
     assert warning["level"] == "warning" and warning["file"] == str(conf), warning
     assert warning["flat_keys"] == [
@@ -779,11 +774,6 @@ async def test_a_key_written_both_flat_and_nested_still_gets_the_nested_key_warn
     conf.write_text(BOTH_SPELLINGS)
     settings = load_settings(["--operator-config", str(conf)], {})
     assert settings.namespaces == frozenset({"team-b"})  # the operator watches team-a
-    with json_logs("info"):
-        async with running_daemon(
-            kube, kubeconfig, operator_config=conf, namespaces=settings.namespaces
-        ) as run:
-            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
-        records = json_lines(capsys.readouterr().err)
+    records = await start_records(kube, kubeconfig, conf, capsys)
     (warning,) = events(records, "operator_config_nested_keys")
     assert warning["flat_keys"] == ["kubernetes.operator.watched.namespaces"], warning
