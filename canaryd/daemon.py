@@ -104,10 +104,12 @@ class Daemon:
             raise errors.exceptions[0] from None
         finally:
             self._signals(install=False)  # those not installed are left as they are
-            await server.stop()
-            metrics.REGISTRY.unregister(server)
-            if kube is not None:
-                await kube.close()
+            try:
+                await server.stop()
+            finally:  # cancelled again meanwhile: the rest is let go all the same
+                metrics.REGISTRY.unregister(server)
+                if kube is not None:
+                    await kube.close()
         log.info("canaryd_stopped", why="signal")
 
     async def _connect(self) -> KubeClient:

@@ -27,6 +27,7 @@ from tests.harness import (
     json_lines,
     json_logs,
     running_daemon,
+    start_records,
 )
 
 
@@ -185,12 +186,7 @@ async def test_the_start_up_log_names_the_operator_config_file_the_operator_read
     settings = load_settings(["--operator-config", str(conf)], {})
     wanted = "flink-conf.yaml" if "flink-conf.yaml" in names else "config.yaml"
     assert settings.namespaces == frozenset({f"from-{wanted.split('.')[0]}"})
-    with json_logs("info"):
-        async with running_daemon(
-            kube, kubeconfig, operator_config=conf, namespaces=settings.namespaces
-        ) as run:
-            await run.until(lambda: run.daemon.watcher is not None, "the watcher")
-        records = json_lines(capsys.readouterr().err)
+    records = await start_records(kube, kubeconfig, conf, capsys)
     (started,) = events(records, "canaryd_started")
     assert started["operator_config"] == str(conf / wanted), started
     ignored = events(records, "operator_config_ignored")
@@ -270,3 +266,38 @@ async def test_a_failure_while_wiring_the_components_closes_the_health_port(
     assert daemon.server is not None and daemon.server.port is not None
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection("127.0.0.1", daemon.server.port)
+
+
+async def test_a_daemon_cancelled_again_while_its_health_server_stops_still_lets_go(
+    kube, kubeconfig, monkeypatch
+):
+    """Cancelled, then cancelled again while its health server stops (a second signal,
+    a supervisor's cancel): its metrics collector is unregistered and its API client's
+    connections closed all the same."""
+    from dataclasses import replace
+
+    from canaryd.daemon import Daemon
+    from canaryd.server import HealthServer
+    from tests.harness import TEST_SETTINGS
+
+    stopping = asyncio.Event()
+
+    async def hung_stop(self: HealthServer) -> None:
+        stopping.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(HealthServer, "stop", hung_stop)
+    daemon = Daemon(replace(TEST_SETTINGS, kubeconfig=str(kubeconfig)))
+    run = asyncio.create_task(daemon.run())
+    async with asyncio.timeout(10):
+        await daemon.started.wait()
+    run.cancel()
+    async with asyncio.timeout(10):
+        await stopping.wait()
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert daemon.scheduler is not None
+    client = daemon.scheduler.kube
+    assert client._session.closed and client._watch_session.closed
+    assert daemon.server not in metrics.REGISTRY._collector_to_names
