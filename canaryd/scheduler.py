@@ -342,13 +342,14 @@ class Scheduler:
 
     async def _age_verdicts(self) -> None:
         """While any canary is unhealthy, each verdict when it may age (Role.age_verdicts),
-        looking again every half cycle."""
+        looking again every half cycle. Each look scans every canary: verdicts given at
+        many moments are aged together, a judge's slack apart at the most often."""
         while True:
             next_at = self._clock() + self.settings.timeout / 2
             if not self.registry.healthy:
                 with self._guard("judge_failed_unexpectedly"):
                     next_at = self.role.age_verdicts()
-            await asyncio.sleep(max(0.0, next_at - self._clock()))
+            await asyncio.sleep(max(self.settings.judge_slack, next_at - self._clock()))
 
     def _on_due(self, due: float, canary: Canary) -> None:
         """At the deadline: judge now, then queue the next bump (unless deferred)."""
