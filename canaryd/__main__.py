@@ -1,8 +1,5 @@
-"""``canaryd`` (``python -m canaryd``): the daemon, exit 0 on SIGTERM/SIGINT.
-``canaryd check [FLAGS]`` (and ``helm test``): what canaryd may do and would meet, a line
-each, exit 2 naming what is missing, 1 naming why canaryd would be blind, else 0
-(docs/OPERATIONS.md). Both exit 2 on bad configuration (checking, also on an API server
-unreached or refusing), in one line."""
+"""``canaryd`` (``python -m canaryd``): the daemon; ``canaryd check [FLAGS]``: what canaryd
+may do and would meet, with its exit codes as docs/OPERATIONS.md says."""
 
 from __future__ import annotations
 
@@ -117,9 +114,7 @@ async def check(settings: Settings, out: TextIO) -> int:
 
 
 async def would_see(settings: Settings, kube: KubeClient, say: Callable[..., None]) -> None:
-    """What the daemon would meet: each kind served, each watched namespace there, the
-    canaries per namespace and, with operator-metrics, each canary's series (its count of
-    finished reconciles) in the operator's metrics."""
+    """What the daemon would meet (docs/OPERATIONS.md lists each line)."""
     served: list[Kind] = []
     for kind in map(kind_of, settings.kinds):
         if await not_served(kube, kind) is None:

@@ -35,8 +35,9 @@ class Events:
     def __init__(self, kube: KubeClient, *, interval: Clock, clock: Clock = time.monotonic) -> None:
         self.kube = kube
         self._clock = clock
-        self.queued: OrderedDict[str, dict[str, str]] = OrderedDict()
-        """By the canary's uid: the one Event waiting to be written, oldest first."""
+        self.queued: OrderedDict[str, tuple[tuple[str, str, str], str, str]] = OrderedDict()
+        """By the canary's uid: the one Event waiting to be written (the canary's kind,
+        namespace and name, the reason, the note), oldest first."""
         self._waiting = asyncio.Event()
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self.instance = f"canaryd-{socket.gethostname()}"[:128]
@@ -45,38 +46,34 @@ class Events:
         )
 
     def record(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> None:
-        kind, namespace, name = key
         note = note.encode()[:1024].decode(errors="ignore")  # at most 1 kB (validation)
         if uid in self.queued:  # replaced where it waits
             metrics.VERDICT_EVENTS.labels("dropped").inc()
-        self.queued[uid] = dict(
-            kind=kind, namespace=namespace, name=name, uid=uid, reason=reason, note=note
-        )
+        self.queued[uid] = (key, reason, note)
         self._waiting.set()
 
     async def run(self) -> None:
         try:
             while True:
                 await self._waiting.wait()
-                _, event = self.queued.popitem(last=False)
+                uid, (key, reason, note) = self.queued.popitem(last=False)
                 if not self.queued:
                     self._waiting.clear()
                 try:
-                    result = await self._write(event)
+                    result = await self._write(key, uid, reason, note)
                 except KubeError as err:
                     result = "failed"
-                    subject = "/".join((event["kind"], event["namespace"], event["name"]))
-                    self.failures.failed(subject, err.kind.value, str(err))
+                    self.failures.failed("/".join(key), err.kind.value, str(err))
                 if result in ("created", "updated"):  # written: what failed before is over
                     self.failures.recovered()
                 metrics.VERDICT_EVENTS.labels(result).inc()
         finally:
             self.failures.stopped("the Events task stopped")
 
-    async def _write(self, event: dict[str, str]) -> str:
+    async def _write(self, key: tuple[str, str, str], uid: str, reason: str, note: str) -> str:
         now = self._clock()
-        seen = self._seen.pop(event["uid"], None) or _Seen(BURST, now)
-        self._seen[event["uid"]] = seen  # the most recently used last
+        seen = self._seen.pop(uid, None) or _Seen(BURST, now)
+        self._seen[uid] = seen  # the most recently used last
         if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
         seen.tokens = min(BURST, seen.tokens + (now - seen.at) * REFILL)
@@ -84,7 +81,7 @@ class Events:
         if seen.tokens < 1:
             return "spam_filtered"
         seen.tokens -= 1
-        namespace, reason = event["namespace"], event["reason"]
+        kind_key, namespace, canary = key
         stamp = wall_time(time.time(), fraction=True)  # a MicroTime
         path = f"/apis/events.k8s.io/v1/namespaces/{segment(namespace)}/events"
         earlier = seen.series.get(reason)
@@ -103,8 +100,8 @@ class Events:
             except KubeError as err:
                 if err.status != 404:  # gone (Events expire): a new one starts the series
                     raise
-        kind = kind_of(event["kind"])
-        name = f"{event['name']}.{time.time_ns():x}"
+        kind = kind_of(kind_key)
+        name = f"{canary}.{time.time_ns():x}"
         if len(name) > 253:  # not a valid name: client-go's GenerateEventName, a UUID
             name = str(uuid.uuid4())
         body = {
@@ -121,10 +118,10 @@ class Events:
                 "apiVersion": f"{kind.group}/{kind.version}",
                 "kind": kind.kind,
                 "namespace": namespace,
-                "name": event["name"],
-                "uid": event["uid"],
+                "name": canary,
+                "uid": uid,
             },
-            "note": event["note"],
+            "note": note,
         }
         await self.kube.request("create", "POST", path, body=body)
         seen.series[reason] = (name, 1, now)

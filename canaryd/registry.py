@@ -100,11 +100,9 @@ class Canary:
 def read_nonce(obj: Mapping[str, Any]) -> tuple[int, str | None]:
     """spec.restartNonce as the bump base, and what is wrong with it if anything."""
     spec = obj.get("spec")
-    if spec is None:
-        return 0, None
-    if not isinstance(spec, Mapping):
+    if spec is not None and not isinstance(spec, Mapping):
         return 0, f"spec is a {type(spec).__name__}, not an object"
-    value = spec.get("restartNonce")
+    value = None if spec is None else spec.get("restartNonce")
     if value is None:
         return 0, None
     if isinstance(value, float) and value.is_integer():
@@ -351,14 +349,6 @@ class Registry:
                 self.ignored.add(key.namespace)
             self.forget(key, *why_not)
             return key
-        _, problem = read_nonce(obj)
-        if problem is not None:
-            log.warning(
-                "canary_malformed",
-                canary=str(key),
-                problem=problem,
-                action="the next bump writes a valid nonce",
-            )
         if existing is None or existing.uid != uid:
             if existing is not None:
                 self.forget(key, "replaced", "a new object of the same name replaced it")
@@ -372,6 +362,13 @@ class Registry:
         observed = status.get("observedGeneration") if isinstance(status, Mapping) else None
         existing.generation, existing.status_observed = generation, _integer(observed)
         self.refresh(existing, obj)
+        if existing.nonce_problem is not None:
+            log.warning(
+                "canary_malformed",
+                canary=str(key),
+                problem=existing.nonce_problem,
+                action="the next bump writes a valid nonce",
+            )
         _stages_reached(existing)
         self._changed()
         return key

@@ -110,9 +110,8 @@ class Connection(web.RequestHandler):
 
 @dataclass(eq=False)
 class ConnectionCap:
-    """At most ``max_connections`` open, in the order they were last active (accepted, or
-    answered). A new one at the cap closes the first not being answered (or whose answer
-    was not taken for ``answer_timeout``), else it is refused. Handlers never wait."""
+    """At most ``max_connections`` open, least recently active first; the eviction rule at
+    the cap is docs/CONFIGURATION.md's "HTTP". Handlers never wait."""
 
     interval: Callable[[], float]
     max_connections: int = field(default=MAX_CONNECTIONS, kw_only=True)

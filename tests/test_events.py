@@ -97,7 +97,7 @@ def test_recovered_follows_a_told_warning_whatever_came_between():
         else:
             healthy = state is CanaryState.HEALTHY
             role.verdict(canary, Healthy("why") if healthy else Unhealthy("why", "cause"), 0.0)
-        told = [event["reason"] for event in events.queued.values()]
+        told = [reason for _, reason, _ in events.queued.values()]
         events.queued.clear()
         return told
 
@@ -125,8 +125,8 @@ async def test_the_spam_filter_and_one_queued_event_per_canary(kube, kubeconfig)
         # One canary, many Events: a burst of 25 is written (1 Event and its series),
         # the rest dropped by its token bucket (one more every 5 minutes).
         idle = Events(run.daemon.scheduler.events.kube, interval=lambda: CYCLE)
-        event = dict(canary.key._asdict(), uid=canary.uid, reason="Unknown", note="x: y")
-        written = [await idle._write(event) for _ in range(BURST + 5)]
+        event = (canary.key, canary.uid, "Unknown", "x: y")
+        written = [await idle._write(*event) for _ in range(BURST + 5)]
         assert written == ["created"] + ["updated"] * (BURST - 1) + ["spam_filtered"] * 5
         (written_event,) = events_about(kube)
         assert written_event["series"]["count"] == BURST
@@ -136,7 +136,7 @@ async def test_the_spam_filter_and_one_queued_event_per_canary(kube, kubeconfig)
             idle.record(
                 ("flinkdeployments", "default", f"c{index % 2}"), f"u{index % 2}", reason, ""
             )
-        assert [(e["name"], e["reason"]) for e in idle.queued.values()] == [
+        assert [(key[2], reason) for key, reason, _ in idle.queued.values()] == [
             ("c0", "Recovered"),
             ("c1", "Unhealthy"),
         ]
