@@ -31,7 +31,7 @@ from canaryd.kube import (
 from canaryd.leader import lease_timings_problem
 from canaryd.listwatch import list_all, not_served
 from canaryd.opmetrics import OperatorMetrics, ScrapeFailed
-from canaryd.registry import is_canary
+from canaryd.registry import being_deleted, is_canary
 
 try:  # less CPU per request and watch event than asyncio's own loop
     from uvloop import run
@@ -148,7 +148,7 @@ async def would_see(settings: Settings, kube: KubeClient, say: Callable[..., Non
             canaries += [
                 (kind.plural, str(item.get("kind") or kind.kind), *names(item))
                 for item in items
-                if is_canary(item, settings.label)
+                if is_canary(item, settings.label) and not being_deleted(item)
             ]
     per_namespace = Counter(namespace for _, _, namespace, _ in canaries)
     for where in sorted({*per_namespace, *existing}):

@@ -30,6 +30,12 @@ def is_canary(obj: Mapping[str, Any], label: str) -> bool:
     return isinstance(value, str) and value.lower() == "true"
 
 
+def being_deleted(obj: Mapping[str, Any]) -> bool:
+    """Its deletionTimestamp is set: a finalizer holds it, canaryd no longer checks it."""
+    metadata = obj.get("metadata")
+    return isinstance(metadata, Mapping) and bool(metadata.get("deletionTimestamp"))
+
+
 def one_line(text: str) -> str:
     """A reason as one line (an API error's message may hold newlines)."""
     return " ".join(text.split())
@@ -379,7 +385,7 @@ class Registry:
             return "namespace_closed", "its namespace is being deleted"
         if not is_canary(obj, self.label):
             return "not_canary", f"label {self.label} is no longer true"
-        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+        if being_deleted(obj):
             return "being_deleted", "deletionTimestamp is set"
         return None
 

@@ -24,7 +24,7 @@ from canaryd import __version__, metrics
 from canaryd.__main__ import check, main
 from canaryd.access import ACCESS_REVIEWS, KIND_VERBS
 from canaryd.config import ConfigError, load_settings
-from canaryd.testing.apiserver import SERVICE_ACCOUNTS, FakeKube
+from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, SERVICE_ACCOUNTS, FakeKube
 from tests.conftest import TOKEN
 from tests.controlplane.launcher import ControlPlane, built_bin_dir
 from tests.harness import create_canary, json_lines, json_logs, running_daemon, start_records
@@ -527,6 +527,21 @@ async def test_check_exits_1_when_no_canary_matches(kube, kubeconfig):
         "but canaryd would be blind: no_canaries: no canary labelled "
         "example.com/canary=true in any namespace"
     ), out
+
+
+async def test_check_does_not_count_a_canary_being_deleted(kube, kubeconfig):
+    """Review: check counted a canary a finalizer holds after its delete, which the
+    daemon does not check (its deletionTimestamp is set): "1 canaries" where the daemon
+    would be blind (no_canaries)."""
+    create_canary(kube, metadata={"finalizers": ["flinkdeployments.flink.apache.org/finalizer"]})
+    kube.delete(FLINK_DEPLOYMENTS, "default", "canary")
+    assert (kube.get("flinkdeployments", "default", "canary") or {})["metadata"][
+        "deletionTimestamp"
+    ]
+    code, out, _ = await run_cli("check", "--kubeconfig", str(kubeconfig))
+    assert code == 1, out
+    assert "canaries in default" not in out, out
+    assert "BLIND no canary labelled flink.apache.org/canary=true in any namespace" in out, out
 
 
 async def test_check_says_where_it_found_no_canary_when_no_watched_namespace_exists(
