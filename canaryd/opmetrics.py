@@ -1,10 +1,7 @@
 """The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``
-(docs/CONFIGURATION.md says what each answer means).
-
-Regular expressions find the few series canaryd needs in the bytes, by their name's suffix
-(a reporter scope format of the user's own keeps working), and prometheus_client's parser
-reads each label set not seen before: whole answers of tens of thousands of lines through
-it take seconds.
+(docs/CONFIGURATION.md). Regular expressions find the few series needed by their name's
+suffix (a reporter scope format of the user's own keeps working); prometheus_client's
+parser reads only label sets not seen before (whole answers through it take seconds).
 """
 
 from __future__ import annotations
