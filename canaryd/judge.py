@@ -1,12 +1,10 @@
-"""The judge: what a canary's pending bump amounts to, as a value.
+"""The judge: what a canary's pending bump amounts to, as a value (docs/DEVELOPMENT.md).
 
-Two pure functions, one per reconcile signal (``by_watch``, ``by_operator``), read a
-canary, the sync model of its watch (canaryd.sync) and, for operator-metrics, a read of
-the operator's metrics; they change nothing. The scheduler acts on what they return: a
-verdict (``Healthy``, or ``Unhealthy``: only a bump written and not reconciled in time),
-``NoVerdict`` either way, not yet (``Defer``: the watch is behind; ``Recheck``: the judge
-ran late; ``Suspect``: canaryd's own connection may be dead; ``Wait``: the operator's
-answer has not come), or None: the last cycle wrote no bump.
+Two pure functions, one per reconcile signal (``by_watch``, ``by_operator``), change
+nothing; the scheduler acts on what they return: a verdict (``Unhealthy``: only a bump
+written and not reconciled in time), ``NoVerdict``, not yet (``Defer``: the watch is
+behind; ``Recheck``: the judge ran late; ``Suspect``: canaryd's own connection may be
+dead; ``Wait``: the operator's answer has not come), or None: no bump to judge.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Leader election over a ``coordination.k8s.io/v1`` Lease, with client-go's rules
-(tools/leaderelection, tryAcquireOrRenew): a candidate takes the lease only once it has
-seen the holder's record unchanged for its lease duration on its own monotonic clock (or
-released); every write carries the resourceVersion it read, so two candidates cannot both
-win; the leader renews with one update from the copy it last wrote (a failure falls back
-to a read and an update) and stops leading at once when its renew deadline passes.
-
-Kubernetes has no fencing token, so one writer at a time comes from time: the writer
-awaits ``write_permit()`` before each write. docs/CONFIGURATION.md ("Replicas behind a
-Lease") gives the bound and what stays possible.
+(tools/leaderelection): a candidate takes the lease only once it has seen the holder's
+record unchanged for its lease duration on its own monotonic clock (or released); every
+write carries the resourceVersion it read, so two candidates cannot both win. Kubernetes
+has no fencing token: the writer awaits ``write_permit()`` before each write (the bound:
+docs/CONFIGURATION.md, "Replicas behind a Lease").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The operator's own metrics: the reconcile signal of ``--reconciled-by operator-metrics``
-(docs/CONFIGURATION.md says what each answer means).
-
-Regular expressions find the few series canaryd needs in the bytes, by their name's suffix
-(a reporter scope format of the user's own keeps working), and prometheus_client's parser
-reads each label set not seen before: whole answers of tens of thousands of lines through
-it take seconds.
+(docs/CONFIGURATION.md). Regular expressions find the few series needed by their name's
+suffix (a reporter scope format of the user's own keeps working); prometheus_client's
+parser reads only label sets not seen before (whole answers through it take seconds).
 """
 
 from __future__ import annotations
@@ -197,9 +194,9 @@ class OperatorMetrics:
         self.instance = 0
         self.instance_since = time.time()
         self._refused_since_answer = False
-        self.problem: str | None = None
-        """Why the operator's metrics cannot judge canaries right now (``blind``)."""
-        self._unusable_since: float | None = None  # every read since failed, or no series
+        # Why the operator's metrics cannot judge canaries right now (``blind``): its
+        # canaryd_blind reason, what, and since when every read failed or had no series.
+        self.problem: tuple[str, str, float] | None = None
         self.failures = Episodes(
             "operator_metrics_failures", "url", lambda: read_timeout, clock=clock
         )
@@ -211,67 +208,57 @@ class OperatorMetrics:
         try:
             while True:
                 started, instance = self._clock(), self.instance
-                scrape: Scrape | None = None
-                failed: ScrapeFailed | None = None
                 read = asyncio.ensure_future(self.scrape())
                 try:
-                    while not read.done():
-                        await asyncio.wait({read}, timeout=interval)
-                        if not read.done():
-                            # Those that waited a cycle need not wait for this read to time
-                            # out (a frozen JVM holds it a cycle).
-                            silent = ScrapeFailed(
-                                "unanswered",
-                                f"{self.url} has not answered a read sent "
-                                f"{self._clock() - started:.1f}s ago",
-                            )
-                            yield Read(started, None, silent, unanswered=True)
-                    scrape = read.result()
-                except ScrapeFailed as err:
-                    failed = err
+                    while not (await asyncio.wait({read}, timeout=interval))[0]:
+                        # Those that waited a cycle need not wait for this read to time
+                        # out (a frozen JVM holds it a cycle).
+                        ago = self._clock() - started
+                        silent = f"{self.url} has not answered a read sent {ago:.1f}s ago"
+                        yield Read(started, None, ScrapeFailed("unanswered", silent), True)
                 finally:
                     read.cancel()  # the reader is stopping (once done, a no-op)
                 try:
-                    self._note(started, scrape, failed)
+                    done = Read(started, read.result(), None, restarted=self.instance != instance)
+                except ScrapeFailed as err:
+                    done = Read(started, None, err)
+                try:
+                    self._note(done)
                 except Exception:
                     # A bug must not stop the reads: say so, count it, go on.
                     metrics.ERRORS.labels("scheduler").inc()
                     log.exception("operator_judge_failed_unexpectedly")
-                yield Read(started, scrape, failed, restarted=self.instance != instance)
+                yield done
                 await asyncio.sleep(max(0.0, started + interval - self._clock()))
         finally:
             await self.close()  # its session
 
-    def _note(self, started: float, scrape: Scrape | None, failed: ScrapeFailed | None) -> None:
+    def _note(self, read: Read) -> None:
         """What a read tells before any canary is judged on it: ``blind``, an episode."""
+        failed, problem = read.failed, None
         metrics.OPERATOR_SCRAPES.labels("ok" if failed is None else failed.cause).inc()
-        self.problem = None
         if failed is not None:
-            self.problem = str(failed)  # blind() names it; the log tells an episode
             self.failures.failed(self.url, failed.cause, str(failed))
+            problem = "unreachable", str(failed)
         else:
             self.failures.recovered(self.url)
-            if scrape is not None and not scrape.has_operator_series:
-                self.problem = (
-                    f"{self.url} answered without the operator's metrics (is Flink's "
-                    "Prometheus reporter configured on this port?)"
-                )
-        if self.problem is None:
-            self._unusable_since = None
-        elif self._unusable_since is None:
-            self._unusable_since = started
+            if read.scrape is not None and not read.scrape.has_operator_series:
+                what = "(is Flink's Prometheus reporter configured on this port?)"
+                problem = "no_series", f"{self.url} answered without the operator's metrics {what}"
+        if problem is None:
+            self.problem = None
+        else:
+            self.problem = (*problem, self.problem[2] if self.problem else read.started)
 
     def blind(self) -> dict[str, str]:
         """Why canaryd cannot judge by the operator's metrics, by ``canaryd_blind`` reason:
         no usable answer for a whole cycle (a start-up's grace: the reporter listens some
         seconds after the operator starts), or an answer without a canary's series."""
         blind: dict[str, str] = {}
-        if self.problem is not None and self._unusable_since is not None:
-            if self._clock() - self._unusable_since < self.read_timeout:
-                return blind  # within the start-up grace
-            answered = self.failures.cause(self.url) is None  # the last read
-            reason = "no_series" if answered else "unreachable"
-            blind[f"operator_metrics_{reason}"] = self.problem
+        if self.problem is not None:
+            reason, problem, since = self.problem
+            if self._clock() - since >= self.read_timeout:  # past the start-up grace
+                blind[f"operator_metrics_{reason}"] = problem
         if self.missing:
             missing = ", ".join(sorted(self.missing)[:20])
             blind.setdefault("operator_metrics_no_series", f"no series for {missing}")

@@ -1,12 +1,10 @@
 """The writer: one bump of a canary's ``spec.restartNonce``, applied at most once.
 
-A bump is a merge patch of ``spec.restartNonce`` with a ``metadata.resourceVersion``
-precondition; what each answer means is docs/DESIGN.md's semantics table. A write whose
-outcome is unknown (the connection failed after it was sent) is resent identical: a PATCH
-is not idempotent (RFC 9110 §9.2.2), the precondition makes this one so, and a 409 to it
-means "applied, or overtaken", which a re-read tells by the nonce. Under --leader-elect
-every write first awaits ``permit()`` (canaryd.leader's fence). ``bump`` returns what came
-of it; the scheduler acts on that.
+A merge patch with a ``metadata.resourceVersion`` precondition (each answer's meaning:
+docs/DESIGN.md's semantics table). One whose outcome is unknown is resent identical: a
+PATCH is not idempotent (RFC 9110 §9.2.2), the precondition makes this one so, and a 409
+to it means "applied, or overtaken", which a re-read tells by the nonce. Under
+--leader-elect every write first awaits ``permit()`` (canaryd.leader's fence).
 """
 
 from __future__ import annotations

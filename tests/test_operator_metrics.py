@@ -22,7 +22,7 @@ import pytest
 from canaryd import metrics
 from canaryd.config import ConfigError, load_settings
 from canaryd.logs import wall_time
-from canaryd.opmetrics import OperatorMetrics, ScrapeFailed, parse
+from canaryd.opmetrics import OperatorMetrics, Read, ScrapeFailed, parse
 from canaryd.registry import CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FakeKube, Fault
 from canaryd.testing.operator import FakeOperator
@@ -343,17 +343,17 @@ def test_the_operator_metrics_are_blind_after_a_cycle_of_unusable_reads():
     url = "http://127.0.0.1:1/metrics"
     judge = OperatorMetrics(url, connect_timeout=1, read_timeout=10, clock=lambda: now[0])
     refused = ScrapeFailed("refused", "nothing listens")
-    judge._note(now[0], None, refused)
+    judge._note(Read(now[0], None, refused))
     now[0] += 9.9
-    judge._note(now[0], None, refused)
+    judge._note(Read(now[0], None, refused))
     assert judge.blind() == {}
     now[0] += 0.1
     assert judge.blind() == {"operator_metrics_unreachable": "nothing listens"}
-    judge._note(now[0], parse("some_other_exporter_total 1\n"), None)
+    judge._note(Read(now[0], parse("some_other_exporter_total 1\n"), None))
     assert set(judge.blind()) == {"operator_metrics_no_series"}  # the same episode
-    judge._note(now[0], parse(FIXTURE.read_text()), None)
+    judge._note(Read(now[0], parse(FIXTURE.read_text()), None))
     assert judge.blind() == {}
-    judge._note(now[0], None, refused)
+    judge._note(Read(now[0], None, refused))
     assert judge.blind() == {}  # a new grace
 
 
