@@ -164,9 +164,7 @@ class Credentials:
         self,
         configuration: k8s_client.Configuration | None = None,
         reload: Reload | None = None,
-        files: Sequence[str] = (),
         timeout: float = 10.0,
-        expiry: float | None = None,
     ) -> None:
         self._timeout = timeout
         self.version = 0  # bumped by every reload
@@ -177,7 +175,7 @@ class Credentials:
         self._backoff = Backoff(1.0, 30.0)
         self._fresh: int | None = None  # the version a reload for a 401 made, until refused
         self._refused = False  # fresh credentials refused too, until a success
-        self._use(configuration or k8s_client.Configuration(), reload, files, expiry)
+        self._use(configuration or k8s_client.Configuration(), reload, (), None)
 
     def _use(
         self,
