@@ -120,35 +120,6 @@ async def load_configuration(
     return configuration, reload, await reload(configuration)
 
 
-async def load(settings: Settings) -> Credentials:
-    """A CredentialsError when not loaded within the request timeout; a ConfigError for a
-    bad kubeconfig or cluster server."""
-    found = source(settings)
-    try:
-        async with asyncio.timeout(settings.request_timeout) as bound:
-            configuration, reload, expiry = await load_configuration(
-                settings.kubeconfig, found.context
-            )
-    except Exception as err:  # any loader failure
-        metrics.ERRORS.labels("credentials").inc()
-        detail = logs.scrub(str(err)) or type(err).__name__
-        if bound.expired():
-            detail = f"not loaded within the request timeout ({settings.request_timeout:g}s)"
-        raise CredentialsError(
-            f"cannot load Kubernetes credentials ({found.where}): {detail}"
-        ) from err
-    host = str(configuration.host or "")
-    try:
-        parts = urlsplit(host)
-        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        problem = "not an http(s) URL with a host (and a port other than 0)"
-    except ValueError as err:  # a port out of range, a malformed IPv6 address
-        usable, problem = False, f"not a usable URL ({err})"
-    if not usable:
-        raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
-    return Credentials(configuration, reload, found.files, settings.request_timeout, expiry)
-
-
 class _ExecProvider(ExecProvider):
     """kubernetes-asyncio's plugin run, with no terminal, the plugin's process group
     killed and reaped when the run is cancelled (its call's deadline, a shutdown)."""
@@ -191,15 +162,10 @@ class Credentials:
 
     def __init__(
         self,
-        configuration: k8s_client.Configuration,
+        configuration: k8s_client.Configuration | None = None,
         reload: Reload | None = None,
-        files: Sequence[str] = (),
         timeout: float = 10.0,
-        expiry: float | None = None,
     ) -> None:
-        self.configuration = configuration
-        self._reload = reload
-        self._files = tuple(files)
         self._timeout = timeout
         self.version = 0  # bumped by every reload
         self._lock = asyncio.Lock()
@@ -209,10 +175,50 @@ class Credentials:
         self._backoff = Backoff(1.0, 30.0)
         self._fresh: int | None = None  # the version a reload for a 401 made, until refused
         self._refused = False  # fresh credentials refused too, until a success
+        self._use(configuration or k8s_client.Configuration(), reload, (), None)
+
+    def _use(
+        self,
+        configuration: k8s_client.Configuration,
+        reload: Reload | None,
+        files: Sequence[str],
+        expiry: float | None,
+    ) -> None:
+        self.configuration = configuration
+        self._reload = reload
+        self._files = tuple(files)
         self.expiry = expiry  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
         self._stamp = self._tls_files()
         self.tls = self._ssl_context()
+
+    async def load(self, settings: Settings) -> None:
+        """The first load, before any request: a CredentialsError when not loaded within
+        the request timeout; a ConfigError for a bad kubeconfig or cluster server."""
+        found = source(settings)
+        try:
+            async with asyncio.timeout(settings.request_timeout) as bound:
+                configuration, reload, expiry = await load_configuration(
+                    settings.kubeconfig, found.context
+                )
+        except Exception as err:  # any loader failure
+            metrics.ERRORS.labels("credentials").inc()
+            detail = logs.scrub(str(err)) or type(err).__name__
+            if bound.expired():
+                detail = f"not loaded within the request timeout ({settings.request_timeout:g}s)"
+            raise CredentialsError(
+                f"cannot load Kubernetes credentials ({found.where}): {detail}"
+            ) from err
+        host = str(configuration.host or "")
+        try:
+            parts = urlsplit(host)
+            usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+            problem = "not an http(s) URL with a host (and a port other than 0)"
+        except ValueError as err:  # a port out of range, a malformed IPv6 address
+            usable, problem = False, f"not a usable URL ({err})"
+        if not usable:
+            raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
+        self._use(configuration, reload, found.files, expiry)
 
     async def headers(self) -> dict[str, str]:
         try:

@@ -15,9 +15,9 @@ from canaryd.access import say_operator_account
 from canaryd.backoff import Backoff
 from canaryd.config import ConfigError, Settings, follow_operator_config
 from canaryd.config.operator_config import say_operator_config
-from canaryd.credentials import CredentialsError, source
+from canaryd.credentials import Credentials, CredentialsError, source
 from canaryd.episodes import Episodes
-from canaryd.kube import KubeClient, connect
+from canaryd.kube import connect
 from canaryd.leader import LeaderElector
 from canaryd.registry import Registry
 from canaryd.scheduler import Scheduler
@@ -40,9 +40,10 @@ class Daemon:
         self._reload = asyncio.Event()
         self.started = asyncio.Event()
         """Set once every task runs and the health server listens (tests wait on it)."""
-        self.server: HealthServer | None = None
-        self.watcher: Watcher | None = None
-        self.scheduler: Scheduler | None = None
+        # Built once by run(), before the health server serves their view.
+        self.server: HealthServer
+        self.watcher: Watcher
+        self.scheduler: Scheduler
         self.elector: LeaderElector | None = None
         self.notifier = Notifier()
         self._credentials_problem: str | None = None
@@ -57,7 +58,12 @@ class Daemon:
         settings = self.settings
         # A kubeconfig missing or bad: exit 2 before anything runs; a plugin's credentials
         # are loaded once the health server and the signal handlers are up (it may hang).
-        kube = None if source(settings).plugin else await connect(settings)
+        plugin = source(settings).plugin
+        kube = await connect(settings, load=not plugin)
+        if settings.leader_elect:
+            self.elector = LeaderElector(settings, kube)
+        self.scheduler = scheduler = Scheduler(settings, self.registry, kube, lease=self.elector)
+        self.watcher = Watcher(settings, self.registry, kube)
         self.server = server = HealthServer(settings, self)
         metrics.REGISTRY.register(server)  # its state gauges
         try:
@@ -66,13 +72,8 @@ class Daemon:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._until_stopped(), name="shutdown")
                 group.create_task(self.notifier.run(self._ready, self.stuck), name="sd-notify")
-                kube = kube or await self._connect()
-                if settings.leader_elect:
-                    self.elector = LeaderElector(settings, kube)
-                self.scheduler = scheduler = Scheduler(
-                    settings, self.registry, kube, lease=self.elector
-                )
-                self.watcher = Watcher(settings, self.registry, kube)
+                if plugin:
+                    await self._load_credentials(kube.credentials)
                 operator_config = say_operator_config(settings)  # warnings first
                 log.info(
                     "canaryd_started",
@@ -108,14 +109,12 @@ class Daemon:
                 await server.stop()
             finally:  # cancelled again meanwhile: the rest is let go all the same
                 metrics.REGISTRY.unregister(server)
-                if kube is not None:
-                    await kube.close()
+                await kube.close()
         log.info("canaryd_stopped", why="signal")
 
-    async def _connect(self) -> KubeClient:
-        """The client once its credentials are loaded: until then every failure (an exec
-        plugin that fails, or hangs past the request timeout) is one episode named in
-        /readyz, tried again with backoff."""
+    async def _load_credentials(self, credentials: Credentials) -> None:
+        """Until loaded, every failure (an exec plugin that fails, or hangs past the
+        request timeout) is one episode named in /readyz, tried again with backoff."""
         cycle = self.settings.timeout
         failures = Episodes(
             "credential_failures", "credentials", lambda: cycle, "credentials", "credentials_failed"
@@ -124,7 +123,7 @@ class Daemon:
         try:
             while True:
                 try:
-                    kube = await connect(self.settings)
+                    await credentials.load(self.settings)
                 except CredentialsError as err:
                     self._credentials_problem = str(err)
                     failures.failed("start-up", "credentials", str(err))
@@ -132,7 +131,7 @@ class Daemon:
                 else:
                     self._credentials_problem = None
                     failures.recovered("start-up")
-                    return kube
+                    return
         finally:
             failures.stopped("canaryd stopped")
 
@@ -170,23 +169,20 @@ class Daemon:
         """Why canaryd checks nothing or cannot judge, by ``canaryd_blind`` reason."""
         if self._credentials_problem is not None:  # at start: nothing can be listed yet
             return {"unauthorized": self._credentials_problem}
-        blind = self.watcher.blind() if self.watcher is not None else {}
-        operator = self.scheduler.operator if self.scheduler is not None else None
-        return blind | (operator.blind() if operator is not None else {})
+        operator = self.scheduler.operator
+        return self.watcher.blind() | (operator.blind() if operator is not None else {})
 
     def coverage(self) -> dict[str, int]:
-        return self.watcher.coverage() if self.watcher is not None else {}
+        return self.watcher.coverage()
 
     def _ready(self) -> bool:
-        return self.watcher is not None and self.watcher.ready
+        return self.watcher.ready
 
     def not_ready(self) -> list[str] | None:
         """Why /readyz fails, each a phrase (the scopes not listed or not connected, a
         limit too low, the Lease); None when ready."""
         if self._credentials_problem is not None:
             return [self._credentials_problem]
-        if self.watcher is None:
-            return ["the watches are not started"]
         waiting = self.watcher.not_ready()
         if self.elector is not None and self.elector.problem is not None:
             waiting.append(f"lease {self.elector}: {self.elector.problem}")
@@ -194,7 +190,7 @@ class Daemon:
 
     def stuck(self) -> str | None:
         """Why the daemon is not making progress, or None when it is (the watchdog)."""
-        lag = self.scheduler.lag() if self.scheduler is not None else 0.0
+        lag = self.scheduler.lag()
         if lag > self.settings.timeout:
             return f"the scheduler is {lag:.1f}s behind its deadlines"
         return None
@@ -203,10 +199,9 @@ class Daemon:
         await self._stop.wait()
         log.info("shutting_down")
         self.notifier.notify("STOPPING=1")
-        if self.scheduler is not None:
-            # Every bump finished or abandoned before anything stops: a leader releases
-            # its lease as it stops, and a follower may take it at once.
-            await self.scheduler.writer.finished()
+        # Every bump finished or abandoned before anything stops: a leader releases its
+        # lease as it stops, and a follower may take it at once.
+        await self.scheduler.writer.finished()
         raise _Shutdown
 
     def _signals(self, install: bool) -> None:
@@ -220,7 +215,6 @@ class Daemon:
     async def _follow_operator_config(self) -> None:
         """The watched namespaces follow the operator config's when it says so."""
         watcher = self.watcher
-        assert watcher is not None
         follow = follow_operator_config(self.settings, self._reload, watcher.namespaces)
         async for namespaces in follow:
             watcher.set_namespaces(namespaces)

@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from canaryd import logs, metrics
 from canaryd.config import Settings
-from canaryd.credentials import Credentials, load
+from canaryd.credentials import Credentials
 
 log = structlog.get_logger("canaryd.kube")
 
@@ -238,7 +238,6 @@ class KubeClient:
         writes_in_flight: int = 256,
     ) -> None:
         self.credentials = credentials
-        self.host = str(credentials.configuration.host).rstrip("/")
         self._request_timeout = request_timeout
         # A request's bound on its connection, the wait for the pool included.
         self._timeout = aiohttp.ClientTimeout(connect=min(connect_timeout, request_timeout))
@@ -257,6 +256,10 @@ class KubeClient:
         )
         # Watches: a pool of their own, unlimited: every scope connects, never behind a bump.
         self._watch_session = session(connector=aiohttp.TCPConnector(limit=0))
+
+    @property
+    def host(self) -> str:
+        return str(self.credentials.configuration.host).rstrip("/")
 
     @property
     def answered_since(self) -> float:
@@ -410,9 +413,13 @@ class KubeClient:
                 raise KubeError(ErrorKind.TRANSIENT, too_long, reason="LineTooLong") from err
 
 
-async def connect(settings: Settings) -> KubeClient:
+async def connect(settings: Settings, *, load: bool = True) -> KubeClient:
+    """A client, its credentials loaded unless not ``load`` (Credentials.load later)."""
+    credentials = Credentials(timeout=settings.request_timeout)
+    if load:
+        await credentials.load(settings)
     return KubeClient(
-        await load(settings),
+        credentials,
         request_timeout=settings.request_timeout,
         connect_timeout=settings.connect_timeout,
         keepalive_timeout=settings.keepalive_timeout,
