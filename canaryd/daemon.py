@@ -60,11 +60,17 @@ class Daemon:
         # are loaded once the health server and the signal handlers are up (it may hang).
         plugin = source(settings).plugin
         kube = await connect(settings, load=not plugin)
-        if settings.leader_elect:
-            self.elector = LeaderElector(settings, kube)
-        self.scheduler = scheduler = Scheduler(settings, self.registry, kube, lease=self.elector)
-        self.watcher = Watcher(settings, self.registry, kube)
-        self.server = server = HealthServer(settings, self)
+        try:
+            if settings.leader_elect:
+                self.elector = LeaderElector(settings, kube)
+            self.scheduler = scheduler = Scheduler(
+                settings, self.registry, kube, lease=self.elector
+            )
+            self.watcher = Watcher(settings, self.registry, kube)
+            self.server = server = HealthServer(settings, self)
+        except BaseException:  # a bug in the wiring: its connections closed all the same
+            await kube.close()
+            raise
         metrics.REGISTRY.register(server)  # its state gauges
         try:
             await server.start()  # a busy port: ConfigError, exit 2

@@ -244,7 +244,7 @@ async def test_a_busy_port_exits_2_naming_it_and_leaves_nothing_behind(kube, kub
     assert kube.requests_for("list") == []  # nothing watched
 
 
-async def test_a_failure_while_wiring_the_components_closes_the_health_port(
+async def test_a_failure_while_wiring_the_components_leaves_no_port_or_connection_open(
     kube, kubeconfig, monkeypatch
 ):
     """A bug raised while the elector, scheduler or watcher is built: the daemon stops
@@ -263,6 +263,8 @@ async def test_a_failure_while_wiring_the_components_closes_the_health_port(
     with pytest.raises(RuntimeError, match="a bug in the wiring"):
         await daemon.run()
     assert not hasattr(daemon, "server")  # no health server was made, none listens
+    client = daemon.scheduler.kube  # its API client's connections closed all the same
+    assert client._session.closed and client._watch_session.closed
     assert kube.requests_for("list") == []
 
 
