@@ -88,13 +88,8 @@ def read_operator_config(path: Path) -> OperatorConfig:
         raise ConfigError(f"operator config {found[0]} must be a mapping of keys to values")
     data = data or {}
     # Written under a mapping, whether or not also written flat (the operator reads the flat).
-    nested = [
-        name
-        for key, value in data.items()
-        if isinstance(value, Mapping)
-        for name in flatten(value, f"{key}.")
-        if name.startswith("kubernetes.operator.")
-    ]
+    mappings = {key: value for key, value in data.items() if isinstance(value, Mapping)}
+    nested = [key for key in flatten(mappings) if key.startswith("kubernetes.operator.")]
     return OperatorConfig(found[0], flatten(data), sorted(nested), found[1:])
 
 

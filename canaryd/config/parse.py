@@ -3,6 +3,7 @@ Flink reads them, names, kinds, URLs, ports; each parser raises ``ConfigError``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -28,51 +29,44 @@ _ISO_RE = re.compile(
 )
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: Any, floor: float = 0.0, bare_floor: float = 0.0) -> float:
     """Flink's duration syntax (TimeUtils.parseDuration: a bare number is milliseconds)
-    or ISO-8601 (``PT1M``), in seconds."""
+    or ISO-8601 (``PT1M``), in seconds. With a ``floor``, at least that, and a bare
+    number (``CANARYD_LEASE_DURATION=15`` is 15 ms) at least ``bare_floor``."""
     value = str(text).strip()
-    iso = _ISO_RE.match(value)
+    iso, flink = _ISO_RE.match(value), _FLINK_RE.match(value)
     if iso and any(iso.groups()):
         days, hours, minutes, seconds = (float(g) if g else 0.0 for g in iso.groups())
-        return days * 86400 + hours * 3600 + minutes * 60 + seconds
-    flink = _FLINK_RE.match(value)
-    if not flink:
-        raise ConfigError(f"invalid duration {text!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
-    number, unit = float(flink.group(1)), flink.group(2).lower()
-    if unit and unit not in _UNITS:
+        seconds += days * 86400 + hours * 3600 + minutes * 60
+    elif not flink:
+        raise ConfigError(f"invalid duration {value!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
+    elif (unit := flink.group(2).lower()) and unit not in _UNITS:
         raise ConfigError(
-            f"invalid duration {text!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
+            f"invalid duration {value!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
         )
-    seconds = number * _UNITS[unit] if unit else number / 1000.0
+    else:
+        seconds = float(flink.group(1)) * _UNITS[unit] if unit else float(flink.group(1)) / 1000
+    bare = value.replace(".", "", 1).isdigit()
     if not math.isfinite(seconds):
-        raise ConfigError(f"invalid duration {text!r}: too large")
+        raise ConfigError(f"invalid duration {value!r}: too large")
+    if floor and seconds <= 0:
+        raise ConfigError(f"duration must be greater than zero, got {value!r}")
+    if seconds < floor:
+        hint = f" (a bare number is milliseconds: write '{value}s')" if bare else ""
+        raise ConfigError(
+            f"{value!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{hint}"
+        )
+    if bare and seconds < bare_floor:
+        raise ConfigError(
+            f"{value!r} is {seconds * 1000:g} ms: a bare number is milliseconds; give a "
+            f"unit, e.g. '{value}s' (or '{value}ms' for a cycle below a second)"
+        )
     return seconds
 
 
 def duration(floor: float, bare_floor: float = 0.0) -> Callable[[Any], float]:
-    """The parser of a duration of at least ``floor`` seconds, and of a bare number
-    (milliseconds: ``CANARYD_LEASE_DURATION=15`` is 15 ms) of at least ``bare_floor``."""
-
-    def parse(value: Any) -> float:
-        text = str(value).strip()
-        seconds = parse_duration(text)
-        bare = text.replace(".", "", 1).isdigit()
-        if seconds <= 0:
-            raise ConfigError(f"duration must be greater than zero, got {text!r}")
-        if seconds < floor:
-            hint = f" (a bare number is milliseconds: write '{text}s')" if bare else ""
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{hint}"
-            )
-        if bare and seconds < bare_floor:
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; give a "
-                f"unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
-            )
-        return seconds
-
-    return parse
+    """The parser of a duration of at least ``floor`` seconds."""
+    return functools.partial(parse_duration, floor=floor, bare_floor=bare_floor)
 
 
 def parse_bool(value: Any) -> bool:
