@@ -16,8 +16,8 @@ import structlog
 
 from canaryd import __version__, metrics
 from canaryd.config import parse
-from canaryd.config.operator_config import ConfigError as ConfigError
-from canaryd.config.operator_config import read_operator_config, reporter_url
+from canaryd.config.parse import PROM_FACTORY, REPORTERS, nested_keys_why, read_operator_config
+from canaryd.config.parse import ConfigError as ConfigError
 
 T = TypeVar("T")
 log = structlog.get_logger("canaryd.config")
@@ -327,7 +327,7 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     file says now, its value or the default; with the namespaces, whether dynamic."""
     file, flat, _, _ = read_operator_config(path)
     reporter = str(OPTIONS["operator_metrics_url"].key)  # read from its reporter's port
-    flat = {**flat, reporter: reporter_url(flat)}  # None without one: the default
+    flat = {**flat, reporter: parse.reporter_url(flat)}  # None without one: the default
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
@@ -391,6 +391,40 @@ async def follow_operator_config(
     except asyncio.CancelledError:
         log.info("config_follower_stopped", why="cancelled")
         raise
+
+
+def say_operator_config(settings: Settings) -> str | None:
+    """Say at start which operator config file is read (returned), warning of what the
+    operator reads otherwise (docs/CONFIGURATION.md, ``--operator-config``); with
+    operator-metrics, where it reads the reporter, warning when the file sets none up
+    (canaries then stay ``pending``)."""
+    path, read, configured = settings.operator_config, None, None
+    if path is not None:
+        read, flat, nested, ignored = read_operator_config(path)
+        if ignored:
+            log.warning(
+                "operator_config_ignored",
+                read=str(read),
+                ignored=[str(file) for file in ignored],
+                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                "and config.yaml only without it",
+            )
+        if nested:
+            why = nested_keys_why(read)
+            log.warning("operator_config_nested_keys", file=str(read), flat_keys=nested, why=why)
+        configured = parse.reporter_url(flat) is not None
+    if settings.reconciled_by == "operator-metrics":
+        hint = None
+        if configured is False:
+            hint = f"{path} sets up no Prometheus reporter: add {REPORTERS}prom.factory.class: "
+            hint += f"{PROM_FACTORY} (and .port)"
+        (log.warning if hint else log.info)(
+            "operator_metrics",
+            url=settings.operator_metrics_url,
+            reporter_configured=configured,
+            hint=hint,
+        )
+    return None if read is None else str(read)
 
 
 # ----------------------------- the Lease's namespace, for canaryd.leader and access
