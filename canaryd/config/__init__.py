@@ -65,6 +65,7 @@ class Cycle:
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,8 @@ class Settings:
     lease_name: str = option(
         "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
     )
-    lease_namespace: str | None = option(
-        None,
+    lease_namespace: str = option(
+        "default",
         "--lease-namespace NS",
         parse.dns_name("lease namespace"),
         "the Lease's namespace",
@@ -316,6 +317,9 @@ def load_settings(
         if value is not None:
             text = ",".join(value) if isinstance(value, list) else value
             given[name] = _parsed(row.parse, text, source)
+    if given.get("leader_elect") and "lease_namespace" not in given:
+        with contextlib.suppress(OSError):  # in a pod: its service account's
+            given["lease_namespace"] = SA_NAMESPACE_FILE.read_text().strip() or "default"
     if given.get("operator_config") is not None:
         given["from_file"] = frozenset(n for n, r in OPTIONS.items() if r.key and n not in given)
         given.update(operator_config_values(given["operator_config"], given["from_file"]))
@@ -425,16 +429,3 @@ def say_operator_config(settings: Settings) -> str | None:
             hint=hint,
         )
     return None if read is None else str(read)
-
-
-# ----------------------------- the Lease's namespace, for canaryd.leader and access
-
-SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def lease_namespace(settings: Settings) -> str:
-    """As set, else the pod's service account's, else default."""
-    try:
-        return settings.lease_namespace or SA_NAMESPACE_FILE.read_text().strip() or "default"
-    except OSError:
-        return "default"
