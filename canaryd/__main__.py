@@ -16,7 +16,7 @@ import structlog
 from canaryd import logs
 from canaryd.access import account_exists, reviews, wanted_permissions
 from canaryd.config import ConfigError, Settings, load_settings
-from canaryd.config.operator_config import nested_keys_why, read_operator_config
+from canaryd.config.parse import nested_keys_why, read_operator_config
 from canaryd.daemon import Daemon
 from canaryd.kube import (
     NAMESPACES_PATH,

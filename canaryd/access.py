@@ -11,7 +11,7 @@ from typing import NamedTuple
 import structlog
 
 from canaryd import metrics
-from canaryd.config import Settings, lease_namespace
+from canaryd.config import Settings
 from canaryd.kube import FLINK_GROUP, KubeClient, KubeError, kind_of
 
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
@@ -57,7 +57,7 @@ def wanted_permissions(settings: Settings) -> list[Permission]:
     # Listed and watched whatever is watched: a namespace that goes drops its canaries.
     wanted += [Permission("list", "namespaces"), Permission("watch", "namespaces")]
     if settings.leader_elect:  # created without a name (RBAC names none yet), then by name
-        namespace, lease = lease_namespace(settings), settings.lease_name
+        namespace, lease = settings.lease_namespace, settings.lease_name
         for verb in ("get", "create", "update"):
             name = None if verb == "create" else lease
             wanted.append(Permission(verb, "leases", LEASE_GROUP, namespace, name))

@@ -13,8 +13,7 @@ import structlog
 from canaryd import __version__, metrics
 from canaryd.access import say_operator_account
 from canaryd.backoff import Backoff
-from canaryd.config import ConfigError, Settings, follow_operator_config
-from canaryd.config.operator_config import say_operator_config
+from canaryd.config import ConfigError, Settings, follow_operator_config, say_operator_config
 from canaryd.credentials import Credentials, CredentialsError, source
 from canaryd.episodes import Episodes
 from canaryd.kube import connect

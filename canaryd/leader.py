@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from canaryd import metrics
-from canaryd.config import Settings, lease_namespace
+from canaryd.config import Settings
 from canaryd.episodes import Episodes
 from canaryd.kube import ErrorKind, KubeClient, KubeError, segment
 from canaryd.logs import wall_time
@@ -42,7 +42,7 @@ class LeaderElector:
         # By default as client-go's users make theirs: two replicas on hosts of one name
         # would both take themselves for the holder.
         self.identity = settings.identity or f"{socket.gethostname()}_{secrets.token_hex(4)}"
-        self.namespace, self.name = lease_namespace(settings), settings.lease_name
+        self.namespace, self.name = settings.lease_namespace, settings.lease_name
         base = f"/apis/coordination.k8s.io/v1/namespaces/{segment(self.namespace)}/leases"
         self._collection, self._path = base, f"{base}/{segment(self.name)}"
         self._clock = clock

@@ -16,8 +16,8 @@ import structlog
 
 from canaryd import __version__, metrics
 from canaryd.config import parse
-from canaryd.config.operator_config import ConfigError as ConfigError
-from canaryd.config.operator_config import read_operator_config, reporter_url
+from canaryd.config.parse import PROM_FACTORY, REPORTERS, nested_keys_why, read_operator_config
+from canaryd.config.parse import ConfigError as ConfigError
 
 T = TypeVar("T")
 log = structlog.get_logger("canaryd.config")
@@ -37,10 +37,11 @@ class Option:
     key: str | None = None  # the operator config file's, read when no flag or variable is set
     many: bool = False  # repeatable: its values joined with commas, as the environment gives them
     env: str = ""
+    metavar: str = field(init=False)  # the flag's, after its name
 
     def __post_init__(self) -> None:
-        name = self.flag.split()[0].removeprefix("--")
-        self.env = self.env or "CANARYD_" + name.upper().replace("-", "_")
+        self.flag, _, self.metavar = self.flag.partition(" ")
+        self.env = self.env or "CANARYD_" + self.flag[2:].upper().replace("-", "_")
 
 
 def option(
@@ -64,6 +65,7 @@ class Cycle:
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KEY_DYNAMIC = "kubernetes.operator.dynamic.namespaces.enabled"
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,8 @@ class Settings:
     lease_name: str = option(
         "canaryd", "--lease-name NAME", parse.dns_name("lease name"), "the Lease"
     )
-    lease_namespace: str | None = option(
-        None,
+    lease_namespace: str = option(
+        "default",
         "--lease-namespace NS",
         parse.dns_name("lease namespace"),
         "the Lease's namespace",
@@ -208,41 +210,30 @@ class Settings:
     )
 
     # Set by no flag: the operator config file's, and the tests'.
-    from_file: frozenset[str] = frozenset()
-    """The settings the operator config file decides (no flag or variable gives them): a
-    re-read may change them."""
+    from_file: frozenset[str] = frozenset()  # those the file decides: a re-read may change them
     dynamic_namespaces: bool = False  # KEY_DYNAMIC, read with the namespaces: they follow it
     watch_timeout: float = 300.0  # each watch asks for 1 to 2 times this (client-go's)
     # Not derived from the cycle (docs/CONFIGURATION.md, "Timings derived from the cycle"):
     watch_idle_timeout: float = 180.0  # outlasts the API server's bookmark interval
     list_timeout: float = 60.0  # grows with the number of canaries
     max_conflict_retries: int = 3  # a bump's retries on a fresh copy after 409 Conflict
-    max_bumps_in_flight: int = 256
-    """Bumps writing at once (each holds a connection): 10,000 canaries on a 60 s cycle
-    with 1 s writes need about 170."""
+    max_bumps_in_flight: int = 256  # each holds a connection: 10,000 canaries need ~170
 
     # Timings derived from the cycle: client-go's value (or kube's), at most a part of the
     # cycle (docs/CONFIGURATION.md has the table). Tests shorten the cycle and get these
     # exactly as a user would.
     request_timeout = Cycle(10.0, 2)
     connect_timeout = Cycle(5.0, 2)  # at most the request timeout
-    keepalive_timeout = Cycle(15.0, 4)
-    """A bump seldom goes over a pooled connection gone half-open between bumps."""
+    keepalive_timeout = Cycle(15.0, 4)  # a connection gone half-open between bumps is not used
     backoff_initial = Cycle(0.8, 20)
     backoff_max = Cycle(30.0, 4)
     forbidden_retry = Cycle(60.0, 1)
     short_watch = Cycle(1.0, 4)
     resume_grace = Cycle(math.inf, 4)
-    judge_slack = Cycle(1.0, 10)
-    """A judge this late ran late because canaryd stalled (GC, CPU starvation), watch
-    events perhaps unread in its sockets: an unhealthy verdict is re-checked."""
-    scheduler_tick = Cycle(0.025, 80)  # at most an eighth of the judge slack
-    """Deadlines due within a tick are taken in one wake (a wake per canary was a third
-    of canaryd's CPU; a longer tick held /healthz back: docs/PERFORMANCE.md)."""
+    judge_slack = Cycle(1.0, 10)  # a judge this late (canaryd stalled) re-checks unhealthy
+    scheduler_tick = Cycle(0.025, 80)  # 1/8 of the slack: docs/PERFORMANCE.md says why
     scrape_interval = Cycle(2.0, 10)
-    scrape_connect_timeout = Cycle(2.5, 8)
-    """A port held but accepting nothing (a frozen JVM's full listen backlog) fails here;
-    an answer may take the whole cycle (a slow operator is not a frozen one)."""
+    scrape_connect_timeout = Cycle(2.5, 8)  # a frozen JVM's full backlog fails here
 
     @property
     def verdict_ttl(self) -> float:
@@ -287,14 +278,13 @@ def build_parser(prog: str = "canaryd") -> argparse.ArgumentParser:
         parser.description = "Canary health checks for the Apache Flink Kubernetes Operator."
         parser.epilog = f"{EPILOG} `canaryd check [FLAGS]` {CHECK}."
     for name, row in OPTIONS.items():
-        flag, _, metavar = row.flag.partition(" ")
         key = f" [{row.key}]" if row.key else ""
-        if metavar:
-            kind: dict[str, Any] = {"metavar": metavar, "action": "append" if row.many else "store"}
-        else:  # a switch; None when not given: the environment decides
-            kind = {"action": "store_true", "default": None}
+        # A switch is None when not given: the environment decides.
+        kind: dict[str, Any] = {"action": "store_true", "default": None}
+        if row.metavar:
+            kind = {"metavar": row.metavar, "action": "append" if row.many else "store"}
         text = f"{row.help} [env {row.env}]{key} (default: {row.shown})"
-        parser.add_argument(flag, dest=name, help=text, **kind)
+        parser.add_argument(row.flag, dest=name, help=text, **kind)
     parser.add_argument("--version", action="version", version=f"canaryd {__version__}")
     return parser
 
@@ -311,7 +301,7 @@ def load_settings(
 ) -> Settings:
     """Every setting by precedence; a bad value is a ConfigError naming its source:
     ``--timeout: ...``, ``CANARYD_TIMEOUT=30x: ...`` or ``FILE: KEY: ...``."""
-    durations = {row.flag.split()[0] for row in OPTIONS.values() if row.flag.endswith("DURATION")}
+    durations = {row.flag for row in OPTIONS.values() if row.metavar == "DURATION"}
     joined: list[str] = []  # ``--timeout -5s`` as ``--timeout=-5s``: refused as a duration
     for item in argv:
         if joined and joined[-1] in durations and item.startswith("-"):
@@ -321,12 +311,15 @@ def load_settings(
     args = vars(build_parser(prog).parse_args(joined))
     given: dict[str, Any] = {}  # field: its flag's value, else its environment variable's
     for name, row in OPTIONS.items():
-        value, source = args[name], row.flag.split()[0]
+        value, source = args[name], row.flag
         if value is None and environ.get(row.env, "") != "":
             value, source = environ[row.env], f"{row.env}={environ[row.env]}"
         if value is not None:
             text = ",".join(value) if isinstance(value, list) else value
             given[name] = _parsed(row.parse, text, source)
+    if given.get("leader_elect") and "lease_namespace" not in given:
+        with contextlib.suppress(OSError):  # in a pod: its service account's
+            given["lease_namespace"] = SA_NAMESPACE_FILE.read_text().strip() or "default"
     if given.get("operator_config") is not None:
         given["from_file"] = frozenset(n for n, r in OPTIONS.items() if r.key and n not in given)
         given.update(operator_config_values(given["operator_config"], given["from_file"]))
@@ -338,7 +331,7 @@ def operator_config_values(path: Path, names: frozenset[str]) -> dict[str, Any]:
     file says now, its value or the default; with the namespaces, whether dynamic."""
     file, flat, _, _ = read_operator_config(path)
     reporter = str(OPTIONS["operator_metrics_url"].key)  # read from its reporter's port
-    flat = {**flat, reporter: reporter_url(flat)}  # None without one: the default
+    flat = {**flat, reporter: parse.reporter_url(flat)}  # None without one: the default
     wanted = [(n, r.key, r.parse) for n, r in OPTIONS.items() if n in names and r.key]
     if "namespaces" in names:
         wanted.append(("dynamic_namespaces", KEY_DYNAMIC, parse.parse_bool))
@@ -385,17 +378,15 @@ async def follow_operator_config(
             if problem is not None:
                 log.info("operator_config_readable_again", was=problem)
             problem = None
-            changed = False
-            for field, now in said.items():
-                if now != (was := last[field]):
-                    changed = True
-                    log.info(
-                        "operator_config_changed",
-                        setting=field,
-                        was=sorted(was) if isinstance(was, frozenset) else was,
-                        now=sorted(now) if isinstance(now, frozenset) else now,
-                        applied="now" if follows and field == "namespaces" else "at a restart",
-                    )
+            changed = {name: now for name, now in said.items() if now != last[name]}
+            for name, now in changed.items():
+                log.info(
+                    "operator_config_changed",
+                    setting=name,
+                    was=sorted(was) if isinstance(was := last[name], frozenset) else was,
+                    now=sorted(now) if isinstance(now, frozenset) else now,
+                    applied="now" if follows and name == "namespaces" else "at a restart",
+                )
             last.update(said)
             metrics.CONFIG_RELOADS.labels("changed" if changed else "unchanged").inc()
             if follows:
@@ -406,14 +397,35 @@ async def follow_operator_config(
         raise
 
 
-# ----------------------------- the Lease's namespace, for canaryd.leader and access
-
-SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def lease_namespace(settings: Settings) -> str:
-    """As set, else the pod's service account's, else default."""
-    try:
-        return settings.lease_namespace or SA_NAMESPACE_FILE.read_text().strip() or "default"
-    except OSError:
-        return "default"
+def say_operator_config(settings: Settings) -> str | None:
+    """Say at start which operator config file is read (returned), warning of what the
+    operator reads otherwise (docs/CONFIGURATION.md, ``--operator-config``); with
+    operator-metrics, where it reads the reporter, warning when the file sets none up
+    (canaries then stay ``pending``)."""
+    path, read, configured = settings.operator_config, None, None
+    if path is not None:
+        read, flat, nested, ignored = read_operator_config(path)
+        if ignored:
+            log.warning(
+                "operator_config_ignored",
+                read=str(read),
+                ignored=[str(file) for file in ignored],
+                why="the operator's Flink 1.20 reads flink-conf.yaml when it exists, "
+                "and config.yaml only without it",
+            )
+        if nested:
+            why = nested_keys_why(read)
+            log.warning("operator_config_nested_keys", file=str(read), flat_keys=nested, why=why)
+        configured = parse.reporter_url(flat) is not None
+    if settings.reconciled_by == "operator-metrics":
+        hint = None
+        if configured is False:
+            hint = f"{path} sets up no Prometheus reporter: add {REPORTERS}prom.factory.class: "
+            hint += f"{PROM_FACTORY} (and .port)"
+        (log.warning if hint else log.info)(
+            "operator_metrics",
+            url=settings.operator_metrics_url,
+            reporter_configured=configured,
+            hint=hint,
+        )
+    return None if read is None else str(read)

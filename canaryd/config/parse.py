@@ -1,16 +1,24 @@
-"""The values of configuration, from text: durations as Flink writes them, booleans as
-Flink reads them, names, kinds, URLs, ports; each parser raises ``ConfigError``."""
+"""Configuration from text, and the operator's config file as the operator reads it:
+durations as Flink writes them, booleans as Flink reads them, names, kinds, URLs, ports;
+which file of a conf directory, its keys as flat names, its Prometheus reporter. Every
+one raises ``ConfigError`` as a bad flag does."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from canaryd.config.operator_config import ConfigError
+import yaml
+
+
+class ConfigError(Exception):
+    """Bad configuration: canaryd exits with status 2 and this message on one line."""
+
 
 _UNITS = {
     **dict.fromkeys(["ns", "nano", "nanos", "nanosecond", "nanoseconds"], 1e-9),
@@ -28,51 +36,44 @@ _ISO_RE = re.compile(
 )
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: Any, floor: float = 0.0, bare_floor: float = 0.0) -> float:
     """Flink's duration syntax (TimeUtils.parseDuration: a bare number is milliseconds)
-    or ISO-8601 (``PT1M``), in seconds."""
+    or ISO-8601 (``PT1M``), in seconds. With a ``floor``, at least that, and a bare
+    number (``CANARYD_LEASE_DURATION=15`` is 15 ms) at least ``bare_floor``."""
     value = str(text).strip()
-    iso = _ISO_RE.match(value)
+    iso, flink = _ISO_RE.match(value), _FLINK_RE.match(value)
     if iso and any(iso.groups()):
         days, hours, minutes, seconds = (float(g) if g else 0.0 for g in iso.groups())
-        return days * 86400 + hours * 3600 + minutes * 60 + seconds
-    flink = _FLINK_RE.match(value)
-    if not flink:
-        raise ConfigError(f"invalid duration {text!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
-    number, unit = float(flink.group(1)), flink.group(2).lower()
-    if unit and unit not in _UNITS:
+        seconds += days * 86400 + hours * 3600 + minutes * 60
+    elif not flink:
+        raise ConfigError(f"invalid duration {value!r}: expected e.g. '500 ms', '1 min', 'PT1M'")
+    elif (unit := flink.group(2).lower()) and unit not in _UNITS:
         raise ConfigError(
-            f"invalid duration {text!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
+            f"invalid duration {value!r}: unknown unit {unit!r} (use ns, us, ms, s, min/m, h or d)"
         )
-    seconds = number * _UNITS[unit] if unit else number / 1000.0
+    else:
+        seconds = float(flink.group(1)) * _UNITS[unit] if unit else float(flink.group(1)) / 1000
+    bare = value.replace(".", "", 1).isdigit()
     if not math.isfinite(seconds):
-        raise ConfigError(f"invalid duration {text!r}: too large")
+        raise ConfigError(f"invalid duration {value!r}: too large")
+    if floor and seconds <= 0:
+        raise ConfigError(f"duration must be greater than zero, got {value!r}")
+    if seconds < floor:
+        hint = f" (a bare number is milliseconds: write '{value}s')" if bare else ""
+        raise ConfigError(
+            f"{value!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{hint}"
+        )
+    if bare and seconds < bare_floor:
+        raise ConfigError(
+            f"{value!r} is {seconds * 1000:g} ms: a bare number is milliseconds; give a "
+            f"unit, e.g. '{value}s' (or '{value}ms' for a cycle below a second)"
+        )
     return seconds
 
 
 def duration(floor: float, bare_floor: float = 0.0) -> Callable[[Any], float]:
-    """The parser of a duration of at least ``floor`` seconds, and of a bare number
-    (milliseconds: ``CANARYD_LEASE_DURATION=15`` is 15 ms) of at least ``bare_floor``."""
-
-    def parse(value: Any) -> float:
-        text = str(value).strip()
-        seconds = parse_duration(text)
-        bare = text.replace(".", "", 1).isdigit()
-        if seconds <= 0:
-            raise ConfigError(f"duration must be greater than zero, got {text!r}")
-        if seconds < floor:
-            hint = f" (a bare number is milliseconds: write '{text}s')" if bare else ""
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms, below its floor of {floor:g} s{hint}"
-            )
-        if bare and seconds < bare_floor:
-            raise ConfigError(
-                f"{text!r} is {seconds * 1000:g} ms: a bare number is milliseconds; give a "
-                f"unit, e.g. '{text}s' (or '{text}ms' for a cycle below a second)"
-            )
-        return seconds
-
-    return parse
+    """The parser of a duration of at least ``floor`` seconds."""
+    return functools.partial(parse_duration, floor=floor, bare_floor=bare_floor)
 
 
 def parse_bool(value: Any) -> bool:
@@ -189,3 +190,101 @@ def account(value: str) -> tuple[str, str]:
         raise ConfigError(f"invalid operator account {value!r}: expected NAMESPACE/NAME")
     namespace = dns_name("operator account namespace")(namespace)
     return namespace, dns_name("operator account name")(name)
+
+
+# ---------------------------------------------- the operator's own config file
+
+# The operator's Flink 1.20 (GlobalConfiguration.loadConfiguration) reads the legacy
+# flink-conf.yaml when it exists, else config.yaml.
+CONFIG_FILE_NAMES = ("flink-conf.yaml", "config.yaml")
+REPORTERS = "kubernetes.operator.metrics.reporter."
+PROM_FACTORY = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class _FlinkYamlLoader(yaml.SafeLoader):
+    """Only ``true`` and ``false`` are booleans (YAML 1.2, as Flink reads config.yaml):
+    PyYAML's YAML 1.1 ``yes``, ``on`` and ``off`` are refused by the operator itself."""
+
+
+_FlinkYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_FlinkYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+class OperatorConfig(NamedTuple):
+    """The file the operator reads, as canaryd reads it (both spellings of a key)."""
+
+    file: Path  # the file the operator reads: the one given, or a directory's first
+    flat: dict[str, Any]  # its keys, flat or nested, as flat names
+    nested: list[str]  # the operator's keys it writes nested (the operator sees none)
+    ignored: list[Path]  # a directory's other CONFIG_FILE_NAMES
+
+
+def read_operator_config(path: Path) -> OperatorConfig:
+    found = [path]
+    try:
+        if path.is_dir():
+            found = [path / name for name in CONFIG_FILE_NAMES if (path / name).is_file()]
+        if not found:
+            raise ConfigError(
+                f"operator config directory {path} has no {' or '.join(CONFIG_FILE_NAMES)}"
+            )
+        data = yaml.load(found[0].read_text(encoding="utf-8"), Loader=_FlinkYamlLoader)
+    except OSError as err:  # PermissionError on a directory canaryd may not search too
+        raise ConfigError(f"cannot read operator config {found[0]}: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"operator config {found[0]} is not UTF-8 text (byte {err.start}: "
+            f"{err.object[err.start : err.start + 1]!r})"
+        ) from err
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"operator config {found[0]} is not valid YAML{where}") from err
+    if not isinstance(data, Mapping | None):
+        raise ConfigError(f"operator config {found[0]} must be a mapping of keys to values")
+    data = data or {}
+    # Written under a mapping, whether or not also written flat (the operator reads the flat).
+    mappings = {key: value for key, value in data.items() if isinstance(value, Mapping)}
+    nested = [key for key in flatten(mappings) if key.startswith("kubernetes.operator.")]
+    return OperatorConfig(found[0], flatten(data), sorted(nested), found[1:])
+
+
+def nested_keys_why(read: Path) -> str:
+    if read.name == "flink-conf.yaml":
+        return (
+            "the operator reads flink-conf.yaml with Flink's flat parser, one 'key: value' "
+            "line at a time: it does not see nested keys, canaryd does; write these flat"
+        )
+    return (
+        "Flink 1.19+ and 2 read nested keys in config.yaml, the operator's flink-conf.yaml "
+        "parser does not: write these flat so that every reader of the file sees them"
+    )
+
+
+def reporter_url(flat: Mapping[str, Any]) -> str | None:
+    """The Prometheus reporter (the ``<name>`` whose ``REPORTERS<name>.factory.class`` is
+    Prometheus's) on this host: its port, or a range's first (a single operator process
+    takes it), else Flink's 9249 (PrometheusReporterOptions.PORT); None without one."""
+    for key, value in sorted(flat.items()):
+        name = key.removeprefix(REPORTERS).removesuffix(".factory.class")
+        if key == f"{REPORTERS}{name}.factory.class" and str(value).strip() == PROM_FACTORY:
+            first = str(flat.get(f"{REPORTERS}{name}.port", "")).split(",")[0].split("-")[0].strip()
+            port = first if first.isdigit() and 0 < int(first) < 65536 else "9249"
+            return f"http://127.0.0.1:{port}/metrics"
+    return None
