@@ -81,7 +81,7 @@ class Listed:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    type: str  # ADDED, MODIFIED, DELETED or BOOKMARK (delivered, no object of the scope's)
+    type: str  # ADDED, MODIFIED, DELETED or BOOKMARK (its object only a resourceVersion)
     obj: Mapping[str, Any]
 
 

@@ -63,6 +63,38 @@ class _Watch:
     task: asyncio.Task[None] = field(init=False)  # lw.run, telling the watcher
 
 
+async def _tell_drop(
+    kube: KubeClient,
+    registry: Registry,
+    kind: Kind,
+    key: CanaryKey,
+    label: str,
+    reads: asyncio.Semaphore,
+) -> None:
+    """Tell a canary dropped on a DELETED event as what it was, once a GET says (at
+    most ``DROP_READS_AT_ONCE`` at a time)."""
+    cause, why = "deleted", "deleted, or its label removed"
+    try:
+        async with reads:
+            found = await kube.request("get", "GET", kind.object_path(key.namespace, key.name))
+        if is_canary(found, label):
+            # Labelled again by now, or a new object of that name: the watch's next
+            # event tracks it; this one was not a label removal.
+            why = "the object was deleted or replaced"
+        else:
+            cause, why = "not_canary", f"label {label} was removed"
+    except KubeError as err:
+        why = f"deleted, or label {label} removed (could not tell: {err})"
+        if err.kind is ErrorKind.GONE:
+            why = "the object was deleted"
+    except Exception:
+        # A bug here must not cancel the watches that share this task group.
+        metrics.ERRORS.labels("watch").inc()
+        log.exception("drop_classification_failed", canary=str(key))
+    finally:
+        registry.announce_drop(key, cause, why)  # cancelled too: told as unknown
+
+
 def _terminating(obj: Mapping[str, Any]) -> bool:
     metadata = obj.get("metadata") or {}
     status = obj.get("status") or {}
@@ -273,8 +305,7 @@ class Watcher:
         suspects = self.registry.scopes.suspects
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.timeout):
-                    await suspects.wait()
+                await asyncio.wait_for(suspects.wait(), self.settings.timeout)
             suspects.clear()
             for watch in self._watches.values():
                 if watch.sync.suspected is not None:
@@ -375,32 +406,8 @@ class Watcher:
             # object leaves the selector (its label removed or changed) as when it is
             # deleted: dropped now (never written again), told once a GET says which.
             self.registry.forget(key, "deleted", announce=False)
-            self._group.create_task(self._tell_drop(kind, key), name=f"drop {key}")
-
-    async def _tell_drop(self, kind: Kind, key: CanaryKey) -> None:
-        """Tell a canary dropped on a DELETED event as what it was, once a GET says (at
-        most ``DROP_READS_AT_ONCE`` at a time)."""
-        cause, why, label = "deleted", "deleted, or its label removed", self.settings.label
-        try:
-            async with self._drop_reads:
-                path = kind.object_path(key.namespace, key.name)
-                found = await self.kube.request("get", "GET", path)
-            if is_canary(found, label):
-                # Labelled again by now, or a new object of that name: the watch's next
-                # event tracks it; this one was not a label removal.
-                why = "the object was deleted or replaced"
-            else:
-                cause, why = "not_canary", f"label {label} was removed"
-        except KubeError as err:
-            why = f"deleted, or label {label} removed (could not tell: {err})"
-            if err.kind is ErrorKind.GONE:
-                why = "the object was deleted"
-        except Exception:
-            # A bug here must not cancel the watches that share this task group.
-            metrics.ERRORS.labels("watch").inc()
-            log.exception("drop_classification_failed", canary=str(key))
-        finally:
-            self.registry.announce_drop(key, cause, why)  # cancelled too: told as unknown
+            told = _tell_drop(self.kube, self.registry, kind, key, label, self._drop_reads)
+            self._group.create_task(told, name=f"drop {key}")
 
     def _refused(self, watch: _Watch, err: KubeError) -> None:
         """403, or a 404 believed: nothing in the scope is ours until a list works."""
