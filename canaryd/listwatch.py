@@ -1,9 +1,9 @@
 """One scope's list/watch loop, as a stream of changes it does not apply itself.
 
 kubernetes-asyncio's ``Watch`` does not list, resume from the last resourceVersion,
-relist on 410 or back off. ``ListWatch`` does, and puts what it learns on a queue it is
-given, as client-go's reflector feeds a store it does not own (kube-rs: ``watcher()``):
-lists, events and where the scope stands. The watcher applies them to the registry.
+relist on 410 or back off. ``ListWatch`` does, and tells what it learns (lists, events,
+where the scope stands) to the function it runs with, as client-go's reflector feeds a
+store it does not own (kube-rs: ``watcher()``). The watcher applies them to the registry.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,6 @@ class Sync(enum.Enum):
     """A change of where the scope stands (canaryd.sync's transitions)."""
 
     OPENED = "opened"  # a watch was answered 200
-    BOOKMARK = "bookmark"  # delivered, with no object
     DROPPED = "dropped"  # the list or the stream failed or ended: the registry may be behind
 
 
@@ -82,7 +81,7 @@ class Listed:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    type: str  # ADDED, MODIFIED or DELETED
+    type: str  # ADDED, MODIFIED, DELETED or BOOKMARK (its object only a resourceVersion)
     obj: Mapping[str, Any]
 
 
@@ -92,26 +91,6 @@ class Refused:
 
 
 Change = Listed | Event | Refused | Sync
-
-
-class State(enum.Enum):
-    LISTING = "listing"  # no usable resourceVersion: list everything, replace the scope's
-    WATCHING = "watching"  # stream changes from a known resourceVersion
-    BACKING_OFF = "backing_off"  # wait ``delay``, then go on to ``then``
-
-
-@dataclass(frozen=True, slots=True)
-class Next:
-    """A ListWatch's next state, and what it needs."""
-
-    state: State
-    rv: str = ""
-    delay: float = 0.0
-    then: State = State.LISTING
-
-
-def backing_off(delay: float, then: State, rv: str = "") -> Next:
-    return Next(State.BACKING_OFF, rv, delay, then)
 
 
 def _rv(obj: Mapping[str, Any]) -> str:
@@ -196,9 +175,9 @@ async def not_served(kube: KubeClient, kind: Kind) -> str | None:
 
 
 class ListWatch:
-    """The list → watch → bookmark → 410-relist loop of one scope, telling ``out``. As
-    client-go's reflector (docs/DESIGN.md): a stream that ends or drops once established
-    resumes at once; only failures in a row back off."""
+    """The list → watch → bookmark → 410-relist loop of one scope. As client-go's
+    reflector (docs/DESIGN.md): a stream that ends or drops once established resumes at
+    once; only failures in a row back off."""
 
     def __init__(
         self,
@@ -206,49 +185,40 @@ class ListWatch:
         settings: Settings,
         scope: Scope,
         *,
-        out: asyncio.Queue[tuple[ListWatch, Change]],
         failures: Episodes | None = None,
         list_slots: asyncio.Semaphore | None = None,
     ) -> None:
-        self.kube, self.settings, self.scope, self._out = kube, settings, scope, out
+        self.kube, self.settings, self.scope = kube, settings, scope
         self.list_slots = list_slots or asyncio.Semaphore(LISTS_AT_ONCE)  # shared by all
         self.failures = failures or watch_failures(settings)  # an outage is one episode
         self.params = {"labelSelector": settings.label} if scope.kind else {}
         metrics.watching(scope.resource)
         self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self._loop = asyncio.get_running_loop()
+        self._tell: Callable[[Change], None] = lambda change: None
         self._stream: asyncio.Timeout | None = None  # rescheduled to now: the stream ends
         self._opened_at: float | None = None  # answered 200 at (a connect alone: not open)
         self.problem: str | None = None  # why the last list or watch failed, until one works
         self._start_over = False
 
-    def _tell(self, change: Change) -> None:
-        self._out.put_nowait((self, change))
-
-    async def run(self) -> None:
-        """The state machine: each step returns the ``Next`` state."""
-        step = Next(State.LISTING)
+    async def run(self, tell: Callable[[Change], None]) -> None:
+        """List, then watch, telling ``tell`` each change, until cancelled. Each step
+        returns the resourceVersion to watch from (None: list first), having waited out
+        its backoff; a bug here or in ``tell`` must not stop it: said, counted, a new list."""
+        self._tell, rv = tell, None
         log.info("watch_started", scope=str(self.scope))
         try:
             while True:
                 try:
-                    match step.state:
-                        case State.LISTING:
-                            step = await self._list()
-                        case State.WATCHING:
-                            step = await self._watch(step.rv)
-                        case State.BACKING_OFF:
-                            await asyncio.sleep(step.delay)
-                            step = Next(step.then, step.rv)
+                    rv = await (self._list() if rv is None else self._watch(rv))
                 except Exception:
-                    # A bug must not stop the daemon: say so, count it, start over.
-                    self._tell(Sync.DROPPED)
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
                     self._start_over = True
+                    tell(Sync.DROPPED)
                 if self._start_over:
-                    self._start_over = False
-                    step = backing_off(self._backoff.next(), State.LISTING)
+                    self._start_over, rv = False, None
+                    await asyncio.sleep(self._backoff.next())
         except asyncio.CancelledError:
             log.info("watch_stopped", scope=str(self.scope), why="cancelled")
             raise
@@ -261,13 +231,13 @@ class ListWatch:
             self._stream.reschedule(self._loop.time())
 
     def start_over(self) -> None:
-        """End the stream, back off, list again: what this loop told could not be applied
-        (a bug), or was ignored (a namespace closed meanwhile)."""
+        """End the stream, back off, list again: what this loop told was ignored (a
+        namespace closed meanwhile)."""
         self._start_over = True
         if self._stream is not None and not self._stream.expired():
             self._stream.reschedule(self._loop.time())
 
-    async def _list(self) -> Next:
+    async def _list(self) -> str | None:
         """One list: the scope's state replaced, then a watch from its resourceVersion."""
         try:
             async with self.list_slots:
@@ -276,13 +246,13 @@ class ListWatch:
                 )
         except KubeError as err:
             self._tell(Sync.DROPPED)
-            return self._failed(await self._confirmed(err), "list", State.LISTING)
+            return await self._failed(await self._confirmed(err), "list", None)
         metrics.RELISTS.labels(self.scope.resource).inc()
         self.problem = None
-        self._tell(Listed(items, kind))
         self.failures.recovered(self.scope)
         self._backoff.reset()
-        return Next(State.WATCHING, rv)
+        self._tell(Listed(items, kind))
+        return rv
 
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
@@ -293,8 +263,8 @@ class ListWatch:
             # watch that ended at once with no event recovers only when one arrives.
             self.failures.recovered(self.scope)
 
-    async def _watch(self, rv: str) -> Next:
-        """One watch stream; returns what to do next and where to resume."""
+    async def _watch(self, rv: str) -> str | None:
+        """One watch stream; returns where to resume (None: a new list)."""
         timeout = int(self.settings.watch_timeout * random.uniform(1.0, 2.0)) or 1
         params = {
             **self.params,
@@ -302,7 +272,7 @@ class ListWatch:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout),
         }
-        opened, events = self._loop.time(), 0
+        opened, events, failure = self._loop.time(), 0, None
         self._opened_at = None
         try:
             async with asyncio.timeout(None) as self._stream:
@@ -312,26 +282,10 @@ class ListWatch:
                     idle_timeout=self.settings.watch_idle_timeout,
                     on_connected=self._opened,
                 ):
-                    kind, obj = event.get("type"), event.get("object")
-                    if not isinstance(obj, Mapping):
-                        metrics.ERRORS.labels("watch_decode").inc()
-                        log.warning(
-                            "watch_event_without_object", scope=str(self.scope), type=str(kind)
-                        )
-                        continue
-                    if kind == "ERROR":
-                        raise self._error_event(obj)
-                    rv = _rv(obj) or rv
-                    if kind in ("ADDED", "MODIFIED", "DELETED"):
-                        self._tell(Event(kind, obj))
-                    elif kind == "BOOKMARK":
-                        self._tell(Sync.BOOKMARK)
-                    else:
-                        metrics.ERRORS.labels("watch_decode").inc()
-                        log.warning(
-                            "watch_event_unknown_type", scope=str(self.scope), type=str(kind)
-                        )
-                    events += 1
+                    delivered = self._deliver(event)
+                    if delivered is None:
+                        continue  # not an event
+                    rv, events = delivered or rv, events + 1
                     if events == 1:
                         # The stream delivers: failures in a row are over.
                         self._backoff.reset()
@@ -341,30 +295,14 @@ class ListWatch:
                 raise
             # Replaced (replace): the scope is out of sync until the new stream delivers.
             self._tell(Sync.DROPPED)
-            return Next(State.WATCHING, rv)
+            return rv
         except KubeError as err:
-            self._stream = None  # ended: replace() must not touch it while a 404 is confirmed
-            self._tell(Sync.DROPPED)
-            if err.kind is ErrorKind.EXPIRED:
-                # The resourceVersion was compacted: only a new list can resume.
-                metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
-                log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
-                return Next(State.LISTING)
-            if (
-                self._established(events)
-                and err.kind is ErrorKind.TRANSIENT
-                and err.reason != "LineTooLong"  # the same line waits at the same rv
-            ):
-                # It worked, then dropped (a reset, an idle stream): resume at once.
-                why = "idle" if err.reason == "Idle" else "dropped"
-                metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
-                # Counted; a resume that fails is the failure worth a line.
-                log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
-                return Next(State.WATCHING, rv)
-            return self._failed(await self._confirmed(err), "watch", State.WATCHING, rv)
+            failure = err
         finally:
-            self._stream = None
+            self._stream = None  # ended: replace() must not touch it while a 404 is confirmed
         self._tell(Sync.DROPPED)
+        if failure is not None:
+            return await self._dropped(failure, rv, events)
         if not self._established(events):
             # client-go: a watch that ends within a second with no event failed (a proxy
             # or load balancer that answers and closes); reopening at once is a busy loop.
@@ -376,10 +314,55 @@ class ListWatch:
                 f"the watch ended after {self._loop.time() - opened:.3f}s with no event "
                 f"(retry in {delay:.3f}s)",
             )
-            return backing_off(delay, State.WATCHING, rv)
-        metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
-        log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
-        return Next(State.WATCHING, rv)
+            await asyncio.sleep(delay)
+        else:
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "ended").inc()
+            log.debug("watch_ended", scope=str(self.scope), resource_version=rv)
+        return rv
+
+    def _deliver(self, event: Mapping[str, Any]) -> str | None:
+        """Tell one watch event; returns its object's resourceVersion (None: no object)."""
+        kind, obj = event.get("type"), event.get("object")
+        if not isinstance(obj, Mapping):
+            metrics.ERRORS.labels("watch_decode").inc()
+            log.warning("watch_event_without_object", scope=str(self.scope), type=str(kind))
+            return None
+        if kind == "ERROR":
+            code = obj.get("code")
+            code = code if isinstance(code, int) else 500
+            raise KubeError(
+                classify_answer(code, obj),
+                str(obj.get("message") or "watch error"),
+                status=code,
+                reason=str(obj.get("reason") or ""),
+            )
+        if kind in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+            self._tell(Event(kind, obj))
+        else:
+            metrics.ERRORS.labels("watch_decode").inc()
+            log.warning("watch_event_unknown_type", scope=str(self.scope), type=str(kind))
+        return _rv(obj)
+
+    async def _dropped(self, err: KubeError, rv: str, events: int) -> str | None:
+        """Where a stream that failed resumes: a new list after a 410, at once after a
+        drop of an established stream, else after a backoff (``_failed``)."""
+        if err.kind is ErrorKind.EXPIRED:
+            # The resourceVersion was compacted: only a new list can resume.
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, "expired").inc()
+            log.debug("watch_expired", scope=str(self.scope), resource_version=rv)
+            return None
+        if (
+            self._established(events)
+            and err.kind is ErrorKind.TRANSIENT
+            and err.reason != "LineTooLong"  # the same line waits at the same rv
+        ):
+            # It worked, then dropped (a reset, an idle stream): resume at once.
+            why = "idle" if err.reason == "Idle" else "dropped"
+            metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
+            # Counted; a resume that fails is the failure worth a line.
+            log.debug("watch_dropped", scope=str(self.scope), error=str(err), resume="now")
+            return rv
+        return await self._failed(await self._confirmed(err), "watch", rv)
 
     def _established(self, events: int) -> bool:
         """The stream worked: it delivered, or it stayed open ``short_watch`` after the
@@ -387,17 +370,6 @@ class ListWatch:
         return events > 0 or (
             self._opened_at is not None
             and self._loop.time() - self._opened_at >= self.settings.short_watch
-        )
-
-    @staticmethod
-    def _error_event(status: Mapping[str, Any]) -> KubeError:
-        code = status.get("code")
-        code = code if isinstance(code, int) else 500
-        return KubeError(
-            classify_answer(code, status),
-            str(status.get("message") or "watch error"),
-            status=code,
-            reason=str(status.get("reason") or ""),
         )
 
     async def _confirmed(self, err: KubeError) -> KubeError:
@@ -414,9 +386,10 @@ class ListWatch:
         note = f"{err.args[0]} (the API server does not confirm it)"
         return KubeError(ErrorKind.TRANSIENT, note, status=err.status, reason=err.reason)
 
-    def _failed(self, err: KubeError, during: str, then: State, rv: str = "") -> Next:
-        """Log a failed list or watch, count it, and back off before ``then`` (after a
-        denial, a list once a cycle for a 403, every config check interval for a 404)."""
+    async def _failed(self, err: KubeError, during: str, rv: str | None) -> str | None:
+        """Log a failed list or watch, count it, and back off before resuming from ``rv``
+        (after a denial, a list once a cycle for a 403, every config check interval for a
+        404)."""
         if err.kind in (ErrorKind.FORBIDDEN, ErrorKind.GONE):
             metrics.WATCH_RESTARTS.labels(self.scope.resource, err.kind.value).inc()
             retry = self.settings.forbidden_retry
@@ -426,7 +399,8 @@ class ListWatch:
                 self.scope, f"{during}_{err.kind.value}", f"{err} (retry in {retry:g}s)"
             )
             self._tell(Refused(err))
-            return backing_off(retry, State.LISTING)
+            await asyncio.sleep(retry)
+            return None
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
         delay = self._backoff.next()
@@ -436,4 +410,5 @@ class ListWatch:
         self.problem = f"{failure_cause(err)}: {err}"
         cause = "unauthorized" if err.status == 401 else "error"  # canaryd_blind's reason
         self.failures.failed(self.scope, f"{during}_{cause}", f"{err} (retry in {delay:.3f}s)")
-        return backing_off(delay, then, rv)
+        await asyncio.sleep(delay)
+        return rv

@@ -1,7 +1,7 @@
 """The watcher: keeps the registry true to the cluster (docs/DEVELOPMENT.md).
 
-It alone applies what each scope's ``ListWatch`` and the Namespaces watch put on one
-queue, and replaces a stream the judge suspects. No discovery and no access reviews: a
+It alone applies what each scope's ``ListWatch`` and the Namespaces watch tell it, and
+replaces a stream the judge suspects. No discovery and no access reviews: a
 kind not served is learned from its list's confirmed 404, a scope canaryd may not list
 from its 403, one it may not patch from its bumps' 403s.
 """
@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import structlog
@@ -58,8 +59,8 @@ def _name(obj: Mapping[str, Any]) -> str:
 @dataclass(slots=True, eq=False)
 class _Watch:
     lw: ListWatch
-    task: asyncio.Task[None]
     sync: ScopeSync  # where the scope stands: the watcher writes it, the judge marks it
+    task: asyncio.Task[None] = field(init=False)  # lw.run, telling the watcher
 
 
 async def _tell_drop(
@@ -120,7 +121,6 @@ class Watcher:
         self.namespaces = settings.namespaces
         self._kinds = [kind_of(key) for key in settings.kinds]  # a Kind's name learned: display
         self._watches: dict[Scope, _Watch] = {}
-        self._changes: asyncio.Queue[tuple[ListWatch, Change]] = asyncio.Queue()
         self._list_slots = asyncio.Semaphore(LISTS_AT_ONCE)
         self._drop_reads = asyncio.Semaphore(DROP_READS_AT_ONCE)
         self._existing: dict[str, bool] = {}  # each namespace that exists: being deleted?
@@ -217,8 +217,7 @@ class Watcher:
                 self._group = group
                 self._start(Scope(None, None))
                 self._reconcile()
-                group.create_task(self._follow_requests(), name="watch requests")
-                await self._apply_changes()  # until cancelled at shutdown
+                await self._follow_requests()  # until cancelled at shutdown
         except asyncio.CancelledError:
             log.info("watcher_stopped", why="cancelled")
             raise
@@ -228,24 +227,9 @@ class Watcher:
             self.failures.stopped("the watches stopped")
             self._watches.clear()
 
-    async def _apply_changes(self) -> None:
-        """Apply what the ListWatches tell, in the order they told it."""
-        while True:
-            lw, change = await self._changes.get()
-            watch = self._watches.get(lw.scope)
-            if watch is None or watch.lw is not lw:
-                continue  # told by a watch stopped since
-            try:
-                self._apply(watch, change)
-            except Exception:
-                # A bug must not stop the watches, nor leave the registry behind: say
-                # so, count it, and the scope starts over from a new list.
-                metrics.ERRORS.labels("watch").inc()
-                log.exception("watch_failed_unexpectedly", scope=str(lw.scope))
-                watch.sync.dropped(time.monotonic())
-                lw.start_over()
-
     def _apply(self, watch: _Watch, change: Change) -> None:
+        """Apply what a scope's ListWatch tells, as it tells it (a bug raised here is its
+        to say, and it starts over from a new list)."""
         scope, sync, now = watch.lw.scope, watch.sync, time.monotonic()
         resumed = False
         match change:
@@ -262,13 +246,13 @@ class Watcher:
                 resumed = sync.listed_at(now)
                 if was_refused:
                     self.check_coverage()
+            case Event(type="BOOKMARK"):
+                resumed = sync.delivered(now)
             case Event(type=event, obj=obj):
                 if scope.kind is None:
                     self._namespace_event(event, obj)
                 else:
                     self._canary_event(scope.kind, event, obj)
-                resumed = sync.delivered(now)
-            case Sync.BOOKMARK:
                 resumed = sync.delivered(now)
             case Sync.OPENED:
                 sync.opened()
@@ -321,8 +305,7 @@ class Watcher:
         suspects = self.registry.scopes.suspects
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.timeout):
-                    await suspects.wait()
+                await asyncio.wait_for(suspects.wait(), self.settings.timeout)
             suspects.clear()
             for watch in self._watches.values():
                 if watch.sync.suspected is not None:
@@ -370,15 +353,12 @@ class Watcher:
             sync = self.registry.scopes.add((scope.kind.key, scope.namespace), time.monotonic())
             metrics.bump_stages_exported(scope.kind.key)
         lw = ListWatch(
-            self.kube,
-            self.settings,
-            scope,
-            out=self._changes,
-            failures=self.failures,
-            list_slots=self._list_slots,
+            self.kube, self.settings, scope, failures=self.failures, list_slots=self._list_slots
         )
-        task = self._group.create_task(lw.run(), name=f"watch {scope}")
-        self._watches[scope] = _Watch(lw, task, sync)
+        watch = self._watches[scope] = _Watch(lw, sync)
+        watch.task = self._group.create_task(
+            lw.run(partial(self._apply, watch)), name=f"watch {scope}"
+        )
 
     def check_coverage(self) -> None:
         """One warning when what canaryd cannot check changes, one line when it can

@@ -833,9 +833,7 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
         assert nowhere == "things.nowhere.example is not served: no nowhere.example/v1 in /apis"
 
         def confirmed(err: KubeError, scope: Scope) -> Awaitable[KubeError]:
-            out: asyncio.Queue[Any] = asyncio.Queue()
-            lw = ListWatch(client, Settings(timeout=CYCLE), scope, out=out)
-            return lw._confirmed(err)
+            return ListWatch(client, Settings(timeout=CYCLE), scope)._confirmed(err)
 
         plain = KubeError(ErrorKind.GONE, "404 page not found", status=404)
         status = KubeError(ErrorKind.GONE, "not found", status=404, reason="NotFound")
@@ -932,10 +930,9 @@ async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
             raise KubeError(ErrorKind.GONE, "404 page not found", status=404)
             yield  # an async generator, as KubeClient.watch
 
-    out: asyncio.Queue[Any] = asyncio.Queue()
     scope = Scope(KINDS["flinkdeployments"], None)
-    lw = ListWatch(SlowConfirmation(), Settings(timeout=CYCLE), scope, out=out)  # type: ignore[arg-type]
-    task = asyncio.create_task(lw.run())
+    lw = ListWatch(SlowConfirmation(), Settings(timeout=CYCLE), scope)  # type: ignore[arg-type]
+    task = asyncio.create_task(lw.run(lambda change: None))
     try:
         async with asyncio.timeout(10):
             await confirming.wait()

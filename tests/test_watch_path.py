@@ -15,6 +15,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import aiohttp
 import pytest
@@ -198,24 +199,30 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
                 await kube.request("list", "GET", "/apis/x", time_limit=settings.list_timeout)
             assert "ConnectTimeout" in str(raised.value), raised.value
             scope = Scope(KINDS["flinkdeployments"], "default")
-            lw = ListWatch(
-                kube,
-                settings,
-                scope,
-                out=(told := asyncio.Queue()),
-            )
+            lw = ListWatch(kube, settings, scope)
             idle = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle")
             errors = counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error")
+            changes: list[object] = []
+            third = asyncio.Event()
+
+            def told(change: object) -> None:
+                changes.append(change)
+                if len(changes) == 3:
+                    third.set()
+
             loop = asyncio.get_running_loop()
             started = loop.time()
-            for _ in range(3):
-                await lw._watch("5")
+            with patch.object(ListWatch, "_list", autospec=True, return_value="5"):
+                task = asyncio.create_task(lw.run(told))
+                await third.wait()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             # Three connect timeouts, each followed by a backoff sleep: not at once.
             assert loop.time() - started >= 3 * settings.connect_timeout
             assert lw.failures.cause(scope) == "watch_error"
             assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "idle") == idle
             assert counter(metrics.WATCH_RESTARTS, "flinkdeployments", "error") == errors + 3
-            changes = [told.get_nowait()[1] for _ in range(told.qsize())]
             assert changes == [Sync.DROPPED] * 3, changes  # never opened, each dropped
         finally:
             await kube.close()
