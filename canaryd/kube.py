@@ -14,7 +14,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 from urllib.parse import quote
@@ -381,7 +381,7 @@ class KubeClient:
         *,
         idle_timeout: float,
         on_connected: Callable[[], None] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any]]:
         """The watch's events until the server ends the stream; ``on_connected()`` once
         it answered 200. A KubeError whatever goes wrong: reason ``Idle`` when nothing, not
         even a bookmark, arrives for ``idle_timeout`` s, ``LineTooLong`` past MAX_WATCH_LINE."""

@@ -12,6 +12,7 @@ import asyncio
 import enum
 import random
 from collections.abc import Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,13 +276,15 @@ class ListWatch:
         opened, events, failure = self._loop.time(), 0, None
         self._opened_at = None
         try:
-            async with asyncio.timeout(None) as self._stream:
-                async for event in self.kube.watch(
-                    self.scope.path,
-                    params,
-                    idle_timeout=self.settings.watch_idle_timeout,
-                    on_connected=self._opened,
-                ):
+            stream = self.kube.watch(
+                self.scope.path,
+                params,
+                idle_timeout=self.settings.watch_idle_timeout,
+                on_connected=self._opened,
+            )
+            # aclosing: a bug in ``tell`` leaves the stream at once, its connection closed.
+            async with asyncio.timeout(None) as self._stream, aclosing(stream):
+                async for event in stream:
                     delivered = self._deliver(event)
                     if delivered is None:
                         continue  # not an event
