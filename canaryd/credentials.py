@@ -162,14 +162,29 @@ class Credentials:
         self._lock = asyncio.Lock()  # one reload at a time: it answers every waiter
         self._backoff = Backoff(1.0, 30.0)  # a step per reload, reset by an answer
         self._not_before = -math.inf  # no reload before: the last one's backoff step
+        self._stamp: tuple[object, ...] | None = None  # the TLS context's files, as seen
         self._use(configuration or k8s_client.Configuration(), None)
 
     def _use(self, configuration: k8s_client.Configuration, expiry: float | None) -> None:
+        """Credentials loaded; a new TLS context when a file it is made of changed."""
         self.configuration = configuration
         self.expiry = expiry  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
-        self._stamp = self._tls_files()
-        self.tls = self._ssl_context()
+        stamp = self._tls_files()
+        if stamp == self._stamp:
+            return
+        try:
+            self.tls = self._ssl_context()
+        except (OSError, ssl.SSLError, ValueError) as err:
+            if not self.version:  # the first load: no context to go on with
+                raise
+            # Half-written files (a rotation in progress): the next look tries again.
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("tls_files_reload_failed", error=type(err).__name__)
+            return
+        if self.version:
+            log.info("tls_files_reloaded")
+        self._stamp = stamp
 
     async def load(self, settings: Settings) -> None:
         """The first load, before any request: a CredentialsError when not loaded within
@@ -199,15 +214,13 @@ class Credentials:
         self._use(configuration, expiry)
 
     async def headers(self) -> dict[str, str]:
-        try:
-            headers = {
-                str(s["key"]): str(s["value"])
-                for s in (await self.configuration.auth_settings()).values()
-                if s.get("in") == "header" and s.get("value")
-            }
-        except Exception:  # the in-cluster refresh hook, while the kubelet rotates the token
-            metrics.ERRORS.labels("credentials").inc()
-            raise
+        """What requests carry; the in-cluster refresh hook raises while the kubelet
+        rotates the token."""
+        headers = {
+            str(s["key"]): str(s["value"])
+            for s in (await self.configuration.auth_settings()).values()
+            if s.get("in") == "header" and s.get("value")
+        }
         logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
         return headers
 
@@ -258,9 +271,7 @@ class Credentials:
                 raise
         else:
             self.version += 1
-            self.configuration, self.expiry = configuration, expiry
-            logs.register_secret(configuration.api_key.get("BearerToken"))
-            self.tls_rotated()
+            self._use(configuration, expiry)
         finally:
             self._not_before = time.monotonic() + delay
 
@@ -303,17 +314,3 @@ class Credentials:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
-
-    def tls_rotated(self) -> None:
-        stamp = self._tls_files()
-        if stamp == self._stamp:
-            return
-        try:
-            context = self._ssl_context()
-        except (OSError, ssl.SSLError, ValueError) as err:
-            # Half-written files (a rotation in progress): the next look tries again.
-            metrics.ERRORS.labels("credentials").inc()
-            log.warning("tls_files_reload_failed", error=type(err).__name__)
-            return
-        self._stamp, self.tls = stamp, context
-        log.info("tls_files_reloaded")

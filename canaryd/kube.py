@@ -149,9 +149,7 @@ def classify_answer(status: int, answer: Mapping[str, Any] | None = None) -> Err
 
 
 NOT_SERVED = b"404 page not found\n"
-"""kube-apiserver's answer to a path it does not serve, and a Go gateway's with nothing
-behind it: a GONE only once listwatch.not_served confirms it (docs/DESIGN.md, a 404 not a
-Status)."""
+"""kube-apiserver's answer to a path it does not serve (docs/DESIGN.md, a 404 not a Status)."""
 
 
 def serving(status: int, body: bytes) -> bool:
@@ -170,10 +168,8 @@ def error_from_response(response: aiohttp.ClientResponse, body: bytes, note: str
     except ValueError:
         seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
     kind = classify_answer(status, answer)
-    if kind is ErrorKind.GONE and answer.get("kind") != "Status" and body != NOT_SERVED:
-        kind = ErrorKind.TRANSIENT  # a gateway's page: nothing is known to be gone
-    elif kind is ErrorKind.FORBIDDEN and answer.get("kind") != "Status":
-        kind = ErrorKind.TRANSIENT  # kube-apiserver refuses with a Status; a proxy's page
+    if status in (403, 404) and answer.get("kind") != "Status" and body != NOT_SERVED:
+        kind = ErrorKind.TRANSIENT  # a proxy's or gateway's page: nothing known gone or refused
     return KubeError(
         kind,
         (message or "(no message)") + note,
@@ -233,8 +229,6 @@ class KubeClient:
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         session = functools.partial(aiohttp.ClientSession, trust_env=trust_env, headers=headers)
-        # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
-        # keep lists, access reviews and the lease from waiting behind hanging bumps.
         limit = settings.max_bumps_in_flight + RESERVED_CONNECTIONS
         keepalive = settings.keepalive_timeout
         self._session = session(
@@ -307,6 +301,7 @@ class KubeClient:
             raise
         except Exception as err:
             if headers is None:  # the credentials could not be had (in time)
+                metrics.ERRORS.labels("credentials").inc()
                 raise error_from_exception(err, "Credentials") from err
             self._note_answer(sent)
             if isinstance(err, aiohttp.SocketTimeoutError):  # only a watch reads with one
