@@ -701,6 +701,37 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(
         await client.close()
 
 
+async def test_in_a_pod_a_401_reads_the_projected_token_again(
+    ca, server_context, tmp_path, monkeypatch
+):
+    """In a pod, a request refused 401 reads the service account's projected token again
+    (the kubelet rotated it) and is sent again with it, as with a kubeconfig (before:
+    the file was read again at most every minute and the request failed)."""
+    from kubernetes_asyncio.config import incluster_config
+
+    from canaryd.config import Settings
+    from canaryd.kube import connect
+
+    token, ca_file = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("the-token-before-the-rotation")
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca_file))
+    kube = FakeKube(token=TOKEN)
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        host, port = kube.url.removeprefix("https://").rsplit(":", 1)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+        client = await connect(Settings())
+        try:
+            token.write_text(TOKEN)  # the kubelet's rotation
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            assert [r.status for r in kube.requests_for("get")] == [401, 200]
+        finally:
+            await client.close()
+
+
 async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_changes(
     ca, server_context, tmp_path, monkeypatch
 ):
