@@ -149,7 +149,8 @@ def classify_answer(status: int, answer: Mapping[str, Any] | None = None) -> Err
 
 
 NOT_SERVED = b"404 page not found\n"
-"""kube-apiserver's answer to a path it does not serve (docs/DESIGN.md, a 404 not a Status)."""
+"""kube-apiserver's answer to a path it does not serve, and a Go gateway's with nothing
+behind it: GONE once listwatch.not_served confirms it (docs/DESIGN.md, a 404 not a Status)."""
 
 
 def serving(status: int, body: bytes) -> bool:
