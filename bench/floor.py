@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from canaryd.kube import decode_json
+from canaryd.kube import json_object as decode_json
 
 CANARIES = "/apis/flink.apache.org/v1beta1/flinkdeployments"
 TICK = 0.025

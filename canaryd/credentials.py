@@ -11,7 +11,6 @@ import os
 import signal
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,9 +33,6 @@ log = structlog.get_logger("canaryd.credentials")
 
 IN_CLUSTER = "in-cluster service account"
 KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig or KUBECONFIG
-Reload = Callable[[k8s_client.Configuration], Awaitable[float | None]]
-"""Loads the credentials into a configuration again; returns when (time.time()) an exec
-plugin's token expires."""
 
 
 class CredentialsError(ConfigError):
@@ -53,15 +49,11 @@ class Source:
     plugin: bool = False
 
 
-def _in_cluster(kubeconfig: str | None) -> bool:
-    return kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-
-
 def source(settings: Settings) -> Source:
     """The kubeconfig read once (a bad one is a ConfigError of one line, not the loader's
     internals); the context given, else the first file's (kubectl's; the loader's is the
     last's)."""
-    if _in_cluster(settings.kubeconfig):
+    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         return Source(IN_CLUSTER, settings.context)
     where = settings.kubeconfig or KUBECONFIG
     files = [os.path.expanduser(path) for path in where.split(os.pathsep) if path]
@@ -101,23 +93,21 @@ def _read(path: str) -> dict[str, Any]:
     return data
 
 
-async def load_configuration(
-    kubeconfig: str | None, context: str | None
-) -> tuple[k8s_client.Configuration, Reload | None, float | None]:
+async def _load(found: Source) -> tuple[k8s_client.Configuration, float | None]:
+    """A configuration loaded from ``found``; when (time.time()) an exec plugin's token
+    expires."""
     configuration = k8s_client.Configuration()
-    if _in_cluster(kubeconfig):
+    if found.where == IN_CLUSTER:
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return configuration, None, None
-    path = kubeconfig or KUBECONFIG
-
-    async def reload(target: k8s_client.Configuration) -> float | None:
-        loader = await k8s_config.load_kube_config(
-            config_file=path, context=context, client_configuration=target, persist_config=False
-        )
-        expiry = getattr(loader, "exec_plugin_expiry", None)
-        return expiry.timestamp() if isinstance(expiry, datetime) else None
-
-    return configuration, reload, await reload(configuration)
+        return configuration, None
+    loader = await k8s_config.load_kube_config(
+        config_file=found.where,
+        context=found.context,
+        client_configuration=configuration,
+        persist_config=False,
+    )
+    expiry = getattr(loader, "exec_plugin_expiry", None)
+    return configuration, expiry.timestamp() if isinstance(expiry, datetime) else None
 
 
 class _ExecProvider(ExecProvider):
@@ -158,39 +148,43 @@ kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 class Credentials:
     """The headers and TLS context requests carry (aiohttp pools connections by context:
-    a new one means new connections)."""
+    a new one means new connections), reloaded as docs/DEVELOPMENT.md tells."""
+
+    LOOK = 60.0
+    """Seconds between looks for rotated TLS files or kubeconfig."""
 
     def __init__(
-        self,
-        configuration: k8s_client.Configuration | None = None,
-        reload: Reload | None = None,
-        timeout: float = 10.0,
+        self, configuration: k8s_client.Configuration | None = None, timeout: float = 10.0
     ) -> None:
         self._timeout = timeout
-        self.version = 0  # bumped by every reload
-        self._lock = asyncio.Lock()
-        self._reload_ok = True
-        self._not_before = -math.inf
-        # After a reload that failed, or whose credentials were refused: 1 s, doubling.
-        self._backoff = Backoff(1.0, 30.0)
-        self._fresh: int | None = None  # the version a reload for a 401 made, until refused
-        self._refused = False  # fresh credentials refused too, until a success
-        self._use(configuration or k8s_client.Configuration(), reload, (), None)
+        self._source: Source | None = None  # None: not loaded, nothing to reload
+        self.version = 0  # bumped by every reload that loaded credentials
+        self._lock = asyncio.Lock()  # one reload at a time: it answers every waiter
+        self._backoff = Backoff(1.0, 30.0)  # a step per reload, reset by an answer
+        self._not_before = -math.inf  # no reload before: the last one's backoff step
+        self._stamp: tuple[object, ...] | None = None  # the TLS context's files, as seen
+        self._use(configuration or k8s_client.Configuration(), None)
 
-    def _use(
-        self,
-        configuration: k8s_client.Configuration,
-        reload: Reload | None,
-        files: Sequence[str],
-        expiry: float | None,
-    ) -> None:
+    def _use(self, configuration: k8s_client.Configuration, expiry: float | None) -> None:
+        """Credentials loaded; a new TLS context when a file it is made of changed."""
         self.configuration = configuration
-        self._reload = reload
-        self._files = tuple(files)
         self.expiry = expiry  # time.time() an exec plugin's token expires
         logs.register_secret(configuration.api_key.get("BearerToken"))
-        self._stamp = self._tls_files()
-        self.tls = self._ssl_context()
+        stamp = self._tls_files()
+        if stamp == self._stamp:
+            return
+        try:
+            self.tls = self._ssl_context()
+        except (OSError, ssl.SSLError, ValueError) as err:
+            if not self.version:  # the first load: no context to go on with
+                raise
+            # Half-written files (a rotation in progress): the next look tries again.
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning("tls_files_reload_failed", error=type(err).__name__)
+            return
+        if self.version:
+            log.info("tls_files_reloaded")
+        self._stamp = stamp
 
     async def load(self, settings: Settings) -> None:
         """The first load, before any request: a CredentialsError when not loaded within
@@ -198,9 +192,7 @@ class Credentials:
         found = source(settings)
         try:
             async with asyncio.timeout(settings.request_timeout) as bound:
-                configuration, reload, expiry = await load_configuration(
-                    settings.kubeconfig, found.context
-                )
+                configuration, expiry = await _load(found)
         except Exception as err:  # any loader failure
             metrics.ERRORS.labels("credentials").inc()
             detail = logs.scrub(str(err)) or type(err).__name__
@@ -218,18 +210,17 @@ class Credentials:
             usable, problem = False, f"not a usable URL ({err})"
         if not usable:
             raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
-        self._use(configuration, reload, found.files, expiry)
+        self._source = found
+        self._use(configuration, expiry)
 
     async def headers(self) -> dict[str, str]:
-        try:
-            headers = {
-                str(s["key"]): str(s["value"])
-                for s in (await self.configuration.auth_settings()).values()
-                if s.get("in") == "header" and s.get("value")
-            }
-        except Exception:  # the in-cluster refresh hook, while the kubelet rotates the token
-            metrics.ERRORS.labels("credentials").inc()
-            raise
+        """What requests carry; the in-cluster refresh hook raises while the kubelet
+        rotates the token."""
+        headers = {
+            str(s["key"]): str(s["value"])
+            for s in (await self.configuration.auth_settings()).values()
+            if s.get("in") == "header" and s.get("value")
+        }
         logs.register_secret(headers.get("authorization"))  # a rotated one is masked too
         return headers
 
@@ -237,17 +228,11 @@ class Credentials:
         self, status: int, version: int, deadline: float | None = None, reload: bool = True
     ) -> str | None:
         """An answer (a request's, a watch's) to credentials of ``version``: a success
-        resets the backoff; fresh credentials refused too step it once per ``version``; a
-        401 reloads them (unless not ``reload``). What a 401 adds; None when a request
-        (one with a ``deadline``) is to be sent again with fresh ones."""
+        resets the reload backoff; a 401 reloads them (unless not ``reload``). What a 401
+        adds; None when a request (one with a ``deadline``) is to be sent again with fresh
+        ones."""
         if status < 300:
             self._backoff.reset()
-            self._fresh, self._refused = None, False
-        elif status == 401 and version == self._fresh:
-            self._fresh, self._refused = None, True
-            self._not_before = time.monotonic() + self._backoff.next()
-        again = status == 401 and self._refused
-        note = " (also after reloading the credentials)" if again else ""
         if status == 401 and reload:
             reloaded = await self.reload(version, deadline)
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
@@ -256,64 +241,52 @@ class Credentials:
                 return " (reloading the credentials took the call's time: not sent again)"
             if reloaded and deadline is not None:
                 return None
-        return note
+        return " (also after reloading the credentials)" if status == 401 and version else ""
 
-    async def reload(self, version: int | None = None, deadline: float | None = None) -> bool:
-        """Whether fresh credentials are there. A reload since ``version`` (the refused
-        request's) answers it too; one still running at ``deadline`` (loop time, else the
-        request timeout's) fails."""
-        if self._reload is None:
+    async def reload(self, version: int, deadline: float | None = None) -> bool:
+        """Whether credentials newer than ``version`` (the refused request's) are there: a
+        reload since answers it too; none while the last one's backoff step lasts. One
+        still running at ``deadline`` (loop time, else the request timeout's) fails."""
+        if self._source is None:
             return False
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._timeout
-        try:
+        with contextlib.suppress(TimeoutError):  # answered by what refused the request
             async with asyncio.timeout_at(deadline), self._lock:
-                if version is not None and version != self.version:
-                    return self._reload_ok
-                if time.monotonic() < self._not_before:
-                    return False  # the last reload failed, or was refused: backing off
-                self._reload_ok = False
-                try:
-                    expiry = await self._reload(self.configuration)
-                # Cancelled: at the deadline, or at shutdown (then cancelled on).
-                except (Exception, asyncio.CancelledError) as err:
-                    metrics.ERRORS.labels("credentials").inc()
-                    delay = self._backoff.next()
-                    self._not_before = time.monotonic() + delay
-                    error = type(err).__name__
-                    log.warning("credentials_reload_failed", error=error, retry_in=round(delay, 3))
-                    if isinstance(err, asyncio.CancelledError):
-                        raise
-                else:
-                    self._reload_ok = True
-                    self._fresh = None if version is None else self.version + 1
-                    self.expiry = expiry
-                    self.tls_rotated()
-                finally:
-                    self.version += 1  # the waiters have their answer
-                return self._reload_ok
-        except TimeoutError:
-            return False  # the request is answered by what refused it
+                if version == self.version and time.monotonic() >= self._not_before:
+                    await self._reload(self._source)
+        return version != self.version
 
-    def next_refresh_in(self, now: float) -> float | None:
-        """At 80 % of an exec token's remaining lifetime (at least 1 s); every minute for
-        TLS files; None when nothing expires."""
-        if self._reload is not None and self.expiry is not None:
-            return max(1.0, 0.8 * (self.expiry - now))
-        cfg = self.configuration
-        if isinstance(self.tls, ssl.SSLContext) and (cfg.ssl_ca_cert or cfg.cert_file):
-            return 60.0
-        return None
+    async def _reload(self, found: Source) -> None:
+        delay = self._backoff.next()
+        try:
+            configuration, expiry = await _load(found)
+        # Cancelled: at the deadline, or at shutdown (then cancelled on).
+        except (Exception, asyncio.CancelledError) as err:
+            metrics.ERRORS.labels("credentials").inc()
+            log.warning(
+                "credentials_reload_failed", error=type(err).__name__, retry_in=round(delay, 3)
+            )
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        else:
+            self.version += 1
+            self._use(configuration, expiry)
+        finally:
+            self._not_before = time.monotonic() + delay
 
     async def keep_fresh(self) -> None:
+        """Reloads an exec plugin's token at 80 % of its remaining lifetime (at least 1 s
+        on), and the credentials when a TLS file or the kubeconfig changed (a look every
+        minute)."""
         try:
             while True:
-                delay = self.next_refresh_in(time.time())
-                await asyncio.sleep(math.inf if delay is None else delay)  # None: nothing expires
-                if self._reload is not None and (self.expiry or self._tls_files() != self._stamp):
-                    await self.reload()
+                if self.expiry is None:
+                    await asyncio.sleep(self.LOOK)
                 else:
-                    self.tls_rotated()
+                    await asyncio.sleep(max(1.0, 0.8 * (self.expiry - time.time())))
+                if self.expiry is not None or self._tls_files() != self._stamp:
+                    await self.reload(self.version)
         except asyncio.CancelledError:
             log.info("credential_refresher_stopped", why="cancelled")
             raise
@@ -321,7 +294,8 @@ class Credentials:
     def _tls_files(self) -> tuple[object, ...]:
         stamp: list[object] = []
         cfg = self.configuration
-        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *self._files):
+        files = self._source.files if self._source else ()
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file, *files):
             try:
                 info = os.stat(path) if path else None
             except OSError:
@@ -340,17 +314,3 @@ class Credentials:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         return context
-
-    def tls_rotated(self) -> None:
-        stamp = self._tls_files()
-        if stamp == self._stamp:
-            return
-        try:
-            context = self._ssl_context()
-        except (OSError, ssl.SSLError, ValueError) as err:
-            # Half-written files (a rotation in progress): the next look tries again.
-            metrics.ERRORS.labels("credentials").inc()
-            log.warning("tls_files_reload_failed", error=type(err).__name__)
-            return
-        self._stamp, self.tls = stamp, context
-        log.info("tls_files_reloaded")

@@ -89,18 +89,12 @@ def segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def decode_json(data: bytes) -> Any:
-    """JSON from the API server; ValueError for anything else, too deep nesting included."""
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """A JSON object from the API server; None for anything else, too deep nesting
+    included."""
     try:
-        return json.loads(data)
-    except RecursionError as err:
-        raise ValueError(f"JSON nested too deeply: {err}") from err
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    try:
-        decoded = decode_json(body)
-    except ValueError:
+        decoded = json.loads(data)
+    except (ValueError, RecursionError):
         return None
     return decoded if isinstance(decoded, dict) else None
 
@@ -156,30 +150,27 @@ def classify_answer(status: int, answer: Mapping[str, Any] | None = None) -> Err
 
 NOT_SERVED = b"404 page not found\n"
 """kube-apiserver's answer to a path it does not serve, and a Go gateway's with nothing
-behind it: a GONE only once listwatch.not_served confirms it (docs/DESIGN.md, a 404 not a
-Status)."""
+behind it: GONE once listwatch.not_served confirms it (docs/DESIGN.md, a 404 not a Status)."""
 
 
 def serving(status: int, body: bytes) -> bool:
     """Whether an answer shows the API server serving: a 2xx, or a 4xx other than 429
     sent as a Status object (docs/DESIGN.md, the API server away)."""
     if 400 <= status < 500 and status != 429:
-        return (_json_object(body) or {}).get("kind") == "Status"
+        return (json_object(body) or {}).get("kind") == "Status"
     return 200 <= status < 300
 
 
 def error_from_response(response: aiohttp.ClientResponse, body: bytes, note: str = "") -> KubeError:
-    status, answer = response.status, _json_object(body) or {}
+    status, answer = response.status, json_object(body) or {}
     message = str(answer.get("message") or body[:300].decode("utf-8", "replace").strip())
     try:
         seconds: float | None = float(response.headers.get("Retry-After") or "")
     except ValueError:
         seconds = None  # absent, or an HTTP-date: Kubernetes sends seconds
     kind = classify_answer(status, answer)
-    if kind is ErrorKind.GONE and answer.get("kind") != "Status" and body != NOT_SERVED:
-        kind = ErrorKind.TRANSIENT  # a gateway's page: nothing is known to be gone
-    elif kind is ErrorKind.FORBIDDEN and answer.get("kind") != "Status":
-        kind = ErrorKind.TRANSIENT  # kube-apiserver refuses with a Status; a proxy's page
+    if status in (403, 404) and answer.get("kind") != "Status" and body != NOT_SERVED:
+        kind = ErrorKind.TRANSIENT  # a proxy's or gateway's page: nothing known gone or refused
     return KubeError(
         kind,
         (message or "(no message)") + note,
@@ -228,30 +219,21 @@ class KubeClient:
     """Single-object calls on one session, watches (each holding its connection for
     minutes) on another."""
 
-    def __init__(
-        self,
-        credentials: Credentials,
-        *,
-        request_timeout: float = 10.0,
-        connect_timeout: float = 5.0,
-        keepalive_timeout: float = 15.0,
-        writes_in_flight: int = 256,
-    ) -> None:
+    def __init__(self, credentials: Credentials, settings: Settings) -> None:
         self.credentials = credentials
-        self._request_timeout = request_timeout
+        self._request_timeout = settings.request_timeout
         # A request's bound on its connection, the wait for the pool included.
-        self._timeout = aiohttp.ClientTimeout(connect=min(connect_timeout, request_timeout))
+        self._timeout = aiohttp.ClientTimeout(connect=settings.connect_timeout)
         self._answered = self._unanswered = -math.inf
         """Send times of the latest exchange answered serving, and of the latest not."""
         # trust_env costs a proxy and netrc lookup per request: only with a proxy.
         trust_env = any(os.environ.get(v) or os.environ.get(v.lower()) for v in PROXY_VARIABLES)
         headers = {"Accept": "application/json", "User-Agent": "canaryd"}
         session = functools.partial(aiohttp.ClientSession, trust_env=trust_env, headers=headers)
-        # Bumps hold at most ``writes_in_flight`` connections; RESERVED_CONNECTIONS more
-        # keep lists, access reviews and the lease from waiting behind hanging bumps.
-        limit = writes_in_flight + RESERVED_CONNECTIONS
+        limit = settings.max_bumps_in_flight + RESERVED_CONNECTIONS
+        keepalive = settings.keepalive_timeout
         self._session = session(
-            connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive_timeout),
+            connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive),
             cookie_jar=aiohttp.DummyCookieJar(),  # the API server sets none
         )
         # Watches: a pool of their own, unlimited: every scope connects, never behind a bump.
@@ -320,6 +302,7 @@ class KubeClient:
             raise
         except Exception as err:
             if headers is None:  # the credentials could not be had (in time)
+                metrics.ERRORS.labels("credentials").inc()
                 raise error_from_exception(err, "Credentials") from err
             self._note_answer(sent)
             if isinstance(err, aiohttp.SocketTimeoutError):  # only a watch reads with one
@@ -368,7 +351,7 @@ class KubeClient:
             if reply.status >= 300:
                 raise error_from_response(reply, payload, note)
             break
-        decoded = _json_object(payload)
+        decoded = json_object(payload)
         if decoded is None:
             not_json = "the API server sent a body that is not a JSON object"
             raise KubeError(ErrorKind.TRANSIENT, not_json, status=reply.status)
@@ -402,7 +385,7 @@ class KubeClient:
                 on_connected()
             try:
                 async for line in response.content:  # until the end of the stream
-                    event = _json_object(line)
+                    event = json_object(line)
                     if event is not None:
                         yield event
                     elif not line.isspace():
@@ -418,10 +401,4 @@ async def connect(settings: Settings, *, load: bool = True) -> KubeClient:
     credentials = Credentials(timeout=settings.request_timeout)
     if load:
         await credentials.load(settings)
-    return KubeClient(
-        credentials,
-        request_timeout=settings.request_timeout,
-        connect_timeout=settings.connect_timeout,
-        keepalive_timeout=settings.keepalive_timeout,
-        writes_in_flight=settings.max_bumps_in_flight,
-    )
+    return KubeClient(credentials, settings)

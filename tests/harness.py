@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+from kubernetes_asyncio import config as k8s_config
 
 from canaryd import logs, metrics
 from canaryd.config import Settings, load_settings
-from canaryd.credentials import Credentials, load_configuration
 from canaryd.daemon import Daemon
-from canaryd.kube import KubeClient
+from canaryd.kube import KubeClient, connect
 from canaryd.metrics import BLIND_REASONS
 from canaryd.registry import Canary, CanaryKey, CanaryState
 from canaryd.testing.apiserver import FLINK_DEPLOYMENTS, FLINK_SESSION_JOBS, FakeKube, Fault
@@ -424,14 +425,18 @@ async def start_records(
     return json_lines(capsys.readouterr().err)
 
 
-async def counting_client(kube: FakeKube, tmp_path: Path) -> tuple[KubeClient, list[None]]:
+async def counting_client(
+    kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[KubeClient, list[None]]:
     """A KubeClient of the fake's kubeconfig, and a list that grows by one per reload."""
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration, reload, _ = await load_configuration(str(config), None)
+    client = await connect(Settings(kubeconfig=str(config)))
     reloads: list[None] = []
+    real = k8s_config.load_kube_config
 
-    async def counted(target: Any) -> Any:
+    async def counted(*args: Any, **kwargs: Any) -> Any:
         reloads.append(None)
-        return await reload(target)
+        return await real(*args, **kwargs)
 
-    return KubeClient(Credentials(configuration, counted)), reloads
+    monkeypatch.setattr(k8s_config, "load_kube_config", counted)
+    return client, reloads

@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 from canaryd import metrics
-from canaryd.credentials import Credentials, load_configuration
+from canaryd.config import Settings
 from canaryd.kube import (
     MAX_WATCH_LINE,
     MERGE_PATCH,
-    KubeClient,
     KubeError,
+    connect,
     failure_cause,
     object_path,
 )
@@ -864,11 +864,11 @@ async def test_watches_refused_401_run_the_credential_plugin_on_the_reload_backo
 
 
 async def test_a_watch_refused_after_a_reload_steps_the_backoff_and_one_answered_resets_it(
-    kube, tmp_path
+    kube, tmp_path, monkeypatch
 ):
     """A watch refused again after a reload backs the next reload off (1 s); one
     answered 200 resets the backoff: its next step is 1 s again, not 2 s."""
-    client, reloads = await counting_client(kube, tmp_path)
+    client, reloads = await counting_client(kube, tmp_path, monkeypatch)
 
     async def watch() -> int | None:
         try:
@@ -1059,8 +1059,7 @@ async def test_a_hung_credential_plugin_ends_with_the_request_that_ran_it(kube, 
     reaped, its child killed too (before: the PATCH waited on the plugin for good)."""
     create_canary(kube)
     config = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
-    configuration, reload, _ = await load_configuration(str(config), None)
-    client = KubeClient(Credentials(configuration, reload))
+    client = await connect(Settings(kubeconfig=str(config)))
     limit = 3.0
     with hung_plugin(tmp_path) as pids:
         kube.token = "revoked-and-not-renewed-123"

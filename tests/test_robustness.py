@@ -80,7 +80,7 @@ async def test_a_token_refresh_error_is_a_kube_error_and_the_daemon_lives_on(
 async def test_any_exception_from_a_request_is_a_kube_error(kube, kubeconfig, monkeypatch):
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
-    kube_client = KubeClient(Credentials(configuration), request_timeout=1.0)
+    kube_client = KubeClient(Credentials(configuration), Settings(timeout=2.0))
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug below the client")
@@ -473,7 +473,7 @@ async def _raw_server(
     configuration.host = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     if token is not None:
         configuration.api_key = {"BearerToken": token}
-    kube_client = KubeClient(Credentials(configuration), request_timeout=request_timeout)
+    kube_client = KubeClient(Credentials(configuration), Settings(timeout=2 * request_timeout))
     try:
         yield kube_client, configuration
     finally:
@@ -822,7 +822,7 @@ async def test_a_404_is_believed_only_as_a_status_or_once_the_api_server_confirm
     configuration = k8s_client.Configuration()
     configuration.host = kube.url
     configuration.api_key = {"BearerToken": f"Bearer {kube.token}"}
-    client = KubeClient(Credentials(configuration), request_timeout=2.0)
+    client = KubeClient(Credentials(configuration), Settings(timeout=4.0))
     try:
         assert await not_served(client, KINDS["flinkdeployments"]) is None
         missing = await not_served(client, KINDS["flinksessionjobs"])

@@ -677,14 +677,16 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
         assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)
 
 
-async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube, tmp_path):
+async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(
+    kube, tmp_path, monkeypatch
+):
     """Issue 42: 20 requests refused by one 401 make one reload, and their retries,
     refused too, one step of its backoff: the next reload may come 1 s later (before:
     a step per refused retry, 30 s)."""
     from canaryd.kube import KubeError
     from tests.harness import counting_client
 
-    client, reloads = await counting_client(kube, tmp_path)
+    client, reloads = await counting_client(kube, tmp_path, monkeypatch)
     kube.inject(Fault(verb="get", code=401, times=-1))
     try:
         answers = await asyncio.gather(
@@ -697,6 +699,37 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(kube
         assert client.credentials._not_before - time.monotonic() <= 1.2  # 1 s, ±20 % jitter
     finally:
         await client.close()
+
+
+async def test_in_a_pod_a_401_reads_the_projected_token_again(
+    ca, server_context, tmp_path, monkeypatch
+):
+    """In a pod, a request refused 401 reads the service account's projected token again
+    (the kubelet rotated it) and is sent again with it, as with a kubeconfig (before:
+    the file was read again at most every minute and the request failed)."""
+    from kubernetes_asyncio.config import incluster_config
+
+    from canaryd.config import Settings
+    from canaryd.kube import connect
+
+    token, ca_file = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("the-token-before-the-rotation")
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca_file))
+    kube = FakeKube(token=TOKEN)
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        host, port = kube.url.removeprefix("https://").rsplit(":", 1)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+        client = await connect(Settings())
+        try:
+            token.write_text(TOKEN)  # the kubelet's rotation
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            assert [r.status for r in kube.requests_for("get")] == [401, 200]
+        finally:
+            await client.close()
 
 
 async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_changes(
@@ -721,7 +754,7 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
 
     monkeypatch.setattr(k8s_config, "load_kube_config", noted)
     # The look for rotated files: every minute, here at once.
-    monkeypatch.setattr(Credentials, "next_refresh_in", lambda *_: 0.01)
+    monkeypatch.setattr(Credentials, "LOOK", 0.01)
     kube = FakeKube(token=TOKEN)
     path = tmp_path / "kubeconfig"
 
@@ -761,21 +794,22 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
     """One deadline covers the whole call: a 401 whose reload (an exec plugin) takes
     longer than the call's time limit ends the call; the retry is not sent late (a
     leader's write past its fence)."""
-    from canaryd.credentials import Credentials, load_configuration
-    from canaryd.kube import ErrorKind, KubeClient, KubeError
+    from canaryd.config import Settings
+    from canaryd.kube import ErrorKind, KubeError, connect
 
     config = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration, reload, _ = await load_configuration(str(config), None)
+    client = await connect(Settings(kubeconfig=str(config)))
+    real = k8s_config.load_kube_config
 
-    async def slow_reload(target: Any) -> Any:
+    async def slow_reload(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(0.5)
-        return await reload(target)
+        return await real(*args, **kwargs)
 
-    client = KubeClient(Credentials(configuration, slow_reload), request_timeout=0.3)
+    monkeypatch.setattr(k8s_config, "load_kube_config", slow_reload)
     kube.inject(Fault(verb="get", code=401, times=1))
     try:
         with pytest.raises(KubeError) as caught:
-            await client.request("get", "GET", "/api/v1/namespaces/default")
+            await client.request("get", "GET", "/api/v1/namespaces/default", time_limit=0.3)
         assert caught.value.kind is ErrorKind.TRANSIENT
         assert "reloading the credentials" in str(caught.value)
         assert len(kube.requests_for("get")) == 1, "the retry was sent past the deadline"

@@ -185,11 +185,7 @@ async def test_a_black_holed_address_is_a_connect_timeout_that_backs_off():
     with black_hole() as url:
         configuration = k8s_client.Configuration()
         configuration.host = url
-        kube = KubeClient(
-            Credentials(configuration),
-            request_timeout=settings.request_timeout,
-            connect_timeout=settings.connect_timeout,
-        )
+        kube = KubeClient(Credentials(configuration), settings)
         try:
             with pytest.raises(KubeError) as raised:
                 async for _ in kube.watch("/apis/x", {}, idle_timeout=180.0):
