@@ -1,8 +1,8 @@
 """The scheduler: per canary, every cycle, judge the previous bump, then write the next
 (docs/DEVELOPMENT.md, "How it works"); under operator-metrics it judges at the next read.
 
-The invariant (``unscheduled``): while this replica bumps, every tracked canary is due
-(one live heap entry) or in flight (a bump task, or waiting for a read), exactly once.
+The invariant (``unscheduled``): while this replica bumps, every tracked canary has one
+``Place``: due (its live heap entry), in flight (a bump task), or waiting for a read.
 Every registry write after an ``await`` first checks ``Registry.owns``: a late answer
 about a dropped canary changes nothing.
 """
@@ -15,8 +15,8 @@ import heapq
 import itertools
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Literal, NamedTuple
 
 import structlog
 
@@ -40,6 +40,12 @@ EVENT_REASONS = {
     CanaryState.UNKNOWN: "Unknown",
     CanaryState.HEALTHY: "Recovered",
 }
+
+
+class Place(NamedTuple):
+    what: Literal["due", "flying", "waiting"]  # flying: a bump task; waiting: for a read
+    due: float  # the deadline it is (or was) due at
+    canary: Canary
 
 
 def phase(canary: Canary) -> float:
@@ -205,12 +211,10 @@ class Scheduler:
     ) -> None:
         self.settings, self.registry, self.kube, self._clock = settings, registry, kube, clock
         self._lease = lease  # --leader-elect: whose role this follows
-        self._heap: list[tuple[float, int, Canary]] = []
+        self._places: dict[CanaryKey, Place] = {}  # each canary's (see the invariant)
+        self._heap: list[tuple[float, int, Place]] = []  # live while its canary's place
         self._order = itertools.count()
-        self._due_seq: dict[CanaryKey, int] = {}  # each one's live heap entry (others void)
         self._wake = registry.news  # set by the registry's news, and by an earlier deadline
-        # Each canary whose bump task runs (for a slot, the fence, an answer): its record.
-        self._in_flight: dict[CanaryKey, Canary] = {}
         self._slots = asyncio.Semaphore(settings.max_bumps_in_flight)
         permit = lease.write_permit if lease is not None else None
         self.writer = Writer(settings, registry, kube, permit=permit, clock=clock)
@@ -219,7 +223,6 @@ class Scheduler:
         self.events = Events(kube, interval=lambda: settings.timeout, clock=clock)
         self.role = Role(settings, registry, self.events, clock=clock)
         self.operator = OperatorMetrics.of(settings, clock)  # None: --reconciled-by watch
-        self._waiting: list[tuple[float, Canary]] = []  # judged at the next read (Wait)
         if lease is not None:
             self.standby(None)  # until this replica holds the lease
         else:
@@ -230,16 +233,14 @@ class Scheduler:
         """Not the leader: no bumps, no new verdicts. The registry stays warm (the
         watches run), so this replica judges from its first cycle once it leads."""
         self._heap.clear()
-        self._due_seq.clear()
-        self._waiting.clear()
+        self._places = {k: p for k, p in self._places.items() if p.what == "flying"}
         self.role.stand_by(leader)
 
     def activate(self) -> None:
         """This replica leads: every canary gets its first bump within a cycle."""
         self.role.lead()
         for canary in self.registry.canaries():
-            if not self.flying(canary):  # one in flight schedules itself
-                self.schedule_first(canary)
+            self.schedule_first(canary)
 
     async def _follow(self, lease: LeaderElector) -> None:
         """Bump while this replica leads; stand by, saying who leads, otherwise."""
@@ -254,17 +255,12 @@ class Scheduler:
     def unscheduled(self) -> list[CanaryKey]:
         """The canaries that break the invariant (above): empty when all is well, and
         for a follower, which schedules nothing. A canary whose news the loop has not
-        taken yet may be neither: it is scheduled at the loop's next turn."""
+        taken yet may have no place: it is placed at the loop's next turn."""
         if not self.role.active:
             return []
-        waiting = Counter(canary.key for _, canary in self._waiting)
         new = {news.canary.key for news in self.registry.pending if isinstance(news, Added)}
-        return [
-            canary.key
-            for canary in self.registry.canaries()
-            if (canary.key in self._due_seq) + self.flying(canary) + waiting[canary.key]
-            not in ((0, 1) if canary.key in new else (1,))
-        ]
+        placed = self._places.keys() | new
+        return [canary.key for canary in self.registry.canaries() if canary.key not in placed]
 
     def take_news(self) -> None:
         """Act on the registry's news, in order (nothing calls the scheduler back)."""
@@ -285,13 +281,14 @@ class Scheduler:
         self.push(self._clock() + phase(canary) * self.settings.timeout, canary)
 
     def push(self, due: float, canary: Canary) -> None:
-        """(Re)schedule a canary; any earlier entry of it in the heap becomes void."""
-        if not self.role.active:
-            return  # a follower schedules nothing; activate() schedules every canary
-        seq = next(self._order)
-        self._due_seq[canary.key] = seq
-        heapq.heappush(self._heap, (due, seq, canary))
-        if self._heap[0][1] == seq:
+        """(Re)schedule a canary; any earlier entry of it in the heap becomes void. A
+        follower schedules nothing (activate() schedules every canary); a canary in
+        flight is left to its bump task, which schedules it when it ends."""
+        if not self.role.active or self.flying(canary):
+            return
+        place = self._places[canary.key] = Place("due", due, canary)
+        heapq.heappush(self._heap, (due, next(self._order), place))
+        if self._heap[0][2] is place:
             self._wake.set()
 
     def lag(self) -> float:
@@ -304,14 +301,15 @@ class Scheduler:
             if not self._heap:
                 await self._wake.wait()
                 continue
-            due, seq, canary = self._heap[0]
-            if seq != self._due_seq.get(canary.key) or not self.registry.owns(canary):
-                heapq.heappop(self._heap)  # superseded by a later _push, or dropped
+            due, _, place = self._heap[0]
+            canary = place.canary
+            if self._places.get(canary.key) is not place or not self.registry.owns(canary):
+                heapq.heappop(self._heap)  # superseded by a later push, or dropped
                 continue
             delay = due - self._clock()
             if delay <= 0:
                 heapq.heappop(self._heap)
-                del self._due_seq[canary.key]
+                del self._places[canary.key]
                 return due, canary
             timer = asyncio.get_running_loop().call_later(
                 max(delay, self.settings.scheduler_tick), self._wake.set
@@ -358,7 +356,7 @@ class Scheduler:
         now = self._clock()
         metrics.VERDICT_LATENESS.observe(max(0.0, now - due))
         if self.operator is not None:
-            self._waiting.append((due, canary))  # judged at the next read of its metrics
+            self._places[canary.key] = Place("waiting", due, canary)  # judged at the next read
             return
         sync = self.registry.scopes.covering(canary.key)
         late, answered = now - due > self.settings.judge_slack, self.kube.answered_since
@@ -385,13 +383,14 @@ class Scheduler:
                     continue  # a follower judges nothing; it starts fresh when it leads
                 if read.restarted:
                     self._operator_restarted(operator, read.started)
-                waiting, self._waiting = self._waiting, []
                 now = self._clock()
-                for due, canary in waiting:
+                waiting = [p for p in self._places.values() if p.what == "waiting"]
+                for _, due, canary in sorted(waiting, key=lambda place: place.due):
                     unjudged = canary.bumped_generation is None
                     if due > read.started or (read.unanswered and unjudged):
-                        self._waiting.append((due, canary))  # not yet this read's
-                    elif self.registry.owns(canary):
+                        continue  # not yet this read's
+                    del self._places[canary.key]
+                    if self.registry.owns(canary):
                         with self._guard("operator_judge_failed_unexpectedly", canary):
                             self._act(due, canary, self._by_operator(operator, canary, read), now)
 
@@ -418,7 +417,6 @@ class Scheduler:
     def _operator_restarted(self, operator: OperatorMetrics, started: float) -> None:
         """A new operator process answers: every canary is checked afresh (``pending``),
         bumped from ``started`` over half a cycle in phase order (twice the steady rate)."""
-        self._waiting.clear()
         canaries = sorted(self.registry.tracked(), key=phase)
         at = wall_time(operator.instance_since)
         metrics.OPERATOR_RESTARTS.inc()
@@ -428,8 +426,7 @@ class Scheduler:
         for index, canary in enumerate(canaries):
             self.registry.judged(canary, CanaryState.PENDING, reason, "operator_restarted", 0.0)
             canary.realign = True
-            if not self.flying(canary):  # one in flight schedules itself
-                self.push(started + index * step, canary)
+            self.push(started + index * step, canary)
 
     @contextlib.contextmanager
     def _guard(self, event: str, canary: Canary | None = None) -> Iterator[None]:
@@ -449,11 +446,12 @@ class Scheduler:
         """The canary's next bump, a task of its own: in flight until it is due again."""
         if self._group is None or self.flying(canary):
             return
-        self._in_flight[canary.key] = canary
+        self._places[canary.key] = Place("flying", due, canary)
         self._group.create_task(self._bump(due, canary), name=f"bump {canary.key}")
 
     def flying(self, canary: Canary) -> bool:
-        return self._in_flight.get(canary.key) is canary
+        place = self._places.get(canary.key)
+        return place is not None and place.what == "flying" and place.canary is canary
 
     async def _bump(self, due: float, canary: Canary) -> None:
         next_due: float | None = None
@@ -465,7 +463,7 @@ class Scheduler:
                 next_due = self._bumped(canary, due, outcome)
         finally:
             if self.flying(canary):
-                del self._in_flight[canary.key]
+                del self._places[canary.key]
             if self.registry.owns(canary) and self.role.active and not self.writer.stopping:
                 # Due again at its next deadline, or a cycle on: never out of the schedule.
                 self.push(next_due if next_due is not None else self._after_failure(due), canary)
@@ -520,7 +518,7 @@ class Scheduler:
                 # Judged again at the fresh stream's own deadline (never out of the schedule).
                 self.push(now + self.settings.judge_slack, canary)
             case Wait():
-                self._waiting.append((due, canary))
+                self._places[canary.key] = Place("waiting", due, canary)
 
     def _scope_resumed(self, scope: ScopeKey) -> None:
         """A watch resumed: judge what waited for it once the replayed events are in."""
@@ -534,7 +532,7 @@ class Scheduler:
 
     def _forget(self, key: CanaryKey) -> None:
         """A canary is no longer tracked: nothing of it is kept here."""
-        self._due_seq.pop(key, None)
+        self._places.pop(key, None)
         self.role.failures.recovered(key)
         if self.operator is not None:
             self.operator.missing.discard(str(key))

@@ -194,11 +194,12 @@ class Run:
     def tick(self) -> None:
         self.now += CYCLE / 4
         self.scheduler.take_news()  # as Scheduler._next_due does first
-        heap = self.scheduler._heap
+        heap, places = self.scheduler._heap, self.scheduler._places
         while heap and heap[0][0] <= self.now:
-            due, seq, canary = heapq.heappop(heap)
-            if seq == self.scheduler._due_seq.get(canary.key) and self.registry.owns(canary):
-                del self.scheduler._due_seq[canary.key]  # as Scheduler._next_due takes it
+            due, _, place = heapq.heappop(heap)
+            canary = place.canary
+            if places.get(canary.key) is place and self.registry.owns(canary):
+                del places[canary.key]  # as Scheduler._next_due takes it
                 self.scheduler._on_due(due, canary)
 
     def answer(self, index: int, code: int) -> None:

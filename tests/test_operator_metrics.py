@@ -661,7 +661,7 @@ async def test_a_follower_leaves_an_operator_restart_to_the_leader(kube, kubecon
                 "the new process to be seen",
             )
             assert run.tracked().reason == "standby: other holds the lease"
-            assert not run.daemon.scheduler._waiting
+            assert not [p for p in run.daemon.scheduler._places.values() if p.what == "waiting"]
             assert not run.bumps()
 
 

@@ -333,12 +333,9 @@ def test_a_judge_that_runs_late_rechecks_before_an_unhealthy_verdict():
         "flinkdeployments", {**copy, "metadata": {**copy["metadata"], "generation": 3}}
     )
     now[0] += scheduler.settings.judge_slack
-    (due,) = [
-        d
-        for d, seq, c in scheduler._heap
-        if c is canary and seq == scheduler._due_seq.get(canary.key)
-    ]
-    assert due == now[0]
+    place = scheduler._places[canary.key]
+    assert (place.what, place.due, place.canary) == ("due", now[0], canary)
+    due = place.due
     scheduler._on_due(due, canary)
     assert canary.state is CanaryState.HEALTHY
 
