@@ -278,18 +278,24 @@ class Credentials:
     async def keep_fresh(self) -> None:
         """Reloads an exec plugin's token at 80 % of its remaining lifetime (at least 1 s
         on), and the credentials when a TLS file or the kubeconfig changed (a look every
-        minute)."""
+        minute, a long-lived token's renewal or not)."""
         try:
+            renew_at = self._renewal()
             while True:
-                if self.expiry is None:
-                    await asyncio.sleep(self.LOOK)
-                else:
-                    await asyncio.sleep(max(1.0, 0.8 * (self.expiry - time.time())))
-                if self.expiry is not None or self._tls_files() != self._stamp:
+                await asyncio.sleep(min(self.LOOK, max(0.0, renew_at - time.time())))
+                if time.time() >= renew_at or self._tls_files() != self._stamp:
                     await self.reload(self.version)
+                    renew_at = self._renewal()
         except asyncio.CancelledError:
             log.info("credential_refresher_stopped", why="cancelled")
             raise
+
+    def _renewal(self) -> float:
+        """When (time.time()) to renew the token: at 80 % of its remaining lifetime."""
+        if self.expiry is None:
+            return math.inf
+        now = time.time()
+        return now + max(1.0, 0.8 * (self.expiry - now))
 
     def _tls_files(self) -> tuple[object, ...]:
         stamp: list[object] = []

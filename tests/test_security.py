@@ -788,6 +788,63 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
             await client.close()
 
 
+async def test_with_an_exec_plugin_a_rotated_ca_is_read_within_a_look_not_at_the_token_renewal(
+    ca, server_context, tmp_path, monkeypatch
+):
+    """An exec plugin whose token lasts an hour (GKE, EKS helpers): a CA rotated in the
+    kubeconfig is read again at the next look for changed files (every minute), not at
+    the token's renewal at 80 % of its lifetime, 48 minutes on (before: keep_fresh slept
+    until then, and every connection failed TLS verification meanwhile); the plugin is
+    not run at every look."""
+    from canaryd.config import Settings
+    from canaryd.credentials import Credentials
+    from canaryd.kube import connect
+    from tests.test_daemon import exec_kubeconfig, plugin_runs
+
+    reloaded = asyncio.Event()
+    real = k8s_config.load_kube_config
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        loaded = await real(*args, **kwargs)
+        reloaded.set()
+        return loaded
+
+    monkeypatch.setattr(k8s_config, "load_kube_config", noted)
+    monkeypatch.setattr(Credentials, "LOOK", 0.05)  # every minute, here at once
+    kube = FakeKube(token=TOKEN)
+
+    def trust(authority: trustme.CA) -> Path:
+        path = exec_kubeconfig(kube, tmp_path, TOKEN, lifetime=3600)
+        config = yaml.safe_load(path.read_text())
+        data = base64.b64encode(authority.cert_pem.bytes()).decode()
+        config["clusters"][0]["cluster"]["certificate-authority-data"] = data
+        path.with_suffix(".new").write_text(yaml.safe_dump(config))
+        os.replace(path.with_suffix(".new"), path)
+        return path
+
+    async with kube.running(ssl_context=server_context):
+        kube.create_namespace("default")
+        client = await connect(Settings(kubeconfig=str(trust(ca))))
+        refresher = asyncio.create_task(client.credentials.keep_fresh())
+        try:
+            await client.request("get", "GET", "/api/v1/namespaces/default")
+            assert plugin_runs(tmp_path) == 1
+            reloaded.clear()
+            rotated = trustme.CA()
+            rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
+            trust(rotated)
+            try:
+                async with asyncio.timeout(10):
+                    await reloaded.wait()
+            except TimeoutError:
+                raise AssertionError("the changed kubeconfig was not read again") from None
+            await client.request("get", "GET", "/api/v1/namespaces/default")  # trusted
+            assert plugin_runs(tmp_path) == 2  # one run for the change, none per look
+        finally:
+            refresher.cancel()
+            await client.close()
+
+
 async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadline(
     kube, tmp_path, monkeypatch
 ):
