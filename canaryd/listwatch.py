@@ -258,7 +258,13 @@ class ListWatch:
     def _opened(self) -> None:
         self._opened_at = self._loop.time()
         self.problem = None
-        self._tell(Sync.OPENED)
+        try:
+            self._tell(Sync.OPENED)
+        except Exception:  # raised inside the client's request: said here, as run() would
+            metrics.ERRORS.labels("watch").inc()
+            log.exception("watch_failed_unexpectedly", scope=str(self.scope))
+            self.start_over()
+            return
         if self.failures.cause(self.scope) != "ended_at_once":
             # Answered 200: what failed (no connection, an error status) works again. A
             # watch that ended at once with no event recovers only when one arrives.

@@ -942,6 +942,45 @@ async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
             await task
 
 
+async def test_a_bug_in_what_a_list_watch_tells_of_an_opened_stream_is_its_own(kube, kubeconfig):
+    """A bug raised by what the ListWatch tells is its own catch-all's, whatever it told:
+    said with the scope, counted, a new list. Told of a stream opened, it was raised
+    inside the client's request (before: taken for a failed watch request, the API
+    server for away, the stream resumed with no new list)."""
+    from canaryd.kube import connect
+    from canaryd.listwatch import Listed, ListWatch, Scope, Sync
+
+    settings = replace(Settings(timeout=CYCLE), kubeconfig=str(kubeconfig))
+    client = await connect(settings)
+    scope = Scope(KINDS["flinkdeployments"], "default")
+    told: list[object] = []
+    listed_again = asyncio.Event()
+
+    def tell(change: object) -> None:
+        told.append(change)
+        if change is Sync.OPENED and told.count(Sync.OPENED) == 1:
+            raise RuntimeError("a bug in what the watcher does with it")
+        if len([c for c in told if isinstance(c, Listed)]) == 2:
+            listed_again.set()
+
+    bugs, requests = counter(metrics.ERRORS, "watch"), counter(metrics.ERRORS, "watch_request")
+    task = asyncio.create_task(ListWatch(client, settings, scope).run(tell))
+    try:
+        with capture_logs() as records:
+            async with asyncio.timeout(10):
+                await listed_again.wait()
+        said = [r for r in records if r["event"] == "watch_failed_unexpectedly"]
+        assert [r.get("scope") for r in said] == [str(scope)], said
+        assert counter(metrics.ERRORS, "watch") == bugs + 1
+        assert counter(metrics.ERRORS, "watch_request") == requests
+        assert client.answered_since > -math.inf  # the API server answered all along
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
 async def test_a_list_answered_with_no_list_drops_no_canary(kube, kubeconfig):
     """A 200 whose body is no list (a gateway's ``{}``) says nothing is gone: the relist
     fails, transient, and is retried; the canary keeps its record and its verdict
