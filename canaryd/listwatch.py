@@ -216,7 +216,11 @@ class ListWatch:
                     metrics.ERRORS.labels("watch").inc()
                     log.exception("watch_failed_unexpectedly", scope=str(self.scope))
                     self._start_over = True
-                    tell(Sync.DROPPED)
+                    try:
+                        tell(Sync.DROPPED)
+                    except Exception:  # the same bug, met again telling the drop
+                        metrics.ERRORS.labels("watch").inc()
+                        log.exception("watch_failed_unexpectedly", scope=str(self.scope))
                 if self._start_over:
                     self._start_over, rv = False, None
                     await asyncio.sleep(self._backoff.next())
@@ -260,7 +264,7 @@ class ListWatch:
         self.problem = None
         try:
             self._tell(Sync.OPENED)
-        except Exception:  # raised inside the client's request: said here, as run() would
+        except Exception:  # raised inside the client's request: said here, as in run()
             metrics.ERRORS.labels("watch").inc()
             log.exception("watch_failed_unexpectedly", scope=str(self.scope))
             self.start_over()

@@ -981,6 +981,44 @@ async def test_a_bug_in_what_a_list_watch_tells_of_an_opened_stream_is_its_own(k
         await client.close()
 
 
+async def test_a_bug_in_what_a_list_watch_tells_of_a_drop_does_not_end_it(kube, kubeconfig):
+    """A bug met each time a drop is told (the scope's sync model, say) is said and
+    counted each time, and the ListWatch lives on and lists again (before: its catch-all
+    told the drop again, the bug raised there ended its task, and with it every watch of
+    the watcher's task group)."""
+    from canaryd.kube import connect
+    from canaryd.listwatch import Listed, ListWatch, Scope, Sync
+
+    settings = replace(Settings(timeout=CYCLE), kubeconfig=str(kubeconfig))
+    client = await connect(settings)
+    scope = Scope(KINDS["flinkdeployments"], "default")
+    told: list[object] = []
+    listed_again = asyncio.Event()
+
+    def tell(change: object) -> None:
+        told.append(change)
+        if change is Sync.DROPPED:
+            raise RuntimeError("a bug in applying a drop")
+        if len([c for c in told if isinstance(c, Listed)]) == 2:
+            listed_again.set()
+
+    kube.inject(Fault(verb="watch", resource="flinkdeployments", code=500))
+    bugs = counter(metrics.ERRORS, "watch")
+    task = asyncio.create_task(ListWatch(client, settings, scope).run(tell))
+    listed = asyncio.ensure_future(listed_again.wait())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.wait({task, listed}, return_when=asyncio.FIRST_COMPLETED)
+        assert not task.done(), task
+        assert counter(metrics.ERRORS, "watch") >= bugs + 2  # each raise said and counted
+    finally:
+        listed.cancel()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
 async def test_a_list_answered_with_no_list_drops_no_canary(kube, kubeconfig):
     """A 200 whose body is no list (a gateway's ``{}``) says nothing is gone: the relist
     fails, transient, and is retried; the canary keeps its record and its verdict
