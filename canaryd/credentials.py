@@ -282,8 +282,8 @@ class Credentials:
         try:
             renew_at = self._renewal()
             while True:
-                await asyncio.sleep(min(self.LOOK, max(0.0, renew_at - time.time())))
-                if time.time() >= renew_at or self._tls_files() != self._stamp:
+                await asyncio.sleep(min(self.LOOK, max(0.0, renew_at - time.monotonic())))
+                if time.monotonic() >= renew_at or self._tls_files() != self._stamp:
                     await self.reload(self.version)
                     renew_at = self._renewal()
         except asyncio.CancelledError:
@@ -291,11 +291,11 @@ class Credentials:
             raise
 
     def _renewal(self) -> float:
-        """When (time.time()) to renew the token: at 80 % of its remaining lifetime."""
+        """When (time.monotonic(): a step of the wall clock moves nothing) to renew the
+        token: at 80 % of its remaining lifetime."""
         if self.expiry is None:
             return math.inf
-        now = time.time()
-        return now + max(1.0, 0.8 * (self.expiry - now))
+        return time.monotonic() + max(1.0, 0.8 * (self.expiry - time.time()))
 
     def _tls_files(self) -> tuple[object, ...]:
         stamp: list[object] = []
