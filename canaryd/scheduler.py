@@ -264,6 +264,7 @@ class Scheduler:
 
     def take_news(self) -> None:
         """Act on the registry's news, in order (nothing calls the scheduler back)."""
+        resumed: set[ScopeKey] = set()
         for news in self.registry.take_news():
             match news:
                 case Added(canary=canary):
@@ -272,7 +273,9 @@ class Scheduler:
                 case Forgotten(key=key):
                     self._forget(key)
                 case Resumed(scope=scope):
-                    self._scope_resumed(scope)
+                    resumed.add(scope)
+        if resumed:
+            self._scopes_resumed(resumed)
 
     def schedule_first(self, canary: Canary) -> None:
         if self.role.standby_reason is not None:
@@ -520,14 +523,16 @@ class Scheduler:
             case Wait():
                 self._places[canary.key] = Place("waiting", due, canary)
 
-    def _scope_resumed(self, scope: ScopeKey) -> None:
-        """A watch resumed: judge what waited for it once the replayed events are in."""
-        kind, namespace = scope
+    def _scopes_resumed(self, scopes: set[ScopeKey]) -> None:
+        """Watches resumed: judge what waited for them once the replayed events are in
+        (one pass over the canaries for all the scopes resumed at once: a mass reconnect
+        after an API server's restart is not a pass per scope)."""
         at = self._clock() + self.settings.resume_grace
         for canary in self.registry.tracked():  # those deferred (a verdict clears it)
-            if canary.key.kind != kind or namespace not in (None, canary.key.namespace):
+            if canary.deferred_until is None or at >= canary.deferred_until:
                 continue
-            if canary.deferred_until is not None and at < canary.deferred_until:
+            kind, namespace = canary.key.kind, canary.key.namespace
+            if (kind, namespace) in scopes or (kind, None) in scopes:
                 self.push(at, canary)
 
     def _forget(self, key: CanaryKey) -> None:

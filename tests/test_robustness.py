@@ -1033,3 +1033,39 @@ async def test_a_list_answered_with_no_list_drops_no_canary(kube, kubeconfig):
         await run.until(lambda: page.hits == 1, "the relist answered with no list")
         await run.until_bumps(len(run.bumps()) + 2)
         assert run.tracked() is before and before.state is CanaryState.HEALTHY
+
+
+def test_scopes_resumed_together_take_one_pass_over_the_canaries():
+    """Review: after an API server's restart every watch resumes at once, and a pass over
+    the tracked canaries per resumed scope held the loop O(scopes x canaries) (0.8 s at
+    1,000 scopes and 10,000 canaries). Each deferred canary of a resumed scope is judged
+    a resume grace later; one of a scope not resumed keeps its place."""
+    registry = Registry(LABEL)
+    for namespace in ("a", "b", "c"):
+        copy = canary_copy()
+        copy["metadata"] |= {"namespace": namespace, "uid": namespace}
+        registry.observe("flinkdeployments", copy)
+    settings = Settings(timeout=CYCLE)
+    scheduler = Scheduler(settings, registry, kube=UNSENT, clock=lambda: 100.0)  # type: ignore[arg-type]
+    scheduler.take_news()  # each new canary placed
+    keys = {ns: CanaryKey("flinkdeployments", ns, "c") for ns in ("a", "b", "c")}
+    for key in keys.values():
+        canary = registry.get(key)
+        assert canary is not None
+        canary.deferred_until = 100.0 + CYCLE  # its verdict waits for its scope
+    before = scheduler._places[keys["c"]]
+    passes: list[int] = []
+    tracked = registry.tracked
+
+    def counted() -> Any:
+        passes.append(1)
+        return tracked()
+
+    registry.tracked = counted  # type: ignore[method-assign]
+    for namespace in ("a", "b", "elsewhere"):
+        registry.scope_resumed(("flinkdeployments", namespace))
+    scheduler.take_news()
+    assert len(passes) == 1, f"{len(passes)} passes over the canaries for one batch"
+    at = 100.0 + settings.resume_grace
+    assert [scheduler._places[keys[ns]].due for ns in ("a", "b")] == [at, at]
+    assert scheduler._places[keys["c"]] is before
