@@ -233,6 +233,7 @@ class Credentials:
         ones."""
         if status < 300:
             self._backoff.reset()
+        reloaded = False
         if status == 401 and reload:
             reloaded = await self.reload(version, deadline)
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
@@ -241,7 +242,8 @@ class Credentials:
                 return " (reloading the credentials took the call's time: not sent again)"
             if reloaded and deadline is not None:
                 return None
-        return " (also after reloading the credentials)" if status == 401 and version else ""
+        refused_again = status == 401 and version and not reloaded  # none newer to try
+        return " (also after reloading the credentials)" if refused_again else ""
 
     async def reload(self, version: int, deadline: float | None = None) -> bool:
         """Whether credentials newer than ``version`` (the refused request's) are there: a

@@ -701,6 +701,29 @@ async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(
         await client.close()
 
 
+async def test_a_401_says_also_after_reloading_only_when_no_newer_credentials_came(
+    kube, tmp_path, monkeypatch
+):
+    """Review: every 401 on credentials that came from a reload (an exec plugin's
+    renewal) said "also after reloading the credentials", even when the reload it made
+    then loaded new ones (a watch is tried again with them). The note is for credentials
+    refused with none newer to try."""
+    from tests.harness import counting_client
+
+    client, reloads = await counting_client(kube, tmp_path, monkeypatch)
+    credentials = client.credentials
+    try:
+        assert await credentials.reload(0)  # version 1, as a renewal leaves it
+        credentials._not_before = 0.0  # its backoff step is over
+        assert await credentials.answered(401, 1) == ""  # reloaded: version 2 to try
+        assert len(reloads) == 2
+        # Within the step that reload started: no newer credentials, refused again.
+        assert await credentials.answered(401, 2) == " (also after reloading the credentials)"
+        assert len(reloads) == 2
+    finally:
+        await client.close()
+
+
 async def test_in_a_pod_a_401_reads_the_projected_token_again(
     ca, server_context, tmp_path, monkeypatch
 ):
