@@ -942,13 +942,15 @@ async def test_a_stream_replaced_while_a_404_is_confirmed_is_left_alone():
             await task
 
 
-async def test_a_bug_in_what_a_list_watch_tells_of_an_opened_stream_is_its_own(kube, kubeconfig):
-    """A bug raised by what the ListWatch tells is its own catch-all's, whatever it told:
-    said with the scope, counted, a new list. Told of a stream opened, it was raised
-    inside the client's request (before: taken for a failed watch request, the API
-    server for away, the stream resumed with no new list)."""
+@contextlib.asynccontextmanager
+async def _list_watch(
+    kubeconfig: Path, raise_on: Callable[[object, list[object]], bool]
+) -> AsyncIterator[tuple[KubeClient, asyncio.Task[None], asyncio.Event, str]]:
+    """A ListWatch of flinkdeployments in default running, telling a list of changes
+    that raises where ``raise_on(change, told)`` says (a bug in what it tells): its
+    client, its task, an event set when it listed a second time, and its scope's name."""
     from canaryd.kube import connect
-    from canaryd.listwatch import Listed, ListWatch, Scope, Sync
+    from canaryd.listwatch import Listed, ListWatch, Scope
 
     settings = replace(Settings(timeout=CYCLE), kubeconfig=str(kubeconfig))
     client = await connect(settings)
@@ -958,27 +960,41 @@ async def test_a_bug_in_what_a_list_watch_tells_of_an_opened_stream_is_its_own(k
 
     def tell(change: object) -> None:
         told.append(change)
-        if change is Sync.OPENED and told.count(Sync.OPENED) == 1:
+        if raise_on(change, told):
             raise RuntimeError("a bug in what the watcher does with it")
         if len([c for c in told if isinstance(c, Listed)]) == 2:
             listed_again.set()
 
-    bugs, requests = counter(metrics.ERRORS, "watch"), counter(metrics.ERRORS, "watch_request")
     task = asyncio.create_task(ListWatch(client, settings, scope).run(tell))
     try:
-        with capture_logs() as records:
-            async with asyncio.timeout(10):
-                await listed_again.wait()
-        said = [r for r in records if r["event"] == "watch_failed_unexpectedly"]
-        assert [r.get("scope") for r in said] == [str(scope)], said
-        assert counter(metrics.ERRORS, "watch") == bugs + 1
-        assert counter(metrics.ERRORS, "watch_request") == requests
-        assert client.answered_since > -math.inf  # the API server answered all along
+        yield client, task, listed_again, str(scope)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await client.close()
+
+
+async def test_a_bug_in_what_a_list_watch_tells_of_an_opened_stream_is_its_own(kube, kubeconfig):
+    """A bug raised by what the ListWatch tells is its own catch-all's, whatever it told:
+    said with the scope, counted, a new list. Told of a stream opened, it was raised
+    inside the client's request (before: taken for a failed watch request, the API
+    server for away, the stream resumed with no new list)."""
+    from canaryd.listwatch import Sync
+
+    def first_opened(change: object, told: list[object]) -> bool:
+        return change is Sync.OPENED and told.count(Sync.OPENED) == 1
+
+    bugs, requests = counter(metrics.ERRORS, "watch"), counter(metrics.ERRORS, "watch_request")
+    async with _list_watch(kubeconfig, first_opened) as (client, _, listed_again, scope):
+        with capture_logs() as records:
+            async with asyncio.timeout(10):
+                await listed_again.wait()
+        said = [r for r in records if r["event"] == "watch_failed_unexpectedly"]
+        assert [r.get("scope") for r in said] == [scope], said
+        assert counter(metrics.ERRORS, "watch") == bugs + 1
+        assert counter(metrics.ERRORS, "watch_request") == requests
+        assert client.answered_since > -math.inf  # the API server answered all along
 
 
 async def test_a_bug_in_what_a_list_watch_tells_of_a_drop_does_not_end_it(kube, kubeconfig):
@@ -986,37 +1002,23 @@ async def test_a_bug_in_what_a_list_watch_tells_of_a_drop_does_not_end_it(kube, 
     counted each time, and the ListWatch lives on and lists again (before: its catch-all
     told the drop again, the bug raised there ended its task, and with it every watch of
     the watcher's task group)."""
-    from canaryd.kube import connect
-    from canaryd.listwatch import Listed, ListWatch, Scope, Sync
-
-    settings = replace(Settings(timeout=CYCLE), kubeconfig=str(kubeconfig))
-    client = await connect(settings)
-    scope = Scope(KINDS["flinkdeployments"], "default")
-    told: list[object] = []
-    listed_again = asyncio.Event()
-
-    def tell(change: object) -> None:
-        told.append(change)
-        if change is Sync.DROPPED:
-            raise RuntimeError("a bug in applying a drop")
-        if len([c for c in told if isinstance(c, Listed)]) == 2:
-            listed_again.set()
+    from canaryd.listwatch import Sync
 
     kube.inject(Fault(verb="watch", resource="flinkdeployments", code=500))
     bugs = counter(metrics.ERRORS, "watch")
-    task = asyncio.create_task(ListWatch(client, settings, scope).run(tell))
-    listed = asyncio.ensure_future(listed_again.wait())
-    try:
-        async with asyncio.timeout(10):
-            await asyncio.wait({task, listed}, return_when=asyncio.FIRST_COMPLETED)
-        assert not task.done(), task
-        assert counter(metrics.ERRORS, "watch") >= bugs + 2  # each raise said and counted
-    finally:
-        listed.cancel()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
+
+    def dropped(change: object, told: list[object]) -> bool:
+        return change is Sync.DROPPED
+
+    async with _list_watch(kubeconfig, dropped) as (_, task, listed_again, _):
+        listed = asyncio.ensure_future(listed_again.wait())
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.wait({task, listed}, return_when=asyncio.FIRST_COMPLETED)
+            assert not task.done(), task
+            assert counter(metrics.ERRORS, "watch") >= bugs + 2  # each raise said and counted
+        finally:
+            listed.cancel()
 
 
 async def test_a_list_answered_with_no_list_drops_no_canary(kube, kubeconfig):

@@ -10,6 +10,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -677,6 +678,37 @@ async def test_a_lasting_401_runs_no_credential_reload_per_refused_request(
         assert 1 <= len(reloads) - start <= 3 + refused_for, (len(reloads) - start, fault.hits)
 
 
+def noting_reloads(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """An event set each time a kubeconfig is loaded (cleared by the test to wait for
+    the next)."""
+    reloaded = asyncio.Event()
+    real = k8s_config.load_kube_config
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        loaded = await real(*args, **kwargs)
+        reloaded.set()
+        return loaded
+
+    monkeypatch.setattr(k8s_config, "load_kube_config", noted)
+    return reloaded
+
+
+async def rotate_ca(
+    server_context: ssl.SSLContext, trust: Callable[[trustme.CA], object], reloaded: asyncio.Event
+) -> None:
+    """The API server's CA rotated, and ``trust`` puts the new one in the kubeconfig;
+    returns once the changed kubeconfig was read again (``reloaded``, noting_reloads)."""
+    rotated = trustme.CA()
+    rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
+    reloaded.clear()
+    trust(rotated)
+    try:
+        async with asyncio.timeout(10):
+            await reloaded.wait()
+    except TimeoutError:
+        raise AssertionError("the changed kubeconfig was not read again") from None
+
+
 async def test_requests_refused_at_once_advance_the_reload_backoff_one_step(
     kube, tmp_path, monkeypatch
 ):
@@ -767,15 +799,7 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
     from canaryd.kube import connect
 
     handshakes = Handshakes(server_context)
-    reloaded = asyncio.Event()
-    real = k8s_config.load_kube_config
-
-    async def noted(*args: Any, **kwargs: Any) -> Any:
-        loaded = await real(*args, **kwargs)
-        reloaded.set()
-        return loaded
-
-    monkeypatch.setattr(k8s_config, "load_kube_config", noted)
+    reloaded = noting_reloads(monkeypatch)
     # The look for rotated files: every minute, here at once.
     monkeypatch.setattr(Credentials, "LOOK", 0.01)
     kube = FakeKube(token=TOKEN)
@@ -795,14 +819,7 @@ async def test_a_ca_embedded_in_the_kubeconfig_is_read_again_when_the_file_chang
         refresher = asyncio.create_task(client.credentials.keep_fresh())
         try:
             await client.request("get", "GET", "/api/v1/namespaces/default")
-            rotated = trustme.CA()
-            rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
-            trust(rotated)
-            try:
-                async with asyncio.timeout(10):
-                    await reloaded.wait()
-            except TimeoutError:
-                raise AssertionError("the changed kubeconfig was not read again") from None
+            await rotate_ca(server_context, trust, reloaded)
             seen = handshakes.count
             await client.request("get", "GET", "/api/v1/namespaces/default")
             assert handshakes.count > seen  # a new connection, which trusts the new CA
@@ -824,15 +841,7 @@ async def test_with_an_exec_plugin_a_rotated_ca_is_read_within_a_look_not_at_the
     from canaryd.kube import connect
     from tests.test_daemon import exec_kubeconfig, plugin_runs
 
-    reloaded = asyncio.Event()
-    real = k8s_config.load_kube_config
-
-    async def noted(*args: Any, **kwargs: Any) -> Any:
-        loaded = await real(*args, **kwargs)
-        reloaded.set()
-        return loaded
-
-    monkeypatch.setattr(k8s_config, "load_kube_config", noted)
+    reloaded = noting_reloads(monkeypatch)
     monkeypatch.setattr(Credentials, "LOOK", 0.05)  # every minute, here at once
     kube = FakeKube(token=TOKEN)
 
@@ -852,15 +861,7 @@ async def test_with_an_exec_plugin_a_rotated_ca_is_read_within_a_look_not_at_the
         try:
             await client.request("get", "GET", "/api/v1/namespaces/default")
             assert plugin_runs(tmp_path) == 1
-            reloaded.clear()
-            rotated = trustme.CA()
-            rotated.issue_cert("127.0.0.1", "localhost").configure_cert(server_context)
-            trust(rotated)
-            try:
-                async with asyncio.timeout(10):
-                    await reloaded.wait()
-            except TimeoutError:
-                raise AssertionError("the changed kubeconfig was not read again") from None
+            await rotate_ca(server_context, trust, reloaded)
             await client.request("get", "GET", "/api/v1/namespaces/default")  # trusted
             assert plugin_runs(tmp_path) == 2  # one run for the change, none per look
         finally:
