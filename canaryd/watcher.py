@@ -33,7 +33,7 @@ from canaryd.listwatch import (
     Sync,
     watch_failures,
 )
-from canaryd.registry import CanaryKey, Registry, is_canary
+from canaryd.registry import CanaryKey, Registry, being_deleted, is_canary
 from canaryd.sync import ScopeSync
 
 log = structlog.get_logger("canaryd.watcher")
@@ -96,9 +96,8 @@ async def _tell_drop(
 
 
 def _terminating(obj: Mapping[str, Any]) -> bool:
-    metadata = obj.get("metadata") or {}
-    status = obj.get("status") or {}
-    return bool(metadata.get("deletionTimestamp")) or (
+    status = obj.get("status")
+    return being_deleted(obj) or (
         isinstance(status, Mapping) and status.get("phase") == "Terminating"
     )
 
@@ -399,7 +398,7 @@ class Watcher:
         label = self.settings.label
         if not is_canary(obj, label):
             self.registry.forget(key, "not_canary", f"label {label} was removed")
-        elif metadata.get("deletionTimestamp") or self._group is None:
+        elif being_deleted(obj) or self._group is None:
             self.registry.forget(key, "deleted", "the object was deleted")
         else:
             # A label-selector watch sends DELETED with the previous copy when the
