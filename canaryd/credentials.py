@@ -146,6 +146,19 @@ class _ExecProvider(ExecProvider):
 kube_config.ExecProvider = _ExecProvider  # type: ignore[attr-defined]
 
 
+def _check_server(found: Source, configuration: k8s_client.Configuration) -> None:
+    """A ConfigError unless the cluster server is an http(s) URL with a host."""
+    host = str(configuration.host or "")
+    try:
+        parts = urlsplit(host)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        problem = "not an http(s) URL with a host (and a port other than 0)"
+    except ValueError as err:  # a port out of range, a malformed IPv6 address
+        usable, problem = False, f"not a usable URL ({err})"
+    if not usable:
+        raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
+
+
 class Credentials:
     """The headers and TLS context requests carry (aiohttp pools connections by context:
     a new one means new connections), reloaded as docs/DEVELOPMENT.md tells."""
@@ -201,15 +214,7 @@ class Credentials:
             raise CredentialsError(
                 f"cannot load Kubernetes credentials ({found.where}): {detail}"
             ) from err
-        host = str(configuration.host or "")
-        try:
-            parts = urlsplit(host)
-            usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-            problem = "not an http(s) URL with a host (and a port other than 0)"
-        except ValueError as err:  # a port out of range, a malformed IPv6 address
-            usable, problem = False, f"not a usable URL ({err})"
-        if not usable:
-            raise ConfigError(f"kubeconfig {found.where}: cluster server {host!r} is {problem}")
+        _check_server(found, configuration)
         self._source = found
         self._use(configuration, expiry)
 
@@ -263,6 +268,7 @@ class Credentials:
         delay = self._backoff.next()
         try:
             configuration, expiry = await _load(found)
+            _check_server(found, configuration)  # an edit that broke it: the old ones kept
         # Cancelled: at the deadline, or at shutdown (then cancelled on).
         except (Exception, asyncio.CancelledError) as err:
             metrics.ERRORS.labels("credentials").inc()

@@ -896,3 +896,25 @@ async def test_a_retry_after_a_slow_credential_reload_is_not_sent_past_the_deadl
         assert len(kube.requests_for("get")) == 1, "the retry was sent past the deadline"
     finally:
         await client.close()
+
+
+async def test_a_reload_of_a_kubeconfig_edited_to_a_bad_server_keeps_the_credentials(
+    kube, tmp_path
+):
+    """The cluster server is checked at every load, not only the first: a kubeconfig
+    edited to an unusable server is a failed reload, the credentials in use kept (before:
+    taken, and every request failed as a connection error until the file was mended)."""
+    from canaryd.config import Settings
+    from canaryd.kube import connect
+
+    path = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    client = await connect(Settings(kubeconfig=str(path)))
+    try:
+        host = client.host
+        config = yaml.safe_load(path.read_text())
+        config["clusters"][0]["cluster"]["server"] = "ftp://example.invalid"
+        path.write_text(yaml.safe_dump(config))
+        assert not await client.credentials.reload(client.credentials.version)
+        assert client.host == host
+    finally:
+        await client.close()
