@@ -303,8 +303,11 @@ class Watcher:
         at least once a cycle (patch_forbidden is learned from the registry)."""
         suspects = self.registry.scopes.suspects
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can return, not raise, when
+            # the event is set in the turn the task is cancelled (a shutdown then hangs).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(suspects.wait(), self.settings.timeout)
+                async with asyncio.timeout(self.settings.timeout):
+                    await suspects.wait()
             suspects.clear()
             for watch in self._watches.values():
                 if watch.sync.suspected is not None:
