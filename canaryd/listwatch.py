@@ -253,10 +253,10 @@ class ListWatch:
             self._tell(Sync.DROPPED)
             return await self._failed(await self._confirmed(err), "list", None)
         metrics.RELISTS.labels(self.scope.resource).inc()
+        self._tell(Listed(items, kind))  # first: a list that cannot be applied is no recovery
         self.problem = None
         self.failures.recovered(self.scope)
         self._backoff.reset()
-        self._tell(Listed(items, kind))
         return rv
 
     def _opened(self) -> None:
@@ -411,8 +411,10 @@ class ListWatch:
             self.failures.failed(
                 self.scope, f"{during}_{err.kind.value}", f"{err} (retry in {retry:g}s)"
             )
-            self._tell(Refused(err))
-            await asyncio.sleep(retry)
+            try:
+                self._tell(Refused(err))
+            finally:  # a bug applying the refusal lists no sooner than the refusal's pace
+                await asyncio.sleep(retry)
             return None
         why = "idle" if err.reason == "Idle" else "error"
         metrics.WATCH_RESTARTS.labels(self.scope.resource, why).inc()
