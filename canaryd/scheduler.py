@@ -449,8 +449,10 @@ class Scheduler:
         """The canary's next bump, a task of its own: in flight until it is due again."""
         if self._group is None or self.flying(canary):
             return
-        self._places[canary.key] = Place("flying", due, canary)
+        # Placed once its task exists (it runs at the next await): a create_task that
+        # raises (the group shutting down) leaves no place that looks in flight for ever.
         self._group.create_task(self._bump(due, canary), name=f"bump {canary.key}")
+        self._places[canary.key] = Place("flying", due, canary)
 
     def flying(self, canary: Canary) -> bool:
         place = self._places.get(canary.key)
